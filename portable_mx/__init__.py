@@ -1,0 +1,24 @@
+"""portable_mx: MXFP4 quantize, decompose and matmul on any device.
+
+Public API: :func:`quantize`, :func:`dequantize`, :func:`decompose`, :func:`matmul`,
+:func:`backends`, :class:`QuantRecipe`, :class:`MXTensor`, :class:`Decomposition`.
+"""
+
+from . import backends as _backends  # noqa: F401  (registers the shipped backends)
+from .decompose import Decomposition
+from .ops import backends, decompose, dequantize, matmul, quantize
+from .recipe import QuantRecipe
+from .tensor import MXTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Decomposition",
+    "MXTensor",
+    "QuantRecipe",
+    "backends",
+    "decompose",
+    "dequantize",
+    "matmul",
+    "quantize",
+]

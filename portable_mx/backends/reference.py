@@ -1,0 +1,193 @@
+"""The reference backend: pure PyTorch, any device, vectorised. The oracle every other
+backend is tested against (numerics.md sections 2-4).
+
+Order of operations in one quantize (rows layout, x: [R, K] -> padded [R, Kp]):
+1. zero-pad K to a multiple of 32; a block holding NaN or Inf is *special*: scale 0xFF,
+   codes 0, and its values count as 0 for the macro amax;
+2. outlier fallback (k = 1 or 2): per block the k largest |x| (first index on ties, NaN
+   counted largest) are stored in bf16 with their index and zeroed;
+3. macro-block scaling: m from the amax of what remains over each macro block, and the
+   block divided by m (IEEE fp32 division);
+4. per 32-block E from the scale rule, y = value * 2**-E (exact), E2M1 rounding of y
+   (nearest-even or stochastic with the Philox stream at counter row * Kp + k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import format as fmt
+from ..decompose import Decomposition, decompose_blocks
+from ..recipe import QuantRecipe
+from ..registry import Backend
+from ..tensor import MXTensor
+
+B = fmt.BLOCK_SIZE
+
+
+def padded_k(k: int) -> int:
+    return -(-k // B) * B
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Everything one quantize computes, blocked as [R, n_blocks, 32] where it says so."""
+
+    codes: torch.Tensor  # uint8 [R, nb, 32]
+    scales: torch.Tensor  # uint8 [R, nb]
+    macro_scales: Optional[torch.Tensor]  # fp32 [R, n_macro]
+    outlier_values: Optional[torch.Tensor]  # bf16 [R, nb, k]
+    outlier_indices: Optional[torch.Tensor]  # uint8 [R, nb, k]
+    x: torch.Tensor  # fp32 [R, nb, 32], the padded input
+    rest: torch.Tensor  # fp32 [R, nb, 32], outliers and special blocks zeroed (x units)
+    y: torch.Tensor  # fp32 [R, nb, 32], the scaled values that were rounded
+
+
+def _outliers(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [R, nb, k] of the k largest |x| per block, from ``magnitude`` = |x|: first
+    index wins ties, NaN counts as largest (torch.argmax returns the first maximal index)."""
+    key = magnitude.nan_to_num(nan=float("inf"))
+    idx = []
+    for _ in range(k):
+        i = key.argmax(dim=-1, keepdim=True)
+        idx.append(i)
+        key = key.scatter(-1, i, -1.0)
+    return torch.cat(idx, dim=-1)
+
+
+def _expand_macro(m: torch.Tensor, macro_block: int, nb: int) -> torch.Tensor:
+    """Per-macro-block factors [R, n_macro] -> per-32-block factors [R, nb]."""
+    return m.repeat_interleave(macro_block // B, dim=-1)[..., :nb]
+
+
+def encode(x: torch.Tensor, recipe: QuantRecipe) -> Encoded:
+    """Quantize float x [R, K] with ``recipe`` (see the module doc for the steps)."""
+    r, k = x.shape
+    kp = padded_k(k)
+    nb = kp // B
+    xf = x.to(torch.float32)
+    if kp != k:
+        xf = torch.nn.functional.pad(xf, (0, kp - k))
+    xb = xf.view(r, nb, B)
+    mag = xb.abs()
+    amax = mag.amax(dim=-1)  # torch's amax propagates NaN
+    special = ~torch.isfinite(amax)
+    rest = xb
+    if special.any() and (recipe.outliers_per_block or recipe.macro_block is not None):
+        rest = torch.where(special.unsqueeze(-1), 0.0, xb)
+
+    outlier_values = outlier_indices = None
+    if recipe.outliers_per_block:
+        idx = _outliers(mag, recipe.outliers_per_block)
+        outlier_values = xb.gather(-1, idx).to(torch.bfloat16)
+        outlier_indices = idx.to(torch.uint8)
+        rest = rest.scatter(-1, idx, 0.0)
+        mag = rest.abs()
+        amax = mag.amax(dim=-1)
+
+    macro_scales = None
+    scaled = rest
+    if recipe.macro_block is not None:
+        mb = recipe.macro_block
+        n_macro = -(-kp // mb)
+        per_block = torch.nn.functional.pad(torch.where(special, 0.0, amax), (0, n_macro * mb // B - nb))
+        macro_scales = fmt.macro_factor(per_block.view(r, n_macro, mb // B).amax(dim=-1))
+        scaled = rest / _expand_macro(macro_scales, mb, nb).unsqueeze(-1)
+        mag = scaled.abs()
+        amax = mag.amax(dim=-1)
+
+    exponent = fmt.scale_exponent(torch.where(special, 0.0, amax), recipe.scale_rule)
+    exponent = exponent.clamp(min=fmt.E8M0_MIN_EXP)
+    scales = torch.where(special, fmt.E8M0_NAN, fmt.e8m0_encode(exponent))
+    # y = value * 2**-E, exact. A special block is multiplied by 0: its finite values become
+    # 0 and its NaN/Inf become NaN, both of which round to code 0 with no sign.
+    mult = fmt.exp2i((-exponent).clamp(max=fmt.E8M0_MAX_EXP)) * (~special)
+    y = scaled * mult.unsqueeze(-1)
+    a = mag * mult.unsqueeze(-1)
+    if recipe.rounding == "stochastic":
+        counter = torch.arange(r * kp, dtype=torch.int64, device=x.device).view(r, nb, B)
+        codes = fmt.e2m1_round_stochastic(a, fmt.uniform_u24(recipe.seed, counter))
+    else:
+        codes = fmt.e2m1_round_nearest(a)
+    codes |= (y < 0).to(torch.uint8) << 3
+    return Encoded(codes, scales, macro_scales, outlier_values, outlier_indices, xb, rest, y)
+
+
+def decode_rows(mx: MXTensor) -> torch.Tensor:
+    """MXTensor (R, K) axis 1 -> fp32 [R, Kp]; exact (every product is representable)."""
+    r = mx.qdata.shape[0]
+    nb = mx.scales.shape[-1]
+    codes = fmt.unpack_nibbles(mx.qdata).view(r, nb, B)
+    scale = fmt.e8m0_decode(mx.scales)
+    if mx.macro_scales is not None:
+        scale = scale * _expand_macro(mx.macro_scales, mx.recipe.macro_block, nb)
+    q = fmt.e2m1_decode(codes) * scale.unsqueeze(-1)
+    if mx.outlier_values is not None:
+        q = q.scatter(-1, mx.outlier_indices.long(), mx.outlier_values.to(torch.float32))
+    q = torch.where((mx.scales == fmt.E8M0_NAN).unsqueeze(-1), float("nan"), q)
+    return q.view(r, nb * B)
+
+
+def to_mxtensor(enc: Encoded, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
+    """Pack an :class:`Encoded` of x [R, K] into an MXTensor of shape (R, K), axis 1."""
+    return MXTensor(
+        qdata=fmt.pack_nibbles(enc.codes.view(x.shape[0], -1)),
+        scales=enc.scales,
+        shape=torch.Size(x.shape),
+        dtype=x.dtype,
+        axis=1,
+        recipe=recipe,
+        macro_scales=enc.macro_scales,
+        outlier_values=enc.outlier_values,
+        outlier_indices=enc.outlier_indices,
+    )
+
+
+class _HighestPrecision:
+    """Context: fp32 matmuls in full fp32 (no TF32) while inside."""
+
+    def __enter__(self) -> None:
+        self._prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+
+    def __exit__(self, *exc) -> None:
+        torch.set_float32_matmul_precision(self._prev)
+
+
+class ReferenceBackend(Backend):
+    """Every op on every device, in plain torch: the oracle."""
+
+    name = "reference"
+    priority = 0
+    ops = frozenset({"quantize", "dequantize", "decompose", "matmul"})
+
+    def quantize(self, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
+        return to_mxtensor(encode(x, recipe), x, recipe)
+
+    def dequantize(self, mx: MXTensor) -> torch.Tensor:
+        return decode_rows(mx)
+
+    def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
+        enc = encode(x, recipe)
+        mx = to_mxtensor(enc, x, recipe)
+        q = decode_rows(mx).view_as(enc.x)
+        outlier_mask = None
+        if enc.outlier_indices is not None:
+            outlier_mask = torch.zeros_like(enc.x, dtype=torch.bool).scatter(-1, enc.outlier_indices.long(), True)
+        return decompose_blocks(
+            enc.x,
+            q,
+            definition=definition,
+            recipe=recipe,
+            clip_count=(enc.y.abs() > fmt.E2M1_MAX).sum(-1),
+            rest_amax=enc.rest.abs().amax(-1),
+            outlier_mask=outlier_mask,
+            full=full,
+        )
+
+    def matmul(self, a: MXTensor, b: MXTensor) -> torch.Tensor:
+        with _HighestPrecision():
+            return decode_rows(a) @ decode_rows(b).T

@@ -1,0 +1,77 @@
+"""The ``portable-mx`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except Exception as err:  # triton missing or broken: say so, do not fail `info`
+        return f"not importable ({type(err).__name__}: {err})"
+    return triton.__version__
+
+
+def _device_line(device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"{device}: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    props = torch.cuda.get_device_properties(device)
+    arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+    return f"{device}: {props.name} ({arch}, {props.total_memory / 2**30:.0f} GiB)"
+
+
+def info(as_json: bool = False) -> dict:
+    """Versions, devices and the (device, op) -> backend table."""
+    from . import __version__, registry
+    from .ops import backends, local_devices
+
+    devices = local_devices()
+    report = {
+        "portable_mx": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "devices": [_device_line(d) for d in devices],
+        "backends": backends(),
+        "routes": [r.__dict__ for r in registry.routes(devices)],
+    }
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return report
+    print(f"portable_mx {report['portable_mx']}  python {report['python']}  "
+          f"torch {report['torch']}  triton {report['triton']}")
+    print("devices:")
+    for line in report["devices"]:
+        print(f"  {line}")
+    print("backends (highest priority first):")
+    for b in report["backends"]:
+        print(f"  {b['name']:<18} priority {b['priority']:<4} ops: {', '.join(b['ops'])}")
+    rows = [("device", "op", "backend", "path", "why")]
+    rows += [(r["device"], r["op"], r["backend"], r["path"], r["why"]) for r in report["routes"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print("routes:")
+    for row in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+    return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="portable-mx", description="Portable MXFP4 kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, devices and which backend serves each op")
+    p_info.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        info(as_json=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

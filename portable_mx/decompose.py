@@ -1,0 +1,212 @@
+"""The exact three-way decomposition of MXFP4 quantization error (numerics.md section 3).
+
+For each 32-block, with x the input, Q the dequantized value actually produced (Q is the
+corrected quantizer's output under MBS/OF: outliers are survivors holding their bf16
+value) and e = Q - x:
+
+- "gain" (default): beta = sum_S Q x / sum_S x^2 over the survivors S (not deadzoned);
+  e_dead = -x on the deadzone D = {Q = 0, x != 0}; e_scale = (beta - 1) x on S;
+  e_grid = Q - beta x on S. Exact (e = e_scale + e_dead + e_grid to fp32 rounding) and
+  orthogonal (the three energies add up to ||e||^2).
+- "counterfactual": Q* = s* g(x / s*) with the ideal real scale s* = amax/6 of the values
+  that were quantized; e_scale = Q - Q*; e_dead = -x where Q* = 0 and x != 0; e_grid =
+  Q* - x elsewhere. Exact, not orthogonal. At outlier positions Q* = Q.
+
+The math is written once here, on blocked fp32 tensors ``[..., n_blocks, 32]``; backends
+call it (or reproduce it in a kernel and are tested against it). Per-block statistics are
+fp32, summed over each block; whole-tensor totals are summed in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+
+from .format import E2M1_VALUES, e2m1_round_nearest
+from .recipe import QuantRecipe
+
+DEFINITIONS = ("gain", "counterfactual")
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """The decomposition of ``Q(x) - x`` for one tensor.
+
+    Tensors shaped like x (fp32; None when computed with ``full=False``):
+    ``dequantized`` (Q), ``scale_bias``, ``deadzone``, ``grid_noise``.
+    Per-block statistics, shaped ``[*lead, n_blocks]`` where ``lead`` is x's shape without
+    the quantized axis: ``beta`` (fp32, the least-squares gain of the survivors, 1 for a
+    block with none), ``dead_count`` and ``clip_count`` (int32; clipped = |x/s| > 6 before
+    rounding), ``energy_scale``, ``energy_dead``, ``energy_grid`` (fp32 sums of squares of
+    each component), ``energy_error`` (||Q - x||^2) and ``energy_signal`` (||x||^2).
+    """
+
+    definition: str
+    recipe: QuantRecipe
+    axis: int
+    beta: torch.Tensor
+    dead_count: torch.Tensor
+    clip_count: torch.Tensor
+    energy_scale: torch.Tensor
+    energy_dead: torch.Tensor
+    energy_grid: torch.Tensor
+    energy_error: torch.Tensor
+    energy_signal: torch.Tensor
+    dequantized: Optional[torch.Tensor] = None
+    scale_bias: Optional[torch.Tensor] = None
+    deadzone: Optional[torch.Tensor] = None
+    grid_noise: Optional[torch.Tensor] = None
+
+    def totals(self) -> dict[str, float]:
+        """Whole-tensor energies (float64 sums over blocks)."""
+        def tot(t: torch.Tensor) -> float:
+            return float(t.double().sum())
+
+        return {
+            "scale": tot(self.energy_scale),
+            "dead": tot(self.energy_dead),
+            "grid": tot(self.energy_grid),
+            "error": tot(self.energy_error),
+            "signal": tot(self.energy_signal),
+        }
+
+    def shares(self) -> dict[str, float]:
+        """Each component's share of the summed component energy (0 for an exact tensor).
+        For "gain" the summed component energy equals the error energy."""
+        t = self.totals()
+        total = t["scale"] + t["dead"] + t["grid"]
+        if total == 0.0:
+            return {"scale": 0.0, "dead": 0.0, "grid": 0.0}
+        return {k: t[k] / total for k in ("scale", "dead", "grid")}
+
+    def relative_mse(self) -> float:
+        """||Q(x) - x||^2 / ||x||^2 over the whole tensor (0 for an all-zero x)."""
+        t = self.totals()
+        return t["error"] / t["signal"] if t["signal"] > 0 else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """Shares, relative MSE, mean beta, deadzone and clip fractions, as plain floats."""
+        n = max(self.dead_count.numel() * 32, 1)
+        out = {f"share_{k}": v for k, v in self.shares().items()}
+        out["relative_mse"] = self.relative_mse()
+        out["mean_beta"] = float(self.beta.double().mean()) if self.beta.numel() else 1.0
+        out["dead_fraction"] = float(self.dead_count.double().sum()) / n
+        out["clip_fraction"] = float(self.clip_count.double().sum()) / n
+        return out
+
+    def map_tensors(self, block_fn, element_fn) -> "Decomposition":
+        """A copy with ``block_fn`` applied to every per-block tensor and ``element_fn`` to
+        every element tensor (used to move from the rows layout to x's layout)."""
+        changes = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, torch.Tensor):
+                continue
+            is_element = f.name in ("dequantized", "scale_bias", "deadzone", "grid_noise")
+            changes[f.name] = element_fn(v) if is_element else block_fn(v)
+        return replace(self, **changes)
+
+
+def _sumsq(t: torch.Tensor) -> torch.Tensor:
+    return (t * t).sum(-1)
+
+
+def gain_components(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Definition G on blocked fp32 ``x``, ``q`` ``[..., 32]``.
+
+    Returns (beta [...], dead mask, e_scale, e_dead, e_grid) with the masks and components
+    shaped like x.
+    """
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    dead = (q == 0) & (x != 0)
+    surv = ~dead
+    num = torch.where(surv, q * x, zero).sum(-1)
+    den = torch.where(surv, x * x, zero).sum(-1)
+    beta = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), torch.ones_like(den))
+    b = beta.unsqueeze(-1)
+    e_dead = torch.where(dead, -x, zero)
+    e_scale = torch.where(surv, (b - 1) * x, zero)
+    e_grid = torch.where(surv, q - b * x, zero)
+    return beta, dead, e_scale, e_dead, e_grid
+
+
+def ideal_quantize(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Q* = s* g(x / s*) with the real scale s* = amax / 6 per block (round to nearest,
+    ties to even); blocked fp32 ``x`` ``[..., 32]``, ``amax`` ``[...]``; Q* = 0 when amax = 0."""
+    s = (amax / 6.0).unsqueeze(-1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    y = x / safe
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    g = grid[e2m1_round_nearest(y.abs()).long()]
+    g = torch.where(y < 0, -g, g)
+    return torch.where(s > 0, s * g, torch.zeros_like(x))
+
+
+def counterfactual_components(
+    x: torch.Tensor, q: torch.Tensor, rest_amax: torch.Tensor, outlier_mask: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """Definition C on blocked fp32 ``x``, ``q`` ``[..., 32]``; ``rest_amax`` ``[...]`` is
+    the amax of the values that went through the MXFP4 grid (outliers excluded).
+
+    Returns (dead mask, e_scale, e_dead, e_grid).
+    """
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    q_star = ideal_quantize(x, rest_amax)
+    if outlier_mask is not None:
+        q_star = torch.where(outlier_mask, q, q_star)
+    dead = (q_star == 0) & (x != 0)
+    e_scale = q - q_star
+    e_dead = torch.where(dead, -x, zero)
+    e_grid = torch.where(dead, zero, q_star - x)
+    return dead, e_scale, e_dead, e_grid
+
+
+def decompose_blocks(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    definition: str,
+    recipe: QuantRecipe,
+    clip_count: torch.Tensor,
+    rest_amax: torch.Tensor,
+    outlier_mask: Optional[torch.Tensor],
+    full: bool,
+) -> Decomposition:
+    """Both definitions on blocked fp32 ``x`` and ``q`` ``[R, n_blocks, 32]`` -> a
+    Decomposition in the rows layout (element tensors ``[R, n_blocks * 32]``)."""
+    if definition not in DEFINITIONS:
+        raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
+    beta, dead, e_scale, e_dead, e_grid = gain_components(x, q)
+    if definition == "counterfactual":
+        dead, e_scale, e_dead, e_grid = counterfactual_components(x, q, rest_amax, outlier_mask)
+    err = q - x
+    flat = lambda t: t.flatten(-2)  # noqa: E731
+    return Decomposition(
+        definition=definition,
+        recipe=recipe,
+        axis=1,
+        beta=beta,
+        dead_count=dead.sum(-1, dtype=torch.int32),
+        clip_count=clip_count.to(torch.int32),
+        energy_scale=_sumsq(e_scale),
+        energy_dead=_sumsq(e_dead),
+        energy_grid=_sumsq(e_grid),
+        energy_error=_sumsq(err),
+        energy_signal=_sumsq(x),
+        dequantized=flat(q) if full else None,
+        scale_bias=flat(e_scale) if full else None,
+        deadzone=flat(e_dead) if full else None,
+        grid_noise=flat(e_grid) if full else None,
+    )
+
+
+__all__ = [
+    "DEFINITIONS",
+    "Decomposition",
+    "counterfactual_components",
+    "decompose_blocks",
+    "gain_components",
+    "ideal_quantize",
+]

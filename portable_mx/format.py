@@ -1,0 +1,270 @@
+"""MXFP4 as code: the E2M1 element, the E8M0 scale, the scale rules, rounding, packing.
+
+This module is the executable form of numerics.md sections 1 and 2 and is the only
+place those rules are written. Every function works on whole tensors (no Python loop
+over blocks) and every step is exact in fp32 unless its docstring says otherwise:
+power-of-two multiplies, integer bit manipulation and comparisons only.
+
+Conventions
+- A *code* is a uint8 in 0..15: bit 3 is the sign, bits 0..2 index ``E2M1_VALUES``.
+- A *scale byte* is a uint8 E8M0 value: ``b`` means ``2**(b - 127)``; 0xFF is NaN.
+- The sign of an element's code is ``x < 0``: a negative value that rounds to zero keeps
+  its sign (code 8), while ``-0.0`` (not negative) gives code 0, so an all-zero block has
+  codes 0 whatever the signs of its zeros.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+# ----------------------------------------------------------------------------- constants
+
+BLOCK_SIZE = 32
+"""Elements that share one E8M0 scale (along the reduction axis)."""
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitudes of E2M1 codes 0..7; codes 8..15 are their negatives (8 is -0)."""
+
+E2M1_MAX = 6.0
+E2M1_SIGN_BIT = 0x8
+
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+E8M0_MIN_EXP = -127  # byte 0 decodes to 2**-127 (an fp32 subnormal), never to 0
+E8M0_MAX_EXP = 127  # byte 254
+
+# Round-to-nearest boundaries between consecutive grid magnitudes, and whether a tie
+# goes up (the upper neighbour has the even code) or down.
+# 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0.
+_RNE_BOUNDARIES = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+_F32_EXP_MASK = 0x7F800000
+_F32_MANT_MASK = 0x007FFFFF
+
+
+class ScaleRule(str, Enum):
+    """How a block's shared exponent E is chosen from amax (numerics.md section 2)."""
+
+    FLOOR = "floor"  # floor(log2 amax) - 2; amax/2^E in [4, 8); OCP default
+    RCEIL = "rceil"  # ceil(log2(amax/6));   amax/2^E in (3, 6]
+    EVEN = "even"  # floor(log2(RN1(amax))) - 2; amax/2^E in [3.5, 7)
+    CEIL = "ceil"  # ceil(log2 amax) - 2;   amax/2^E in (2, 4]
+
+
+# ----------------------------------------------------------------------------- fp32 bits
+
+
+def f32_bits(x: torch.Tensor) -> torch.Tensor:
+    """The IEEE bits of an fp32 tensor as int64 in [0, 2**32)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"f32_bits expects float32, got {x.dtype}")
+    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def f32_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`f32_bits` (int64 in [0, 2**32) -> float32)."""
+    b = bits.to(torch.int64) & 0xFFFFFFFF
+    b = torch.where(b >= 2**31, b - 2**32, b)
+    return b.to(torch.int32).view(torch.float32)
+
+
+def exp2i(e: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 ``2**e`` for integer ``e`` in [-149, 127] (subnormals built from bits)."""
+    e = e.to(torch.int64)
+    normal = (e + 127).clamp(min=1) << 23
+    sub = torch.ones_like(e) << (e + 149).clamp(min=0, max=22)
+    return f32_from_bits(torch.where(e >= -126, normal, sub))
+
+
+def _frexp_parts(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For non-negative fp32 ``a``: (biased exponent field, 23-bit mantissa field)."""
+    bits = f32_bits(a)
+    return (bits >> 23) & 0xFF, bits & _F32_MANT_MASK
+
+
+# ----------------------------------------------------------------------------- E8M0
+
+
+def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 bytes -> fp32 ``2**(b-127)``; byte 0 is 2**-127, 0xFF is NaN. Exact."""
+    b = scale.to(torch.int64)
+    v = exp2i(b - E8M0_BIAS)
+    return torch.where(b == E8M0_NAN, torch.full_like(v, float("nan")), v)
+
+
+def e8m0_encode(exponent: torch.Tensor) -> torch.Tensor:
+    """Unbiased integer exponents -> uint8 bytes, clamped below at -127; above 127 -> 0xFF."""
+    e = exponent.to(torch.int64)
+    b = e.clamp(min=E8M0_MIN_EXP) + E8M0_BIAS
+    return torch.where(e > E8M0_MAX_EXP, torch.full_like(b, E8M0_NAN), b).to(torch.uint8)
+
+
+def scale_exponent(amax: torch.Tensor, rule: ScaleRule | str) -> torch.Tensor:
+    """Shared exponent E (int64, not yet clamped) of blocks with max magnitude ``amax``.
+
+    ``amax`` is fp32, finite and >= 0. Computed from the fp32 bits, exactly: no log2, no
+    division. For amax = 0 or an fp32 subnormal every rule gives E <= -128, which
+    :func:`e8m0_encode` clamps to -127 (byte 0).
+    """
+    rule = ScaleRule(rule)
+    exp_field, mant = _frexp_parts(amax)
+    floor_e = exp_field - E8M0_BIAS - 2
+    if rule is ScaleRule.FLOOR:
+        return floor_e
+    if rule is ScaleRule.RCEIL:
+        # smallest E with amax <= 6 * 2^E: amax/2^floor_e in [4, 8) exceeds 6 iff mantissa > 1.5
+        return floor_e + (mant > 0x400000).to(torch.int64)
+    if rule is ScaleRule.CEIL:
+        return floor_e + (mant != 0).to(torch.int64)
+    # EVEN: round amax's mantissa to one bit (ties away), then floor: a carry bumps E.
+    rounded = (f32_bits(amax) + (1 << 21)) & 0xFF800000
+    return ((rounded >> 23) & 0xFF) - E8M0_BIAS - 2
+
+
+# ----------------------------------------------------------------------------- E2M1
+
+
+def e2m1_round_nearest(a: torch.Tensor) -> torch.Tensor:
+    """Magnitude code (uint8 0..7) of fp32 ``a >= 0``: nearest grid value, ties to the even
+    code, saturating at 6. NaN gives 0 (callers handle special blocks separately)."""
+    code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for boundary, tie_up in _RNE_BOUNDARIES:
+        code += (a >= boundary) if tie_up else (a > boundary)
+    return code
+
+
+_SR_LOWER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # a >= t moves the lower neighbour up one code
+
+
+def e2m1_round_stochastic(a: torch.Tensor, rand24: torch.Tensor) -> torch.Tensor:
+    """Stochastic magnitude code of fp32 ``a >= 0``.
+
+    ``rand24`` holds integers uniform in [0, 2**24). With lo <= a < hi the neighbouring grid
+    values, the code rounds up iff ``rand24 < 2**24 * (a - lo) / (hi - lo)``; every step is
+    exact (hi - lo is a power of two and a - lo is exact by Sterbenz). Values on the grid
+    never move; a >= 6 saturates to code 7.
+    """
+    lo_code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for t in _SR_LOWER:
+        lo_code += a >= t
+    grid = torch.tensor(E2M1_VALUES + (E2M1_MAX,), dtype=torch.float32, device=a.device)
+    idx = lo_code.long()
+    lo = grid[idx]
+    hi = grid[idx + 1]
+    step = torch.where(hi > lo, hi - lo, torch.ones_like(lo))
+    threshold = (a - lo) / step * float(2**24)
+    up = (rand24.to(torch.float32) < threshold) & (lo_code < 7)
+    return lo_code + up.to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 -> fp32 values (code 8 decodes to -0.0). Exact."""
+    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    c = codes.long()
+    mag = grid[c & 7]
+    return torch.where((c & E2M1_SIGN_BIT) != 0, -mag, mag)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., 2n] -> packed uint8 [..., n]: element 2j low nibble, 2j+1 high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles needs an even last dim, got {codes.shape[-1]}")
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 [..., n] -> codes [..., 2n] (inverse of :func:`pack_nibbles`)."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------- random
+
+_PHILOX_KEY_A = 0x9E3779B9
+_PHILOX_KEY_B = 0xBB67AE85
+_PHILOX_ROUND_A = 0xD2511F53
+_PHILOX_ROUND_B = 0xCD9E8D57
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: torch.Tensor, const: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of ``a * const`` for int64 ``a`` in [0, 2**32), without
+    overflowing int64 (the constant is split in 16-bit halves)."""
+    c_hi, c_lo = const >> 16, const & 0xFFFF
+    p_hi = a * c_hi  # < 2**48
+    p_lo = a * c_lo  # < 2**48
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _M32
+    return hi & _M32, lo
+
+
+def philox4x32(seed: int, counter: torch.Tensor, rounds: int = 10) -> torch.Tensor:
+    """Philox4x32-``rounds`` (Salmon et al., SC'11), first output word, as int64 in
+    [0, 2**32).
+
+    Key = (seed low 32 bits, seed high 32 bits); counter = (offset low, offset high, 0, 0).
+    This is the stream of ``tl.randint(seed, offset)`` in Triton, so kernels reproduce it.
+    Evaluated in chunks so that the ten rounds run in cache.
+    """
+    flat = counter.reshape(-1).to(torch.int64)
+    out = torch.empty_like(flat)
+    for start in range(0, flat.numel(), _PHILOX_CHUNK):
+        out[start : start + _PHILOX_CHUNK] = _philox_rounds(seed, flat[start : start + _PHILOX_CHUNK], rounds)
+    return out.view(counter.shape)
+
+
+_PHILOX_CHUNK = 1 << 16
+
+
+def _philox_rounds(seed: int, off: torch.Tensor, rounds: int) -> torch.Tensor:
+    c0, c1 = off & _M32, (off >> 32) & _M32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(rounds):
+        hi_b, lo_b = _mulhilo32(c2, _PHILOX_ROUND_B)
+        hi_a, lo_a = _mulhilo32(c0, _PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
+    return c0
+
+
+def uniform_u24(seed: int, counter: torch.Tensor) -> torch.Tensor:
+    """Integers uniform in [0, 2**24): the top 24 bits of :func:`philox4x32`."""
+    return philox4x32(seed, counter) >> 8
+
+
+# ----------------------------------------------------------------------------- macro blocks
+
+
+def macro_factor(amax: torch.Tensor) -> torch.Tensor:
+    """Macro-block factor m (fp32, exactly a bf16 value in [1, 2]) from the macro amax A.
+
+    m = (A/6) / 2**floor(log2(A/6)) rounded UP to bf16, computed exactly in integers:
+    with A = M * 2**e (M in [1, 2)), A/6 = (M/1.5) * 2**(e-2) when M >= 1.5, else
+    (M/0.75) * 2**(e-3); m has 8 significant bits, so m = ceil(ratio * 128) / 128.
+    A = 0 gives m = 1. A must be finite, >= 0; fp32 subnormal A gives m = 1 (its blocks
+    clamp to the smallest scale anyway).
+    """
+    exp_field, mant = _frexp_parts(amax)
+    sig = mant | 0x800000  # M * 2**23, integer in [2**23, 2**24)
+    ge = mant >= 0x400000  # M >= 1.5
+    div = torch.where(ge, torch.full_like(sig, 3 << 15), torch.full_like(sig, 3 << 14))
+    m_int = (sig + div - 1) // div  # ceil, in [128, 256]
+    m = m_int.to(torch.float32) / 128.0
+    return torch.where(exp_field == 0, torch.ones_like(m), m)

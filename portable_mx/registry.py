@@ -1,0 +1,165 @@
+"""The backend registry: who serves which op on which device.
+
+A backend declares a name, a priority, the ops it implements and, per device, whether it
+can serve it (``unavailable_reason``). :func:`select` picks the highest-priority backend
+that implements the op and serves the device. ``PORTABLE_MX_BACKEND=name`` forces that
+backend for every op it implements and raises :class:`BackendUnavailableError` when it
+cannot serve the device; ops it does not implement fall back to normal selection.
+
+Backends work on a canonical 2-D view: rows of a tensor whose quantized axis is last
+(an :class:`~portable_mx.tensor.MXTensor` of shape ``(R, K)`` and axis 1). The public
+ops in :mod:`portable_mx.ops` do the reshaping and all input validation, once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .decompose import Decomposition
+    from .recipe import QuantRecipe
+    from .tensor import MXTensor
+
+OPS = ("quantize", "dequantize", "decompose", "matmul")
+ENV_BACKEND = "PORTABLE_MX_BACKEND"
+
+
+class BackendUnavailableError(RuntimeError):
+    """No registered backend can serve the request (or the forced one cannot)."""
+
+
+class Backend:
+    """Base class of a backend. Subclasses set ``name``, ``priority``, ``ops`` and
+    implement the ops they list, on the canonical 2-D view described in the module doc."""
+
+    name: str = ""
+    priority: int = 0
+    ops: frozenset[str] = frozenset()
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        """None when this backend serves ``device``, else a one-line reason."""
+        return None
+
+    def path(self, device: torch.device, op: str) -> str:
+        """How the op runs on the device: "native", "emulated" or "reference"."""
+        return "reference"
+
+    def quantize(self, x: torch.Tensor, recipe: "QuantRecipe") -> "MXTensor":
+        """x: float [R, K] (fp32, bf16, fp16) -> MXTensor of shape (R, K), axis 1."""
+        raise NotImplementedError
+
+    def dequantize(self, mx: "MXTensor") -> torch.Tensor:
+        """MXTensor of shape (R, K), axis 1 -> fp32 [R, Kp] (padding included)."""
+        raise NotImplementedError
+
+    def decompose(
+        self, x: torch.Tensor, recipe: "QuantRecipe", definition: str, full: bool
+    ) -> "Decomposition":
+        """x: finite float [R, K] -> Decomposition in rows layout ([R, Kp] / [R, Kp/32])."""
+        raise NotImplementedError
+
+    def matmul(self, a: "MXTensor", b: "MXTensor") -> torch.Tensor:
+        """a: (M, K) axis 1, b: (N, K) axis 1 (b transposed) -> fp32 [M, N]."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend, *, replace: bool = False) -> Backend:
+    """Add a backend. Raises ValueError on a duplicate name unless ``replace``."""
+    if not backend.name:
+        raise ValueError("a backend needs a non-empty name")
+    unknown = set(backend.ops) - set(OPS)
+    if unknown:
+        raise ValueError(f"backend {backend.name!r} lists unknown ops {sorted(unknown)}; known: {OPS}")
+    if backend.name in _REGISTRY and not replace:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def registered() -> list[Backend]:
+    """Registered backends, highest priority first (ties by name)."""
+    return sorted(_REGISTRY.values(), key=lambda b: (-b.priority, b.name))
+
+
+def get(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise BackendUnavailableError(
+            f"no backend named {name!r}; registered: {', '.join(b.name for b in registered())}"
+        ) from None
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; ops are {OPS}")
+
+
+def select(op: str, device: torch.device | str) -> Backend:
+    """The backend that serves ``op`` on ``device`` (see the module doc for the rules)."""
+    _check_op(op)
+    device = torch.device(device)
+    forced = os.environ.get(ENV_BACKEND, "").strip()
+    if forced:
+        backend = get(forced)
+        if op in backend.ops:
+            reason = backend.unavailable_reason(device)
+            if reason is not None:
+                raise BackendUnavailableError(
+                    f"{ENV_BACKEND}={forced} cannot serve {op} on {device}: {reason}"
+                )
+            return backend
+    reasons = []
+    for backend in registered():
+        if op not in backend.ops:
+            continue
+        reason = backend.unavailable_reason(device)
+        if reason is None:
+            return backend
+        reasons.append(f"{backend.name}: {reason}")
+    raise BackendUnavailableError(f"no backend serves {op} on {device} ({'; '.join(reasons) or 'none registered'})")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the (device, op) -> backend table."""
+
+    device: str
+    op: str
+    backend: str
+    path: str
+    why: str
+
+
+def routes(devices: list[torch.device]) -> list[Route]:
+    """The (device, op) -> backend table, with the reasons higher-ranked backends lost."""
+    forced = os.environ.get(ENV_BACKEND, "").strip()
+    rows = []
+    for device in devices:
+        for op in OPS:
+            try:
+                chosen = select(op, device)
+            except BackendUnavailableError as err:
+                rows.append(Route(str(device), op, "-", "-", str(err)))
+                continue
+            ranked = [b for b in registered() if op in b.ops]
+            passed = ranked[: ranked.index(chosen)]
+            if forced == chosen.name:
+                why = f"forced by {ENV_BACKEND}"
+            elif passed:
+                why = "; ".join(f"{b.name}: {b.unavailable_reason(device)}" for b in passed)
+            else:
+                why = "highest priority"
+            rows.append(Route(str(device), op, chosen.name, chosen.path(device, op), why))
+    return rows

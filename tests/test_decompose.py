@@ -1,0 +1,174 @@
+"""The exact three-way decomposition: exactness, orthogonality, hand-computed blocks,
+both definitions, corrections, simulation ranges, bad input."""
+
+import pytest
+import torch
+
+import portable_mx as pmx
+
+RECIPES = [
+    pmx.QuantRecipe(),
+    pmx.QuantRecipe(scale_rule="rceil"),
+    pmx.QuantRecipe(scale_rule="even"),
+    pmx.QuantRecipe(scale_rule="ceil"),
+    pmx.QuantRecipe(rounding="stochastic", seed=5),
+    pmx.QuantRecipe(macro_block=64),
+    pmx.QuantRecipe(macro_block=128, outliers_per_block=1),
+    pmx.QuantRecipe(outliers_per_block=2),
+]
+
+
+def data(seed=0, shape=(64, 200)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    x[::3] *= torch.exp(torch.randn(shape[1], generator=g))  # some rows with uneven columns
+    return x
+
+
+def _check_exact(d, x):
+    q = d.dequantized.double()
+    e = q - x.double()
+    parts = d.scale_bias.double() + d.deadzone.double() + d.grid_noise.double()
+    scale = x.double().abs() + q.abs()
+    assert ((parts - e).abs() <= 2.0**-21 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.describe())
+@pytest.mark.parametrize("definition", ["gain", "counterfactual"])
+def test_components_sum_to_the_error(recipe, definition):
+    x = data()
+    d = pmx.decompose(x, recipe, definition=definition)
+    assert d.scale_bias.shape == x.shape and d.dequantized.dtype == torch.float32
+    assert torch.equal(d.dequantized, pmx.dequantize(pmx.quantize(x, recipe)))
+    _check_exact(d, x)
+    assert d.beta.shape == (64, 7) and d.dead_count.dtype == torch.int32
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.describe())
+def test_gain_definition_is_orthogonal_and_energy_additive(recipe):
+    x = data(seed=1)
+    d = pmx.decompose(x, recipe)
+    pad = lambda t: torch.nn.functional.pad(t.double(), (0, 24)).view(64, 7, 32)  # noqa: E731
+    es, ed, eg = pad(d.scale_bias), pad(d.deadzone), pad(d.grid_noise)
+    norm = (es.norm(dim=-1) * eg.norm(dim=-1)).clamp(min=1e-30)
+    assert ((es * eg).sum(-1).abs() / norm < 1e-4).all()
+    assert ((es * ed).sum(-1) == 0).all() and ((eg * ed).sum(-1) == 0).all()  # disjoint supports
+    total = d.energy_scale.double() + d.energy_dead.double() + d.energy_grid.double()
+    assert torch.allclose(total, d.energy_error.double(), rtol=1e-4, atol=1e-30)
+    t = d.totals()
+    assert abs(t["scale"] + t["dead"] + t["grid"] - t["error"]) <= 1e-4 * t["error"]
+
+
+def test_hand_computed_block_gain():
+    # floor rule, amax 4 -> E = 0: Q = [4, 1, 0, -0.5, 0, ...]
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([4.0, 1.25, 0.2, -0.7])
+    d = pmx.decompose(x)
+    xs = [4.0, 1.25, float(torch.tensor(0.2)), float(torch.tensor(-0.7))]
+    qs = [4.0, 1.0, 0.0, -0.5]
+    assert d.dequantized[0, :4].tolist() == qs
+    surv = [0, 1, 3]
+    beta = sum(qs[i] * xs[i] for i in surv) / sum(xs[i] ** 2 for i in surv)
+    assert d.beta.item() == pytest.approx(beta, rel=1e-6)
+    assert d.dead_count.item() == 1 and d.clip_count.item() == 0
+    assert d.deadzone[0, 2].item() == pytest.approx(-xs[2])
+    for i in surv:
+        assert d.scale_bias[0, i].item() == pytest.approx((beta - 1) * xs[i], rel=1e-5)
+        assert d.grid_noise[0, i].item() == pytest.approx(qs[i] - beta * xs[i], rel=1e-5, abs=1e-7)
+    assert d.energy_dead.item() == pytest.approx(xs[2] ** 2, rel=1e-6)
+
+
+def test_hand_computed_block_counterfactual():
+    # s* = 4/6: 0.2/s* = 0.3 rounds to 0.5 (not dead for the ideal scale, dead for the real one)
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([4.0, 1.25, 0.2, 0.1])
+    d = pmx.decompose(x, definition="counterfactual")
+    s = 4.0 / 6.0
+    q_star_02 = s * 0.5
+    assert d.dequantized[0, 2].item() == 0.0
+    assert d.scale_bias[0, 2].item() == pytest.approx(0.0 - q_star_02, rel=1e-6)
+    assert d.grid_noise[0, 2].item() == pytest.approx(q_star_02 - 0.2, rel=1e-5)
+    assert d.deadzone[0, 2].item() == 0.0
+    assert d.deadzone[0, 3].item() == pytest.approx(-0.1)  # 0.1 <= s*/4
+    assert d.dead_count.item() == 1
+    # the ideal quantizer keeps the block max exactly: no error there
+    assert d.scale_bias[0, 0].item() + d.grid_noise[0, 0].item() == 0.0
+
+
+def test_clip_count_floor_rule():
+    x = torch.zeros(2, 32)
+    x[0, :3] = torch.tensor([7.5, -6.5, 5.0])  # E = 0: two clip
+    x[1, :2] = torch.tensor([7.9, 1.0])  # E = 0: 7.9 clips
+    d = pmx.decompose(x)
+    assert d.clip_count[:, 0].tolist() == [2, 1]
+    assert pmx.decompose(x, pmx.QuantRecipe(scale_rule="rceil")).clip_count.sum().item() == 0
+
+
+def test_outliers_are_survivors_with_their_bf16_value():
+    x = torch.full((1, 32), 0.1)
+    x[0, 7] = 100.0
+    d = pmx.decompose(x, pmx.QuantRecipe(outliers_per_block=1))
+    assert d.dequantized[0, 7].item() == 100.0
+    assert d.dead_count.item() == 0 and d.deadzone.abs().sum().item() == 0.0
+    plain = pmx.decompose(x)
+    assert plain.dead_count.item() == 31
+
+
+def test_layout_of_statistics_and_axis():
+    x = torch.randn(40, 3, 5, generator=torch.Generator().manual_seed(2))
+    d = pmx.decompose(x, axis=0)
+    assert d.axis == 0 and d.scale_bias.shape == x.shape and d.beta.shape == (3, 5, 2)
+    ref = pmx.decompose(x.permute(1, 2, 0).contiguous())
+    assert torch.equal(d.beta, ref.beta)
+    assert torch.equal(d.grid_noise, ref.grid_noise.permute(2, 0, 1))
+
+
+def test_full_false_gives_statistics_only():
+    d = pmx.decompose(data(), full=False)
+    assert d.scale_bias is None and d.dequantized is None and d.beta.shape == (64, 7)
+    full = pmx.decompose(data())
+    assert torch.equal(d.energy_grid, full.energy_grid)
+
+
+def test_exact_tensor_has_zero_error_and_zero_block_has_beta_one():
+    x = torch.zeros(2, 64)
+    x[0, :3] = torch.tensor([4.0, 1.0, -0.5])
+    d = pmx.decompose(x)
+    assert d.energy_error.sum().item() == 0.0 and d.relative_mse() == 0.0
+    assert d.beta.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert d.shares() == {"scale": 0.0, "dead": 0.0, "grid": 0.0}
+
+
+def test_floor_rule_shares_on_gaussian_match_simulation():
+    # (sim) N(0,1), floor: shares scale/dead/grid 0.12 / 0.03 / 0.85, mean beta 0.98
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(3))
+    s = pmx.decompose(x, full=False).summary()
+    assert s["share_scale"] == pytest.approx(0.12, abs=0.02)
+    assert s["share_dead"] == pytest.approx(0.03, abs=0.01)
+    assert s["share_grid"] == pytest.approx(0.85, abs=0.02)
+    assert s["mean_beta"] == pytest.approx(0.98, abs=0.005)
+    assert s["relative_mse"] == pytest.approx(0.0132, rel=0.05)
+
+
+def test_mbs_moves_beta_toward_one_and_cuts_the_scale_share():
+    x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(4))
+    floor = pmx.decompose(x, full=False).summary()
+    mbs = pmx.decompose(x, pmx.QuantRecipe(macro_block=64), full=False).summary()
+    assert abs(mbs["mean_beta"] - 1) < abs(floor["mean_beta"] - 1)
+    assert mbs["share_scale"] < floor["share_scale"]
+
+
+def test_empty_input():
+    d = pmx.decompose(torch.empty(0, 64))
+    assert d.scale_bias.shape == (0, 64) and d.beta.shape == (0, 2) and d.relative_mse() == 0.0
+
+
+def test_bad_inputs():
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="definition"):
+        pmx.decompose(x, definition="orthogonal")
+    x[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        pmx.decompose(x)
+    with pytest.raises(TypeError, match="floating-point"):
+        pmx.decompose(torch.ones(2, 32, dtype=torch.int32))

@@ -1,0 +1,108 @@
+"""matmul: equal to the fp64 product of the dequantized operands up to fp32 accumulation,
+on every recipe and layout; clear errors for bad input; straight-through autograd."""
+
+import pytest
+import torch
+
+import portable_mx as pmx
+
+RECIPES = [
+    pmx.QuantRecipe(),
+    pmx.QuantRecipe(scale_rule="rceil"),
+    pmx.QuantRecipe(macro_block=64),
+    pmx.QuantRecipe(outliers_per_block=2),
+    pmx.QuantRecipe(macro_block=128, outliers_per_block=1),
+]
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_fp32_accumulation_close(out, aq, bq):
+    """|out - exact| <= K * 2^-24 * (|A| @ |B|): the worst-case bound of fp32 summation."""
+    exact = aq.double() @ bq.double()
+    bound = aq.shape[-1] * 2.0**-24 * (aq.double().abs() @ bq.double().abs()) + 1e-30
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.describe())
+@pytest.mark.parametrize("mnk", [(17, 23, 70), (64, 48, 256), (1, 5, 32)])
+def test_matmul_equals_dequantized_product(recipe, mnk):
+    m, n, k = mnk
+    a, b = rand(m, k, seed=1), rand(k, n, seed=2) * 3
+    out = pmx.matmul(a, b, recipe)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    aq = pmx.dequantize(pmx.quantize(a, recipe))
+    bq = pmx.dequantize(pmx.quantize(b, recipe, axis=0))
+    assert_fp32_accumulation_close(out, aq, bq)
+
+
+def test_batched_a_and_prequantized_operands():
+    a, b = rand(2, 3, 9, 100, seed=3), rand(100, 11, seed=4)
+    out = pmx.matmul(a, b)
+    assert out.shape == (2, 3, 9, 11)
+    flat = pmx.matmul(a.reshape(-1, 100), b).reshape(2, 3, 9, 11)
+    assert torch.equal(out, flat)
+    a_mx, b_mx = pmx.quantize(a), pmx.quantize(b, axis=0)
+    assert torch.equal(pmx.matmul(a_mx, b_mx), out)
+    assert torch.equal(pmx.matmul(a, b_mx), out)
+
+
+def test_result_dtype_is_a_dtype():
+    a, b = rand(8, 64).to(torch.bfloat16), rand(64, 8).to(torch.bfloat16)
+    out = pmx.matmul(a, b)
+    assert out.dtype == torch.bfloat16
+    ref = pmx.matmul(a.float(), b.float())  # same values: bf16 inputs are exact in fp32
+    assert torch.equal(out, ref.to(torch.bfloat16))
+
+
+def test_empty_inputs():
+    assert pmx.matmul(torch.empty(0, 64), rand(64, 5)).shape == (0, 5)
+    assert pmx.matmul(rand(4, 64), torch.empty(64, 0)).shape == (4, 0)
+    z = pmx.matmul(torch.empty(3, 0), torch.empty(0, 6))
+    assert z.shape == (3, 6) and z.eq(0).all()
+
+
+def test_bad_inputs():
+    a, b = rand(4, 64), rand(64, 8)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        pmx.matmul(a, rand(32, 8))
+    with pytest.raises(TypeError, match="floating-point"):
+        pmx.matmul(a.int(), b)
+    with pytest.raises(TypeError, match="same dtype"):
+        pmx.matmul(a, b.double())
+    with pytest.raises(ValueError, match="same device"):
+        pmx.matmul(a, b.to("meta"))
+    with pytest.raises(ValueError, match="2-D"):
+        pmx.matmul(a, rand(2, 64, 8))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        pmx.matmul(rand(64), b)
+    with pytest.raises(ValueError, match="axis 0"):
+        pmx.matmul(a, pmx.quantize(b, axis=1))
+    with pytest.raises(ValueError, match="last axis"):
+        pmx.matmul(pmx.quantize(a, axis=0), b)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        pmx.matmul(a, b.numpy())
+
+
+def test_nan_in_a_block_poisons_only_its_row():
+    a, b = rand(4, 64), rand(64, 3)
+    a[1, 10] = float("nan")
+    out = pmx.matmul(a, b)
+    assert out[1].isnan().all() and out[[0, 2, 3]].isfinite().all()
+
+
+def test_straight_through_gradients():
+    a = rand(5, 70, seed=5).requires_grad_()
+    b = rand(70, 6, seed=6).requires_grad_()
+    g = rand(5, 6, seed=7)
+    recipe = pmx.QuantRecipe(macro_block=64)
+    out = pmx.matmul(a, b, recipe)
+    out.backward(g)
+    aq = pmx.dequantize(pmx.quantize(a.detach(), recipe)).double()
+    bq = pmx.dequantize(pmx.quantize(b.detach(), recipe, axis=0)).double()
+    assert torch.allclose(a.grad.double(), g.double() @ bq.T, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(b.grad.double(), aq.T @ g.double(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(out.detach(), pmx.matmul(a, b, recipe))

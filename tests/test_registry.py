@@ -1,0 +1,117 @@
+"""The backend registry: priority, device predicates, the PORTABLE_MX_BACKEND override,
+and the `portable-mx info` table."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx import registry
+from portable_mx.backends.reference import ReferenceBackend
+
+
+class Recording(ReferenceBackend):
+    """A backend that serves some ops on some devices and records what it served."""
+
+    def __init__(self, name, priority, ops, devices=("cpu",)):
+        self.name, self.priority, self.ops, self.devices = name, priority, frozenset(ops), devices
+        self.calls = []
+
+    def unavailable_reason(self, device):
+        return None if device.type in self.devices else f"{self.name} serves only {self.devices}"
+
+    def quantize(self, x, recipe):
+        self.calls.append("quantize")
+        return super().quantize(x, recipe)
+
+    def matmul(self, a, b):
+        self.calls.append("matmul")
+        return super().matmul(a, b)
+
+
+@pytest.fixture
+def extra_backends(monkeypatch):
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    added = []
+
+    def add(*args, **kwargs):
+        b = Recording(*args, **kwargs)
+        registry.register(b)
+        added.append(b.name)
+        return b
+
+    yield add
+    for name in added:
+        registry.unregister(name)
+
+
+def test_reference_serves_everything_everywhere():
+    for device in ("cpu", "meta", "cuda"):
+        for op in registry.OPS:
+            assert registry.select(op, torch.device(device)).name == "reference"
+
+
+def test_priority_and_device_predicate(extra_backends):
+    low = extra_backends("low", 5, {"quantize"})
+    high = extra_backends("high", 10, {"quantize"}, devices=("cuda",))
+    assert registry.select("quantize", "cpu") is low
+    assert registry.select("quantize", "cuda") is high
+    assert registry.select("matmul", "cpu").name == "reference"
+    pmx.quantize(torch.randn(2, 32))
+    assert low.calls == ["quantize"] and high.calls == []
+    assert [b["name"] for b in pmx.backends()][:2] == ["high", "low"]
+
+
+def test_env_override_forces_and_fails_loudly(extra_backends, monkeypatch):
+    extra_backends("fast", 10, {"quantize", "matmul"})
+    cuda_only = extra_backends("gpu-only", 1, {"quantize"}, devices=("cuda",))
+    monkeypatch.setenv(registry.ENV_BACKEND, "reference")
+    assert registry.select("quantize", "cpu").name == "reference"
+    monkeypatch.setenv(registry.ENV_BACKEND, "gpu-only")
+    with pytest.raises(registry.BackendUnavailableError, match="gpu-only cannot serve quantize on cpu"):
+        pmx.quantize(torch.randn(2, 32))
+    assert registry.select("quantize", "cuda") is cuda_only
+    # an op the forced backend does not implement falls back to normal selection
+    assert registry.select("matmul", "cpu").name == "fast"
+    monkeypatch.setenv(registry.ENV_BACKEND, "no-such-backend")
+    with pytest.raises(registry.BackendUnavailableError, match="no backend named 'no-such-backend'"):
+        registry.select("quantize", "cpu")
+
+
+def test_register_rejects_duplicates_and_unknown_ops(extra_backends):
+    extra_backends("dup", 1, {"quantize"})
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(Recording("dup", 1, {"quantize"}))
+    with pytest.raises(ValueError, match="unknown ops"):
+        registry.register(Recording("bad", 1, {"fft"}))
+    with pytest.raises(ValueError, match="unknown op"):
+        registry.select("fft", "cpu")
+
+
+def test_no_backend_serves(extra_backends, monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    with pytest.raises(registry.BackendUnavailableError, match="no backend serves quantize"):
+        registry.select("quantize", "cpu")
+
+
+def test_routes_explain_choices(extra_backends):
+    extra_backends("gpu", 10, {"matmul"}, devices=("cuda",))
+    rows = {(r.device, r.op): r for r in registry.routes([torch.device("cpu")])}
+    assert rows[("cpu", "matmul")].backend == "reference"
+    assert "gpu serves only" in rows[("cpu", "matmul")].why
+    assert rows[("cpu", "quantize")].path == "reference"
+
+
+def test_info_command_prints_table_and_json():
+    res = subprocess.run([sys.executable, "-m", "portable_mx.cli", "info"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "torch" in res.stdout and "triton" in res.stdout
+    for op in registry.OPS:
+        assert op in res.stdout
+    res = subprocess.run([sys.executable, "-m", "portable_mx.cli", "info", "--json"], capture_output=True, text=True, timeout=120)
+    report = json.loads(res.stdout)
+    assert {r["op"] for r in report["routes"]} == set(registry.OPS)
+    assert report["devices"][0].startswith("cpu")

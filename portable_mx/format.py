@@ -8,9 +8,9 @@ power-of-two multiplies, integer bit manipulation and comparisons only.
 Conventions
 - A *code* is a uint8 in 0..15: bit 3 is the sign, bits 0..2 index ``E2M1_VALUES``.
 - A *scale byte* is a uint8 E8M0 value: ``b`` means ``2**(b - 127)``; 0xFF is NaN.
-- The sign of an element's code is ``x < 0``: a negative value that rounds to zero keeps
-  its sign (code 8), while ``-0.0`` (not negative) gives code 0, so an all-zero block has
-  codes 0 whatever the signs of its zeros.
+- The sign bit of an element's code is the sign bit of x, as in torchao and the hardware
+  conversion instructions: a negative value that rounds (or underflows) to zero is code 8,
+  and so is -0.0, which therefore round-trips. A block of +0.0 has scale byte 0, codes 0.
 """
 
 from __future__ import annotations
@@ -258,13 +258,14 @@ def macro_factor(amax: torch.Tensor) -> torch.Tensor:
     m = (A/6) / 2**floor(log2(A/6)) rounded UP to bf16, computed exactly in integers:
     with A = M * 2**e (M in [1, 2)), A/6 = (M/1.5) * 2**(e-2) when M >= 1.5, else
     (M/0.75) * 2**(e-3); m has 8 significant bits, so m = ceil(ratio * 128) / 128.
-    A = 0 gives m = 1. A must be finite, >= 0; fp32 subnormal A gives m = 1 (its blocks
-    clamp to the smallest scale anyway).
+    m depends only on M, so an fp32-subnormal A is first scaled by 2**64 (exact).
+    A = 0 gives m = 1. A must be finite and >= 0.
     """
-    exp_field, mant = _frexp_parts(amax)
+    a = torch.where(amax < 2.0**-126, amax * 2.0**64, amax)
+    _, mant = _frexp_parts(a)
     sig = mant | 0x800000  # M * 2**23, integer in [2**23, 2**24)
     ge = mant >= 0x400000  # M >= 1.5
     div = torch.where(ge, torch.full_like(sig, 3 << 15), torch.full_like(sig, 3 << 14))
     m_int = (sig + div - 1) // div  # ceil, in [128, 256]
     m = m_int.to(torch.float32) / 128.0
-    return torch.where(exp_field == 0, torch.ones_like(m), m)
+    return torch.where(amax == 0, torch.ones_like(m), m)

@@ -80,7 +80,7 @@ def test_deadzone_and_negative_zero_code():
     c = codes_of(pmx.quantize(x))[0]
     assert c[1].item() == 0 and c[3].item() == 0
     assert c[2].item() == 8 and c[4].item() == 8  # negative values that round to 0 keep the sign
-    assert c[5].item() == 0  # -0.0 is not negative
+    assert c[5].item() == 8  # -0.0 keeps its sign bit too
     assert c[6].item() == 1  # 0.26 -> 0.5
 
 
@@ -230,12 +230,13 @@ def test_packing_order_low_nibble_first():
 def test_round_trip_of_every_code_and_scale():
     for b in (1, 60, 127, 200, 250):
         e = b - 127
-        values = [6.0 * 2.0**e] + [v * 2.0**e for v in GRID] + [-v * 2.0**e for v in GRID[1:]]
+        values = [6.0 * 2.0**e] + [v * 2.0**e for v in GRID] + [-v * 2.0**e for v in GRID]
         x = block(values)
         mx = pmx.quantize(x)
         assert mx.scales.item() == b
-        assert pmx.dequantize(mx)[0].tolist() == x[0].tolist()
-        expected = [7] + list(range(8)) + list(range(9, 16)) + [0] * 16
+        q = pmx.dequantize(mx)[0]
+        assert q.tolist() == x[0].tolist() and torch.equal(q.signbit(), x[0].signbit())
+        expected = [7] + list(range(16)) + [0] * 15
         assert codes_of(mx)[0].tolist() == expected
 
 

@@ -43,7 +43,7 @@ class Encoded:
     outlier_indices: Optional[torch.Tensor]  # uint8 [R, nb, k]
     x: torch.Tensor  # fp32 [R, nb, 32], the padded input
     rest: torch.Tensor  # fp32 [R, nb, 32], outliers and special blocks zeroed (x units)
-    y: torch.Tensor  # fp32 [R, nb, 32], the scaled values that were rounded
+    y: torch.Tensor  # fp32 [R, nb, 32], the scaled values that were rounded (NaN/Inf in special blocks)
 
 
 def _outliers(magnitude: torch.Tensor, k: int) -> torch.Tensor:
@@ -102,17 +102,17 @@ def encode(x: torch.Tensor, recipe: QuantRecipe) -> Encoded:
     exponent = fmt.scale_exponent(torch.where(special, 0.0, amax), recipe.scale_rule)
     exponent = exponent.clamp(min=fmt.E8M0_MIN_EXP)
     scales = torch.where(special, fmt.E8M0_NAN, fmt.e8m0_encode(exponent))
-    # y = value * 2**-E, exact. A special block is multiplied by 0: its finite values become
-    # 0 and its NaN/Inf become NaN, both of which round to code 0 with no sign.
-    mult = fmt.exp2i((-exponent).clamp(max=fmt.E8M0_MAX_EXP)) * (~special)
-    y = scaled * mult.unsqueeze(-1)
-    a = mag * mult.unsqueeze(-1)
+    # y = value * 2**-E, exact but for fp32 underflow of |y| < 2**-149, which keeps the sign.
+    y = scaled * fmt.exp2i((-exponent).clamp(max=fmt.E8M0_MAX_EXP)).unsqueeze(-1)
+    a = y.abs()
     if recipe.rounding == "stochastic":
         counter = torch.arange(r * kp, dtype=torch.int64, device=x.device).view(r, nb, B)
         codes = fmt.e2m1_round_stochastic(a, fmt.uniform_u24(recipe.seed, counter))
     else:
         codes = fmt.e2m1_round_nearest(a)
-    codes |= (y < 0).to(torch.uint8) << 3
+    codes |= torch.signbit(y).to(torch.uint8) << 3
+    if special.any():
+        codes.masked_fill_(special.unsqueeze(-1), 0)
     return Encoded(codes, scales, macro_scales, outlier_values, outlier_indices, xb, rest, y)
 
 

@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rows", type=int, default=1024)
     args = parser.parse_args()
+    torch.manual_seed(0)  # StudentT samples from the global generator
     gen = torch.Generator().manual_seed(0)
     data = {
         "N(0,1)": torch.randn(args.rows, 1024, generator=gen),

@@ -51,6 +51,15 @@ def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
     return axis % ndim
 
 
+def _prepare(op: str, x: Any, recipe: Any, axis: Any) -> tuple[torch.Tensor, QuantRecipe, int]:
+    """Validate the (x, recipe, axis) of quantize/decompose; return x, the recipe, axis >= 0."""
+    recipe = _recipe(recipe)
+    x = _check_float_tensor(x, "x")
+    if x.dim() == 0:
+        raise ValueError(f"{op} needs a tensor with at least one dimension; got a 0-d tensor")
+    return x, recipe, _normalize_axis(axis, x.dim())
+
+
 def _padded(k: int) -> int:
     return -(-k // BLOCK_SIZE) * BLOCK_SIZE
 
@@ -144,11 +153,7 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     1-D, any device. The axis is zero-padded to a multiple of 32; NaN/Inf blocks get the
     NaN scale. Returns an :class:`MXTensor`; its bytes are identical on every backend.
     """
-    recipe = _recipe(recipe)
-    x = _check_float_tensor(x, "x")
-    if x.dim() == 0:
-        raise ValueError("quantize needs a tensor with at least one dimension; got a 0-d tensor")
-    axis = _normalize_axis(axis, x.dim())
+    x, recipe, axis = _prepare("quantize", x, recipe, axis)
     rows = _to_rows(x, axis)
     if rows.numel() == 0:
         out = _empty_mx(rows, recipe)
@@ -193,13 +198,9 @@ def decompose(
     (omitted when ``full=False``); per-block statistics are ``[*lead, n_blocks]``.
     Exact: scale_bias + deadzone + grid_noise == dequantized - x to fp32 rounding.
     """
-    recipe = _recipe(recipe)
-    x = _check_float_tensor(x, "x")
+    x, recipe, axis = _prepare("decompose", x, recipe, axis)
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
-    if x.dim() == 0:
-        raise ValueError("decompose needs a tensor with at least one dimension; got a 0-d tensor")
-    axis = _normalize_axis(axis, x.dim())
     bad = int((~torch.isfinite(x)).sum()) if x.numel() else 0
     if bad:
         raise ValueError(f"decompose needs finite input; x holds {bad} NaN/Inf value(s)")

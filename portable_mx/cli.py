@@ -62,15 +62,30 @@ def info(as_json: bool = False) -> dict:
     return report
 
 
+# Subcommands that live in their own modules: each has HELP, add_arguments(parser) and
+# run(args) -> exit status, and imports its heavy dependencies (triton) inside run().
+_SUBCOMMANDS = {
+    "compile-matrix": "portable_mx.compile_matrix",
+    "parity": "portable_mx.parity",
+}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="portable-mx", description="Portable MXFP4 kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, devices and which backend serves each op")
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
+    modules = {}
+    for name, module_name in _SUBCOMMANDS.items():
+        module = modules[name] = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
     args = parser.parse_args(argv)
     if args.command == "info":
         info(as_json=args.json)
-    return 0
+        return 0
+    return int(modules[args.command].run(args))
 
 
 if __name__ == "__main__":

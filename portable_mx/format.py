@@ -92,6 +92,19 @@ def _frexp_parts(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (bits >> 23) & 0xFF, bits & _F32_MANT_MASK
 
 
+BF16_CANONICAL_NAN = 0x7FC0
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, round to nearest even (overflowing to +-inf), every NaN becoming the
+    canonical quiet NaN 0x7FC0. torch's own cast gives device-dependent NaN bits; stored
+    outlier values must be the same bytes on every backend. Exact integer arithmetic."""
+    bits = f32_bits(x)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    out = torch.where(torch.isnan(x), BF16_CANONICAL_NAN, rounded)
+    return torch.where(out >= 2**15, out - 2**16, out).to(torch.int16).view(torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------- E8M0
 
 

@@ -45,7 +45,7 @@ class Backend:
         return None
 
     def path(self, device: torch.device, op: str) -> str:
-        """How the op runs on the device: "native", "emulated" or "reference"."""
+        """How the op runs on the device: "native", "emulated", "interpreted" or "reference"."""
         return "reference"
 
     def quantize(self, x: torch.Tensor, recipe: "QuantRecipe") -> "MXTensor":

@@ -6,6 +6,9 @@ import torch
 
 import portable_mx as pmx
 
+# every test runs on each backend that serves CPU tensors (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("mx_backend")
+
 RECIPES = [
     pmx.QuantRecipe(),
     pmx.QuantRecipe(scale_rule="rceil"),

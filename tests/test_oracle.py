@@ -38,6 +38,9 @@ import torch
 
 import portable_mx as pmx
 
+# every test runs on each backend that serves CPU tensors (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("mx_backend")
+
 BLOCK = 32
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1 magnitudes, codes 0..7
 FP32_MAX = float(np.finfo(np.float32).max)

@@ -8,6 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import portable_mx as pmx
+
+# every test runs on each backend that serves CPU tensors (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("mx_backend")
 from portable_mx import format as fmt
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

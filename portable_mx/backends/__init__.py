@@ -1,8 +1,13 @@
-"""Backends. Importing this package registers every backend that ships with portable_mx."""
+"""Backends. Importing this package registers every backend that ships with portable_mx
+(importing it does not import Triton: the kernels load on first use)."""
 
 from ..registry import register
+from .cuda import CudaBackend
+from .interpret import InterpretBackend
 from .reference import ReferenceBackend
+from .rocm import RocmBackend
 
-register(ReferenceBackend(), replace=True)
+for _backend in (ReferenceBackend(), InterpretBackend(), CudaBackend(), RocmBackend()):
+    register(_backend, replace=True)
 
-__all__ = ["ReferenceBackend"]
+__all__ = ["CudaBackend", "InterpretBackend", "ReferenceBackend", "RocmBackend"]

@@ -5,7 +5,7 @@ Order of operations in one quantize (rows layout, x: [R, K] -> padded [R, Kp]):
 1. zero-pad K to a multiple of 32; a block holding NaN or Inf is *special*: scale 0xFF,
    codes 0, and its values count as 0 for the macro amax;
 2. outlier fallback (k = 1 or 2): per block the k largest |x| (first index on ties, NaN
-   counted largest) are stored in bf16 with their index and zeroed;
+   counted largest) are stored in bf16 (round to nearest even, NaN canonical) with their index and zeroed;
 3. macro-block scaling: m from the amax of what remains over each macro block, and the
    block divided by m (IEEE fp32 division);
 4. per 32-block E from the scale rule, y = value * 2**-E (exact), E2M1 rounding of y
@@ -47,9 +47,10 @@ class Encoded:
 
 
 def _outliers(magnitude: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [R, nb, k] of the k largest |x| per block, from ``magnitude`` = |x|: first
-    index wins ties, NaN counts as largest (torch.argmax returns the first maximal index)."""
-    key = magnitude.nan_to_num(nan=float("inf"))
+    """Indices [R, nb, k] of the k largest |x| per block, from ``magnitude`` = |x|: NaN
+    ranks as +Inf, and the first index wins ties (torch.argmax returns the first maximal
+    index). (Not nan_to_num: it would also turn Inf into the fp32 maximum.)"""
+    key = torch.where(magnitude.isnan(), float("inf"), magnitude)
     idx = []
     for _ in range(k):
         i = key.argmax(dim=-1, keepdim=True)
@@ -82,7 +83,7 @@ def encode(x: torch.Tensor, recipe: QuantRecipe) -> Encoded:
     outlier_values = outlier_indices = None
     if recipe.outliers_per_block:
         idx = _outliers(mag, recipe.outliers_per_block)
-        outlier_values = xb.gather(-1, idx).to(torch.bfloat16)
+        outlier_values = fmt.bf16_round(xb.gather(-1, idx))
         outlier_indices = idx.to(torch.uint8)
         rest = rest.scatter(-1, idx, 0.0)
         mag = rest.abs()

@@ -1,0 +1,37 @@
+"""``triton-interpret``: the package's Triton kernels run by the Triton interpreter on
+CPU tensors (TRITON_INTERPRET=1, set before the kernels are imported). It exists so that
+the real kernels are tested on machines without a GPU; it is far slower than the
+reference backend. Numerics caveats of the interpreter: numerics.md section 5."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .targets import Target
+from .triton import mode_problem
+from .triton.backend import TritonBackend
+from .triton.launch import TileConfig
+
+# The interpreter runs one program at a time in numpy: big tiles mean few programs.
+_TILE = TileConfig(64, 256, num_warps=4)
+TILES = {key: _TILE for key in ("quantize", "quantize-heavy", "dequantize", "decompose")}
+
+
+class InterpretBackend(TritonBackend):
+    name = "triton-interpret"
+    priority = 10
+    tiles = TILES
+    targets = ()
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        if device.type != "cpu":
+            return f"serves CPU tensors only (got {device.type})"
+        return mode_problem(interpreted=True)
+
+    def target(self, device: torch.device) -> Optional[Target]:
+        return None
+
+    def path(self, device: torch.device, op: str) -> str:
+        return "interpreted"

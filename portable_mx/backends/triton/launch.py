@@ -1,0 +1,63 @@
+"""What one kernel launch is, as data: the kernel, its argument types, its compile-time
+constants and launch options. The backends build these for the launches they make, and
+the same objects drive the ahead-of-time compile matrix, so what CI compiles is exactly
+what a GPU would run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# torch dtype -> the Triton type string of a pointer to it
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.uint8: "*u8",
+    torch.int16: "*i16",
+    torch.int32: "*i32",
+}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch options of one element-wise MX kernel (quantize, dequantize,
+    decompose): ``block_r`` rows by ``block_k`` columns per program (``block_k`` a power of
+    two and a multiple of 32), ``num_warps`` warps, and vendor options (``waves_per_eu``
+    on AMD ...) passed through to the launch."""
+
+    block_r: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+    def label(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in self.extra)
+        return f"r{self.block_r}xk{self.block_k} w{self.num_warps}{extra}"
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One (kernel, specialization, config) as launched.
+
+    ``signature`` maps every argument name of ``fn`` to a Triton type string ("*fp32",
+    "i32", "i64", ... or "constexpr"); ``constexprs`` gives the constexpr values;
+    ``options`` the compile/launch options (num_warps, num_stages, enable_fp_fusion and
+    vendor options). ``multiplies_mx`` marks kernels that multiply MX operands, whose
+    native block-scaled instruction the compile matrix checks on native targets.
+    """
+
+    kernel: str
+    fn: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, Any]
+    label: str
+    multiplies_mx: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,39 @@
+"""Test-session set-up.
+
+On a machine without a GPU the Triton kernels run under the interpreter:
+TRITON_INTERPRET=1 must be set before any kernel is defined, so it is set here, before
+portable_mx is imported. The suite's default backend is the reference (the oracle);
+modules that use the ``mx_backend`` fixture run once per backend that can serve CPU
+tensors in this process: the reference and, when interpreting, ``triton-interpret``,
+so that the kernels meet every edge case the reference is held to.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # silence triton 3.9's notice; kernels set it anyway
+
+import pytest  # noqa: E402
+
+from portable_mx import registry  # noqa: E402
+
+os.environ.setdefault(registry.ENV_BACKEND, "reference")
+
+
+def cpu_backends() -> list[str]:
+    """Backends that serve CPU tensors in this process, reference first."""
+    names = []
+    for backend in registry.registered():
+        if backend.name != "reference" and backend.unavailable_reason(torch.device("cpu")) is None:
+            names.append(backend.name)
+    return ["reference"] + names
+
+
+@pytest.fixture(params=cpu_backends())
+def mx_backend(request, monkeypatch):
+    """Run the test with PORTABLE_MX_BACKEND set to each CPU backend in turn."""
+    monkeypatch.setenv(registry.ENV_BACKEND, request.param)
+    return request.param

@@ -77,14 +77,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, devices and which backend serves each op")
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
-    modules = {}
+    modules, broken = {}, {}
     for name, module_name in _SUBCOMMANDS.items():
-        module = modules[name] = importlib.import_module(module_name)
+        try:
+            module = modules[name] = importlib.import_module(module_name)
+        except Exception as err:  # one broken subcommand must not take the others down
+            broken[name] = f"{module_name} failed to import: {type(err).__name__}: {err}"
+            sub.add_parser(name, help="(unavailable: see the error when run)")
+            continue
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
     args = parser.parse_args(argv)
     if args.command == "info":
         info(as_json=args.json)
         return 0
+    if args.command in broken:
+        print(f"portable-mx {args.command}: {broken[args.command]}", file=sys.stderr)
+        return 2
     return int(modules[args.command].run(args))
 
 

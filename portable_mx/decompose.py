@@ -58,6 +58,9 @@ class Decomposition:
     scale_bias: Optional[torch.Tensor] = None
     deadzone: Optional[torch.Tensor] = None
     grid_noise: Optional[torch.Tensor] = None
+    num_elements: int = 0
+    """Elements of x (without the zero padding to a multiple of 32); 0 when unknown, and
+    then fractions are taken over the padded count."""
 
     def totals(self) -> dict[str, float]:
         """Whole-tensor energies (float64 sums over blocks)."""
@@ -87,8 +90,10 @@ class Decomposition:
         return t["error"] / t["signal"] if t["signal"] > 0 else 0.0
 
     def summary(self) -> dict[str, float]:
-        """Shares, relative MSE, mean beta, deadzone and clip fractions, as plain floats."""
-        n = max(self.dead_count.numel() * 32, 1)
+        """Shares, relative MSE, mean beta (over blocks), and the deadzone and clip
+        fractions of x's elements, as plain floats."""
+        # padding is zero: never dead, never clipped, so only the denominator changes
+        n = max(self.num_elements or self.dead_count.numel() * 32, 1)
         out = {f"share_{k}": v for k, v in self.shares().items()}
         out["relative_mse"] = self.relative_mse()
         out["mean_beta"] = float(self.beta.double().mean()) if self.beta.numel() else 1.0

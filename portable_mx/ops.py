@@ -221,7 +221,7 @@ def decompose(
         block_fn=lambda t: t.reshape(*lead, nb),
         element_fn=lambda t: _from_rows(t, lead, x.shape[axis], axis),
     )
-    return replace(dec, axis=axis)
+    return replace(dec, axis=axis, num_elements=x.numel())
 
 
 def _operand_info(t: Operand, name: str) -> tuple[torch.dtype, torch.device, torch.Size]:

@@ -175,3 +175,12 @@ def test_bad_inputs():
         pmx.decompose(x)
     with pytest.raises(TypeError, match="floating-point"):
         pmx.decompose(torch.ones(2, 32, dtype=torch.int32))
+
+
+def test_summary_fractions_count_elements_not_padding():
+    """5 elements, 4 of them deadzoned: fractions are over x's 5 elements, not the 32 of
+    its padded block (hand count: |x| <= amax/16 is dead with the floor rule)."""
+    x = torch.tensor([4.0, 0.1, -0.1, 0.2, -0.05])
+    s = pmx.decompose(x).summary()
+    assert s["dead_fraction"] == pytest.approx(4 / 5)
+    assert s["clip_fraction"] == 0.0

@@ -15,7 +15,7 @@ import triton.language as tl
 from ...decompose import DEFINITIONS, Decomposition
 from ...recipe import QuantRecipe
 from .dequantize import decode_blocks
-from .encode import chunk, encode_blocks, load_blocks, macro_amax, span_macro_factor
+from .encode import chunk, encode_blocks, flat, load_blocks, macro_amax, span_macro_factor
 from .launch import POINTER_TYPES, KernelLaunch, TileConfig
 from .numerics import e2m1_round_nearest, e2m1_value, macro_factor
 from .quantize import Plan
@@ -81,11 +81,12 @@ def decompose_kernel(
     if HAS_MACRO and NUM_CHUNKS > 1:
         m = span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K, SPAN, NUM_CHUNKS, N_OUT)
     for c in range(NUM_CHUNKS):
-        r3, c3, load_mask, store_mask, bidx, bmask = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
-        x, rest, special, idx1, bits1, idx2, bits2 = load_blocks(x_ptr, r3, c3, load_mask, stride_r, N_OUT)
+        r2, c2, load_mask, store_mask, bidx, bmask = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
+        x, rest, special, idx1, bits1, idx2, bits2 = load_blocks(x_ptr, r2, c2, load_mask, stride_r, BLOCK_R,
+                                                                 BLOCK_K, N_OUT)
         if HAS_MACRO and NUM_CHUNKS == 1:
             m = macro_factor(macro_amax(rest))
-        y, code, e = encode_blocks(rest, special, m, r3, c3, KP, seed, RULE, STOCHASTIC, HAS_MACRO)
+        y, code, e = encode_blocks(rest, special, m, r2, c2, KP, seed, RULE, STOCHASTIC, HAS_MACRO, BLOCK_R, BLOCK_K)
         mb = tl.broadcast_to(m[:, None], (BLOCK_R, NBK))
         q = decode_blocks(code, tl.where(special, 255, e + 127), mb, idx1, bits1, idx2, bits2, N_OUT)
         beta, dead, e_scale, e_dead, e_grid = components(x, q, rest, lane, idx1, idx2, COUNTERFACTUAL, N_OUT)
@@ -101,11 +102,11 @@ def decompose_kernel(
         tl.store(sp + 6 * plane, _sumsq(q - x), mask=bmask)
         tl.store(sp + 7 * plane, _sumsq(x), mask=bmask)
         if FULL:
-            fp = full_ptr + r3 * KP + c3
-            tl.store(fp, q, mask=store_mask)
-            tl.store(fp + FULL_PLANE, e_scale, mask=store_mask)
-            tl.store(fp + 2 * FULL_PLANE, e_dead, mask=store_mask)
-            tl.store(fp + 3 * FULL_PLANE, e_grid, mask=store_mask)
+            fp = full_ptr + r2 * KP + c2
+            tl.store(fp, flat(q, BLOCK_R, BLOCK_K), mask=store_mask)
+            tl.store(fp + FULL_PLANE, flat(e_scale, BLOCK_R, BLOCK_K), mask=store_mask)
+            tl.store(fp + 2 * FULL_PLANE, flat(e_dead, BLOCK_R, BLOCK_K), mask=store_mask)
+            tl.store(fp + 3 * FULL_PLANE, flat(e_grid, BLOCK_R, BLOCK_K), mask=store_mask)
 
 
 def _constexprs(recipe: QuantRecipe, config: TileConfig, definition: str, full: bool) -> tuple[Plan, dict]:
@@ -121,7 +122,8 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: 
                  "R": "i32", "K": "i32", "KP": "i32", "stride_r": "i32", "FULL_PLANE": "i32", "seed": "i64"}
     signature.update({name: "constexpr" for name in constexprs})
     label = f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {definition}{' full' if full else ''} {config.label()}"
-    return KernelLaunch("decompose", decompose_kernel, signature, constexprs, dict(options), label)
+    return KernelLaunch("decompose", decompose_kernel, signature, constexprs, dict(options), label,
+                        divisible_by_16=("K", "KP", "stride_r", "FULL_PLANE"))
 
 
 def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool, config: TileConfig,

@@ -82,7 +82,8 @@ def launch_spec(has_macro: bool, n_out: int, config: TileConfig, options: dict) 
                  "R": "i32", "KP": "i32", "NM": "i32", "MACRO": "i32"}
     signature.update({name: "constexpr" for name in constexprs})
     label = f"{'MBS ' if has_macro else ''}{f'OF-{n_out} ' if n_out else ''}{config.label()}"
-    return KernelLaunch("dequantize", dequantize_kernel, signature, constexprs, dict(options), label)
+    return KernelLaunch("dequantize", dequantize_kernel, signature, constexprs, dict(options), label,
+                        divisible_by_16=("KP",))
 
 
 def dequantize(mx: MXTensor, config: TileConfig, options: dict) -> torch.Tensor:

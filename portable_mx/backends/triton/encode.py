@@ -24,22 +24,36 @@ from .numerics import (
     first_argmax,
     macro_factor,
     scale_exponent,
+    to_f32,
 )
 
 
 @triton.jit
 def chunk(rows, col_base, c, R, K, KP, BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
-    """Coordinates of chunk ``c`` of a program's span: row [BR,1,1], column [1,NBK,32],
-    load mask (inside the input), store mask (inside the padded row and the span), block
+    """Coordinates of chunk ``c`` of a program's span, as 2-D tiles (contiguous columns,
+    so that loads and stores vectorize): row [BR,1], column [1,BLOCK_K], load mask (inside
+    the input) and store mask (inside the padded row and the span) [BR,BLOCK_K], block
     index [1,NBK] and block mask [BR,NBK] (the blocks the program owns)."""
     NBK: tl.constexpr = BLOCK_K // 32
-    inner = c * BLOCK_K + tl.arange(0, NBK)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    r3 = rows[:, None, None]
-    c3 = (col_base + inner)[None, :, :]
-    live = (r3 < R) & (inner < SPAN)[None, :, :]
+    inner = c * BLOCK_K + tl.arange(0, BLOCK_K)
+    r2 = rows[:, None]
+    c2 = (col_base + inner)[None, :]
+    live = (r2 < R) & (inner < SPAN)[None, :]
     first = c * BLOCK_K + tl.arange(0, NBK) * 32
-    block_mask = (rows[:, None] < R) & (first < SPAN)[None, :] & (col_base + first < KP)[None, :]
-    return r3, c3, live & (c3 < K), live & (c3 < KP), (col_base + first)[None, :] // 32, block_mask
+    block_mask = (r2 < R) & (first < SPAN)[None, :] & (col_base + first < KP)[None, :]
+    return r2, c2, live & (c2 < K), live & (c2 < KP), (col_base + first)[None, :] // 32, block_mask
+
+
+@triton.jit
+def blocked(t, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BR, BLOCK_K] -> [BR, BLOCK_K/32, 32] (broadcasting first)."""
+    return tl.reshape(tl.broadcast_to(t, (BLOCK_R, BLOCK_K)), (BLOCK_R, BLOCK_K // 32, 32))
+
+
+@triton.jit
+def flat(t, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BR, BLOCK_K/32, 32] -> [BR, BLOCK_K]."""
+    return tl.reshape(t, (BLOCK_R, BLOCK_K))
 
 
 @triton.jit
@@ -50,7 +64,8 @@ def _bits_at(x, hit):
 
 
 @triton.jit
-def load_blocks(x_ptr, r3, c3, load_mask, stride_r, N_OUT: tl.constexpr):
+def load_blocks(x_ptr, r2, c2, load_mask, stride_r, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                N_OUT: tl.constexpr):
     """Load a chunk as fp32 and take out special blocks and outliers.
 
     Returns (x, rest, special, idx1, bits1, idx2, bits2): x the input (0 outside it);
@@ -58,7 +73,7 @@ def load_blocks(x_ptr, r3, c3, load_mask, stride_r, N_OUT: tl.constexpr):
     holding NaN/Inf; idx/bits are the in-block index (int32) and bf16 bits (int32) of the
     largest and second largest |x| (first index on ties, NaN largest), 0 when unused.
     """
-    x = tl.load(x_ptr + r3 * stride_r + c3, mask=load_mask, other=0.0).to(tl.float32)
+    x = blocked(to_f32(tl.load(x_ptr + r2 * stride_r + c2, mask=load_mask, other=0.0)), BLOCK_R, BLOCK_K)
     mag = tl.abs(x)
     special = tl.max(((x != x) | (mag == float("inf"))).to(tl.int32), axis=2) > 0
     lane = tl.arange(0, 32)[None, None, :]
@@ -89,8 +104,8 @@ def macro_amax(rest):
 
 
 @triton.jit
-def encode_blocks(rest, special, m, r3, c3, KP, seed, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                  HAS_MACRO: tl.constexpr):
+def encode_blocks(rest, special, m, r2, c2, KP, seed, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  HAS_MACRO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """E2M1 codes of ``rest`` divided by the per-row macro factors ``m`` [BR] (ignored
     without macro blocks).
 
@@ -105,7 +120,7 @@ def encode_blocks(rest, special, m, r3, c3, KP, seed, RULE: tl.constexpr, STOCHA
     y = scaled * exp2i(-e)[:, :, None]
     a = tl.abs(y)
     if STOCHASTIC:
-        rand24 = tl.randint(seed, r3 * KP + c3) >> 8
+        rand24 = blocked(tl.randint(seed, r2 * KP + c2) >> 8, BLOCK_R, BLOCK_K)
         code = e2m1_round_stochastic(a, rand24)
     else:
         code = e2m1_round_nearest(a)
@@ -121,7 +136,7 @@ def span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K: tl.con
     span; single-chunk spans compute it from the chunk they already hold instead)."""
     amax = tl.zeros(rows.shape, tl.float32)
     for c in range(NUM_CHUNKS):
-        r3, c3, load_mask, _, _, _ = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
-        _, rest, _, _, _, _, _ = load_blocks(x_ptr, r3, c3, load_mask, stride_r, N_OUT)
+        r2, c2, load_mask, _, _, _ = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
+        _, rest, _, _, _, _, _ = load_blocks(x_ptr, r2, c2, load_mask, stride_r, rows.shape[0], BLOCK_K, N_OUT)
         amax = tl.maximum(amax, macro_amax(rest))
     return macro_factor(amax)

@@ -61,3 +61,12 @@ class KernelLaunch:
     label: str
     multiplies_mx: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    divisible_by_16: tuple[str, ...] = ()
+    """Arguments the launch specializes as multiples of 16, as Triton's JIT does for the
+    usual case: every pointer (torch allocations are aligned) and the listed ints."""
+
+    def attrs(self) -> dict:
+        """``triton.compiler.ASTSource`` attrs: the divisibility the JIT would see."""
+        names = list(self.signature)
+        hinted = {n for n, t in self.signature.items() if t.startswith("*")} | set(self.divisible_by_16)
+        return {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}

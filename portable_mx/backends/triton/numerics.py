@@ -117,6 +117,15 @@ def bf16_round_bits(x):
 
 
 @triton.jit
+def to_f32(v):
+    """fp32 / bf16 / fp16 values -> fp32, exactly. bf16 is widened by its bits: the
+    interpreter's bf16 conversion mangles subnormals."""
+    if v.dtype == tl.bfloat16:
+        return bf16_bits_to_f32(v.to(tl.int16, bitcast=True))
+    return v.to(tl.float32)
+
+
+@triton.jit
 def bf16_bits_to_f32(b):
     """bf16 bits (any int type holding the 16 bits) -> fp32, exactly."""
     return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)

@@ -23,11 +23,11 @@ from .numerics import RULE_IDS, macro_factor
 @triton.jit
 def quantize_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr,
-    R, K, KP, NM, stride_r, seed,
+    R, K, KP, KP2, NM, stride_r, seed,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     RULE: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr,
 ):
-    """q: uint8 [R, KP/2]; s: uint8 [R, KP/32]; m: fp32 [R, NM] (HAS_MACRO);
+    """q: uint8 [R, KP2 = KP/2]; s: uint8 [R, KP/32]; m: fp32 [R, NM] (HAS_MACRO);
     ov: int16 (bf16 bits) and oi: uint8 [R, KP/32, N_OUT] (N_OUT > 0)."""
     NBK: tl.constexpr = BLOCK_K // 32
     pid_k = tl.program_id(1)
@@ -38,18 +38,18 @@ def quantize_kernel(
     if HAS_MACRO and NUM_CHUNKS > 1:
         m = span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K, SPAN, NUM_CHUNKS, N_OUT)
     for c in range(NUM_CHUNKS):
-        r3, c3, load_mask, store_mask, bidx, bmask = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
-        _, rest, special, idx1, bits1, idx2, bits2 = load_blocks(x_ptr, r3, c3, load_mask, stride_r, N_OUT)
+        r2, c2, load_mask, store_mask, bidx, bmask = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
+        _, rest, special, idx1, bits1, idx2, bits2 = load_blocks(x_ptr, r2, c2, load_mask, stride_r, BLOCK_R,
+                                                                 BLOCK_K, N_OUT)
         if HAS_MACRO and NUM_CHUNKS == 1:
             m = macro_factor(macro_amax(rest))
-        _, code, e = encode_blocks(rest, special, m, r3, c3, KP, seed, RULE, STOCHASTIC, HAS_MACRO)
+        _, code, e = encode_blocks(rest, special, m, r2, c2, KP, seed, RULE, STOCHASTIC, HAS_MACRO, BLOCK_R, BLOCK_K)
 
         lo, hi = tl.split(tl.reshape(code, (BLOCK_R, BLOCK_K // 2, 2)))
         packed = (lo | (hi << 4)).to(tl.uint8)
-        pmask = tl.reshape(store_mask, (BLOCK_R, BLOCK_K // 2, 2))
-        pmask, _ = tl.split(pmask)
-        pcol, _ = tl.split(tl.reshape(tl.broadcast_to(c3, code.shape), (BLOCK_R, BLOCK_K // 2, 2)))
-        tl.store(q_ptr + rows[:, None] * (KP // 2) + pcol // 2, packed, mask=pmask)
+        half = c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]  # byte within the span
+        pcol = pid_k * (SPAN // 2) + half
+        tl.store(q_ptr + r2 * KP2 + pcol, packed, mask=(r2 < R) & (half < SPAN // 2) & (pcol < KP2))
 
         sbyte = tl.where(special, 255, e + 127).to(tl.uint8)
         tl.store(s_ptr + rows[:, None] * NB + bidx, sbyte, mask=bmask)
@@ -97,7 +97,7 @@ class Plan:
         return Plan(block_r, block_k, span, chunks, constexprs)
 
 
-_INT_ARGS = ("R", "K", "KP", "NM", "stride_r")
+_INT_ARGS = ("R", "K", "KP", "KP2", "NM", "stride_r")
 
 
 def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, options: dict) -> KernelLaunch:
@@ -110,7 +110,8 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, opt
                  **{a: "i32" for a in _INT_ARGS}, "seed": "i64"}
     signature.update({name: "constexpr" for name in plan.constexprs})
     return KernelLaunch("quantize", quantize_kernel, signature, dict(plan.constexprs), dict(options),
-                        f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {config.label()}")
+                        f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {config.label()}",
+                        divisible_by_16=("K", "KP", "KP2", "stride_r"))
 
 
 def quantize(x: torch.Tensor, recipe: QuantRecipe, config: TileConfig, options: dict):
@@ -136,7 +137,7 @@ def quantize(x: torch.Tensor, recipe: QuantRecipe, config: TileConfig, options: 
         macro if macro is not None else scales,
         ov.view(torch.int16) if ov is not None else scales,
         oi if oi is not None else scales,
-        r, k, kp, nm, x.stride(0), recipe.seed,
+        r, k, kp, kp // 2, nm, x.stride(0), recipe.seed,
         **plan.constexprs, **options,
     )
     return qdata, scales, macro, ov, oi

@@ -6,6 +6,7 @@ lives here."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -61,6 +62,10 @@ class TritonBackend(Backend):
         reference's separately rounded multiplies and adds)."""
         return {**config.options(), "enable_fp_fusion": False}
 
+    def running(self):
+        """Context every kernel launch runs in (nothing by default)."""
+        return contextlib.nullcontext()
+
     def _config(self, op: str, device: torch.device, recipe: Optional[QuantRecipe]) -> tuple[TileConfig, dict]:
         config = self.tile_config(op, self.target(device), recipe)
         return config, self.options(config)
@@ -71,7 +76,8 @@ class TritonBackend(Backend):
         from .quantize import quantize
 
         config, options = self._config("quantize", x.device, recipe)
-        qdata, scales, macro, ov, oi = quantize(_rows_contiguous(x), recipe, config, options)
+        with self.running():
+            qdata, scales, macro, ov, oi = quantize(_rows_contiguous(x), recipe, config, options)
         return MXTensor(qdata=qdata, scales=scales, shape=torch.Size(x.shape), dtype=x.dtype, axis=1,
                         recipe=recipe, macro_scales=macro, outlier_values=ov, outlier_indices=oi)
 
@@ -79,13 +85,15 @@ class TritonBackend(Backend):
         from .dequantize import dequantize
 
         config, options = self._config("dequantize", mx.device, mx.recipe)
-        return dequantize(mx, config, options)
+        with self.running():
+            return dequantize(mx, config, options)
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         from .decompose import decompose
 
         config, options = self._config("decompose", x.device, recipe)
-        return decompose(_rows_contiguous(x), recipe, definition, full, config, options)
+        with self.running():
+            return decompose(_rows_contiguous(x), recipe, definition, full, config, options)
 
     # ------------------------------------------------------------------- for AOT
 

@@ -117,3 +117,34 @@ def test_info_command_prints_table_and_json():
     report = json.loads(res.stdout)
     assert {r["op"] for r in report["routes"]} == set(registry.OPS)
     assert report["devices"][0].startswith("cpu")
+
+
+@pytest.mark.parametrize(
+    "hip, props, backend, reason",
+    [
+        (None, dict(major=9, minor=0), "cuda", None),
+        (None, dict(major=10, minor=3), "cuda", None),  # B300 compiles for sm_100
+        (None, dict(major=8, minor=0), "reference", "sm_80: no portable_mx target"),
+        ("6.4", dict(major=9, minor=4, gcnArchName="gfx950:sramecc+:xnack-"), "rocm", None),
+        ("6.4", dict(major=9, minor=0, gcnArchName="gfx90a:sramecc+:xnack-"), "reference", "gfx90a: no portable_mx target"),
+    ],
+)
+def test_gpu_probe_routes_to_the_vendor_backend_or_says_why(monkeypatch, hip, props, backend, reason):
+    """The cuda/rocm backends probe the device (simulated here: this machine has no GPU).
+    When Triton is interpreting, compiled kernels cannot run and both say so."""
+    from types import SimpleNamespace
+
+    from portable_mx.backends.triton import mode_problem
+
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(**props))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    compiled = mode_problem(interpreted=False)
+    if backend != "reference" and compiled is not None:
+        backend, reason = "reference", "TRITON_INTERPRET=1 is set"
+    rows = {r.op: r for r in registry.routes([torch.device("cuda")])}
+    assert rows["quantize"].backend == backend
+    assert rows["matmul"].backend == "reference"
+    if reason:
+        assert reason in rows["quantize"].why

@@ -4,13 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-from .targets import Target, probe
-from .triton import mode_problem
-from .triton.backend import TritonBackend
+from .triton.backend import CompiledTritonBackend
 from .triton.launch import TileConfig
 
 # Element-wise kernels, sized from the sm_90 compile matrix (registers per thread, no
@@ -25,22 +19,8 @@ TILES = {
 }
 
 
-class CudaBackend(TritonBackend):
+class CudaBackend(CompiledTritonBackend):
     name = "cuda"
     priority = 100
     tiles = TILES
     targets = ("sm_90", "sm_100", "sm_120")
-
-    def unavailable_reason(self, device: torch.device) -> Optional[str]:
-        target, why = probe(device)
-        if target is None:
-            return why
-        if target.vendor != "nvidia":
-            return f"{target.name} is an AMD GPU (the rocm backend serves it)"
-        return mode_problem(interpreted=False)
-
-    def target(self, device: torch.device) -> Optional[Target]:
-        return probe(device)[0]
-
-    def path(self, device: torch.device, op: str) -> str:
-        return "native"

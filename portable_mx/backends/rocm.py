@@ -4,13 +4,7 @@ sizes, waves_per_eu occupancy hints) is here."""
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-from .targets import Target, probe
-from .triton import mode_problem
-from .triton.backend import TritonBackend
+from .triton.backend import CompiledTritonBackend
 from .triton.launch import TileConfig
 
 # wave64: 4 warps are 256 lanes, so 16 x 256 tiles give 16 elements a lane in about 50
@@ -25,22 +19,8 @@ TILES = {
 }
 
 
-class RocmBackend(TritonBackend):
+class RocmBackend(CompiledTritonBackend):
     name = "rocm"
     priority = 100
     tiles = TILES
     targets = ("gfx942", "gfx950")
-
-    def unavailable_reason(self, device: torch.device) -> Optional[str]:
-        target, why = probe(device)
-        if target is None:
-            return why
-        if target.vendor != "amd":
-            return f"{target.name} is an NVIDIA GPU (the cuda backend serves it)"
-        return mode_problem(interpreted=False)
-
-    def target(self, device: torch.device) -> Optional[Target]:
-        return probe(device)[0]
-
-    def path(self, device: torch.device, op: str) -> str:
-        return "native"

@@ -15,7 +15,8 @@ from ...decompose import Decomposition
 from ...recipe import QuantRecipe
 from ...registry import Backend
 from ...tensor import MXTensor
-from ..targets import Target
+from ..targets import Target, probe
+from . import mode_problem
 from .launch import KernelLaunch, TileConfig
 
 # Recipes the compile matrix compiles for each target: every kernel specialization that
@@ -122,3 +123,21 @@ class TritonBackend(Backend):
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """The kernels index rows by stride and need unit stride along K."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class CompiledTritonBackend(TritonBackend):
+    """A Triton backend that compiles its kernels for the GPUs of its ``targets``."""
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        target, why = probe(device)
+        if target is None:
+            return why
+        if target.name not in self.targets:
+            return f"{target.name} ({target.vendor}) is not a {self.name} target ({', '.join(self.targets)})"
+        return mode_problem(interpreted=False)
+
+    def target(self, device: torch.device) -> Optional[Target]:
+        return probe(device)[0]
+
+    def path(self, device: torch.device, op: str) -> str:
+        return "native"

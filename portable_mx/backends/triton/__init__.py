@@ -43,10 +43,12 @@ def mode_problem(interpreted: bool) -> Optional[str]:
         from triton.runtime.interpreter import InterpretedFunction
 
         defined_interpreted = isinstance(module.quantize_kernel, InterpretedFunction)
-        if defined_interpreted != interpreted:
-            now = "interpreted" if defined_interpreted else "compiled"
-            return (f"the Triton kernels were defined {now} (TRITON_INTERPRET changed after they were "
-                    "imported; set it before starting Python)")
+        if defined_interpreted and not interpreted:
+            return ("TRITON_INTERPRET=1 was set when the Triton kernels were defined: this process "
+                    "interprets them")
+        if interpreted and not defined_interpreted:
+            return ("the Triton kernels were defined compiled: TRITON_INTERPRET=1 must be set before "
+                    "they are imported")
         return None
     if interpreting() != interpreted:
         return "TRITON_INTERPRET=1 is set: Triton interprets kernels" if not interpreted else (

@@ -1,21 +1,21 @@
 """AMD: the Triton kernels on gfx942 (MI300X) and gfx950 (MI350X/MI355X), with the gfx
 arch probed from the device. Everything AMD-specific (which architectures, wave64 tile
-sizes, waves_per_eu occupancy hints) is here."""
+sizes and occupancy) is here."""
 
 from __future__ import annotations
 
 from .triton.backend import CompiledTritonBackend
 from .triton.launch import TileConfig
 
-# wave64: 4 warps are 256 lanes, so 16 x 256 tiles give 16 elements a lane in about 50
-# VGPRs on gfx942 (compile matrix); waves_per_eu asks the compiler to budget registers
-# for that many waves per SIMD (latency hiding for a streaming kernel).
-_WAVES = (("waves_per_eu", 2),)
+# wave64: 4 warps are 256 lanes. 8 x 256 tiles give 8 elements a lane in 41-56 VGPRs on
+# gfx942 (compile matrix), for an occupancy of 8 waves per SIMD. No waves_per_eu hint:
+# waves_per_eu=2 capped the occupancy at 2 without lowering VGPRs, which a streaming
+# kernel cannot afford (issue 5 tunes it per shape).
 TILES = {
-    "quantize": TileConfig(16, 256, num_warps=4, extra=_WAVES),
-    "quantize-heavy": TileConfig(8, 256, num_warps=4, extra=_WAVES),
-    "dequantize": TileConfig(16, 256, num_warps=4, extra=_WAVES),
-    "decompose": TileConfig(8, 256, num_warps=8, extra=_WAVES),
+    "quantize": TileConfig(8, 256, num_warps=4),
+    "quantize-heavy": TileConfig(8, 256, num_warps=4),
+    "dequantize": TileConfig(16, 256, num_warps=4),
+    "decompose": TileConfig(8, 256, num_warps=8),
 }
 
 

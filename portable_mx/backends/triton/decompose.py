@@ -15,7 +15,7 @@ import triton.language as tl
 from ...decompose import DEFINITIONS, Decomposition
 from ...recipe import QuantRecipe
 from .dequantize import decode_blocks
-from .encode import chunk, encode_blocks, flat, load_blocks, macro_amax, span_macro_factor
+from .encode import chunk, encode_blocks, flat, load_blocks, macro_amax, span_start
 from .launch import POINTER_TYPES, KernelLaunch, TileConfig
 from .numerics import e2m1_round_nearest, e2m1_value, macro_factor
 from .quantize import Plan
@@ -72,14 +72,9 @@ def decompose_kernel(
     """x: float [R, K] (finite); stats: fp32 [8, R, KP/32] in the order of STATS;
     full: fp32 [4, R, KP] in the order of COMPONENTS (written when FULL), FULL_PLANE = R * KP."""
     NBK: tl.constexpr = BLOCK_K // 32
-    pid_k = tl.program_id(1)
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    col_base = pid_k * SPAN
+    rows, col_base, m = span_start(x_ptr, R, K, KP, stride_r, BLOCK_R, BLOCK_K, SPAN, NUM_CHUNKS, HAS_MACRO, N_OUT)
     NB = KP // 32
     lane = tl.arange(0, 32)[None, None, :]
-    m = tl.full([BLOCK_R], 1.0, tl.float32)
-    if HAS_MACRO and NUM_CHUNKS > 1:
-        m = span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K, SPAN, NUM_CHUNKS, N_OUT)
     for c in range(NUM_CHUNKS):
         r2, c2, load_mask, store_mask, bidx, bmask = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
         x, rest, special, idx1, bits1, idx2, bits2 = load_blocks(x_ptr, r2, c2, load_mask, stride_r, BLOCK_R,

@@ -140,3 +140,16 @@ def span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K: tl.con
         _, rest, _, _, _, _, _ = load_blocks(x_ptr, r2, c2, load_mask, stride_r, rows.shape[0], BLOCK_K, N_OUT)
         amax = tl.maximum(amax, macro_amax(rest))
     return macro_factor(amax)
+
+
+@triton.jit
+def span_start(x_ptr, R, K, KP, stride_r, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+               NUM_CHUNKS: tl.constexpr, HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr):
+    """This program's rows (int64 [BR]), first column, and macro factors [BR]: computed
+    here for a span of several chunks, else 1 (the chunk loop computes them)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    col_base = tl.program_id(1) * SPAN
+    m = tl.full([BLOCK_R], 1.0, tl.float32)
+    if HAS_MACRO and NUM_CHUNKS > 1:
+        m = span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K, SPAN, NUM_CHUNKS, N_OUT)
+    return rows, col_base, m

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...recipe import QuantRecipe
-from .encode import chunk, encode_blocks, load_blocks, macro_amax, span_macro_factor
+from .encode import chunk, encode_blocks, load_blocks, macro_amax, span_start
 from .launch import POINTER_TYPES, KernelLaunch, TileConfig
 from .numerics import RULE_IDS, macro_factor
 
@@ -29,14 +29,9 @@ def quantize_kernel(
 ):
     """q: uint8 [R, KP2 = KP/2]; s: uint8 [R, KP/32]; m: fp32 [R, NM] (HAS_MACRO);
     ov: int16 (bf16 bits) and oi: uint8 [R, KP/32, N_OUT] (N_OUT > 0)."""
-    NBK: tl.constexpr = BLOCK_K // 32
     pid_k = tl.program_id(1)
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    col_base = pid_k * SPAN
+    rows, col_base, m = span_start(x_ptr, R, K, KP, stride_r, BLOCK_R, BLOCK_K, SPAN, NUM_CHUNKS, HAS_MACRO, N_OUT)
     NB = KP // 32
-    m = tl.full([BLOCK_R], 1.0, tl.float32)
-    if HAS_MACRO and NUM_CHUNKS > 1:
-        m = span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K, SPAN, NUM_CHUNKS, N_OUT)
     for c in range(NUM_CHUNKS):
         r2, c2, load_mask, store_mask, bidx, bmask = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
         _, rest, special, idx1, bits1, idx2, bits2 = load_blocks(x_ptr, r2, c2, load_mask, stride_r, BLOCK_R,

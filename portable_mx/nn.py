@@ -21,13 +21,13 @@ Operand = Union[torch.Tensor, MXTensor]
 class _MXMatmulSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:  # type: ignore[override]
-        from .ops import _as_mx, _matmul_mx, dequantize
+        from .ops import _as_mx, _flatten_batch, dequantize, gemm
 
         a_mx, b_mx = _as_mx(a, recipe, -1), _as_mx(b, recipe, 0)
         out_dtype = a_mx.dtype
         ctx.dtypes = (a_mx.dtype, b_mx.dtype)
         ctx.save_for_backward(dequantize(a_mx, dtype=torch.float32), dequantize(b_mx, dtype=torch.float32))
-        return _matmul_mx(a_mx, b_mx).to(out_dtype)
+        return gemm(_flatten_batch(a_mx), b_mx, recipe).reshape(*a_mx.shape[:-1], -1).to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
@@ -42,6 +42,6 @@ class _MXMatmulSTE(torch.autograd.Function):
         return grad_a, grad_b, None
 
 
-def mx_matmul_ste(a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:
+def mx_matmul(a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:
     """MXFP4 ``a @ b`` (see :func:`portable_mx.matmul`) with a straight-through backward."""
     return _MXMatmulSTE.apply(a, b, recipe)

@@ -232,14 +232,17 @@ def _operand_info(t: Operand, name: str) -> tuple[torch.dtype, torch.device, tor
 
 
 def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torch.Tensor:
-    """``a @ b`` computed on the MXFP4 operands, with fp32 accumulation.
+    """``a @ b`` on MXFP4 operands with fp32 accumulation.
 
     a: float ``[..., M, K]`` (leading dims are batch, flattened) or an MXTensor quantized
     along its last axis; b: float ``[K, N]`` or an MXTensor of shape (K, N) quantized along
-    axis 0. Float operands are quantized with ``recipe`` (MXTensor operands keep theirs).
-    Returns ``[..., M, N]`` in a's (original) dtype. The product is exactly that of the
-    dequantized operands up to fp32 accumulation order. Under autograd the backward is
-    straight-through: gradients are those of the dequantized product (fp32).
+    axis 0 (the weight). Float operands are quantized with ``recipe`` (MXTensor operands
+    keep theirs); with ``recipe.activations`` "bf16"/"fp16" a float ``a`` is rounded to that
+    format instead (W4A16). Returns ``[..., M, N]`` in a's (original) dtype.
+
+    Exact up to accumulation order: the result is the fp32-accumulated product of the
+    dequantized operands, rounded once to a's dtype. Under autograd the backward GEMMs
+    follow ``recipe.grad_input`` / ``recipe.grad_weight`` (see :mod:`portable_mx.nn`).
     """
     recipe = _recipe(recipe)
     a_dtype, a_dev, a_shape = _operand_info(a, "a")
@@ -269,22 +272,41 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
         isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b)
     )
     if needs_grad:
-        from .nn import mx_matmul_ste
+        from .nn import mx_matmul
 
-        return mx_matmul_ste(a, b, recipe)
-    return _matmul_mx(_as_mx(a, recipe, -1), _as_mx(b, recipe, 0)).to(a_dtype)
+        return mx_matmul(a, b, recipe)
+    return gemm(_flatten_batch(a), b, recipe).to(a_dtype).reshape(out_shape)
+
+
+def _flatten_batch(a: Operand) -> Operand:
+    """a [..., M, K] (tensor or MXTensor along its last axis) -> [M', K]."""
+    if isinstance(a, MXTensor):
+        return a if len(a.shape) == 2 else _mx_rows(a)
+    return a.reshape(-1, a.shape[-1])
 
 
 def _as_mx(t: Operand, recipe: QuantRecipe, axis: int) -> MXTensor:
     return t if isinstance(t, MXTensor) else quantize(t, recipe, axis=axis)
 
 
-def _matmul_mx(a: MXTensor, b: MXTensor) -> torch.Tensor:
-    """fp32 ``[..., M, N]`` product of MXTensor a (quantized along its last axis) and
-    b (K, N) quantized along axis 0."""
-    a_rows, b_rows = _mx_rows(a), _mx_rows(b)
-    out = registry.select("matmul", a.device).matmul(a_rows, b_rows)
-    return out.reshape(*a.shape[:-1], b.shape[1])
+def left_operand(a: Operand, recipe: QuantRecipe) -> Union[MXTensor, torch.Tensor]:
+    """The left GEMM operand as a backend takes it: an MXTensor quantized along the last
+    axis, or, for a float ``a`` with 16-bit ``recipe.activations``, ``a`` rounded to
+    that format (round to nearest even)."""
+    if isinstance(a, MXTensor) or recipe.quantizes_activations:
+        return _as_mx(a, recipe, -1)
+    return a.to(torch.bfloat16 if recipe.activations == "bf16" else torch.float16)
+
+
+def gemm(a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:
+    """The forward GEMM without autograd: fp32 ``[M, N]`` for a ``[M, K]`` (float or
+    MXTensor along axis 1) and b ``[K, N]`` (float or MXTensor along axis 0), quantized
+    per ``recipe`` (see :func:`matmul`). Inputs must already be validated."""
+    a_op = left_operand(a, recipe)
+    b_rows = _mx_rows(_as_mx(b, recipe, 0))
+    if isinstance(a_op, MXTensor):
+        a_op = _mx_rows(a_op)
+    return registry.select("matmul", b_rows.device).matmul(a_op, b_rows)
 
 
 # ----------------------------------------------------------------------------- discovery

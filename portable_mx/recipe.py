@@ -1,4 +1,5 @@
-"""QuantRecipe: every choice that changes the bytes an MXFP4 quantizer writes."""
+"""QuantRecipe: every choice that changes the bytes an MXFP4 quantizer writes, and which
+operands of a GEMM (forward and backward) are quantized at all."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from .format import BLOCK_SIZE
 
 ScaleRuleName = Literal["floor", "rceil", "even", "ceil"]
 RoundingName = Literal["nearest", "stochastic"]
+ActivationsName = Literal["mxfp4", "bf16", "fp16"]
+GradGemmName = Literal["mxfp4", "high"]
 
 
 class QuantRecipe(BaseModel):
@@ -24,6 +27,15 @@ class QuantRecipe(BaseModel):
       [0, 2**63). The counter of an element is its flat index in the [rows, K_padded] view.
     - ``macro_block``: None, or the macro-block length along K, a positive multiple of 32.
     - ``outliers_per_block``: 0, 1 or 2 elements per 32-block kept exactly in bf16.
+    - ``activations``: the left operand of :func:`portable_mx.matmul` (activations, and the
+      output gradient in the backward dX GEMM): "mxfp4" (A4W4, the default) or "bf16" /
+      "fp16" (W4A16: rounded once to that 16-bit format, never quantized; the weight-only
+      recipe). The right operand (the weight) is always MXFP4.
+    - ``grad_input``: the backward GEMM dX = dY @ W^T: "mxfp4" quantizes dY and the
+      high-precision W along N (their reduction axis); "high" multiplies them unquantized.
+    - ``grad_weight``: the backward GEMM dW = X^T @ dY: "mxfp4" quantizes X and dY along M;
+      "high" multiplies them unquantized. With 16-bit ``activations`` it is always "high"
+      (weight-only quantization quantizes no activation).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -33,6 +45,9 @@ class QuantRecipe(BaseModel):
     seed: int = Field(default=0, ge=0, lt=2**63)
     macro_block: Optional[int] = None
     outliers_per_block: Literal[0, 1, 2] = 0
+    activations: ActivationsName = "mxfp4"
+    grad_input: GradGemmName = "mxfp4"
+    grad_weight: GradGemmName = "mxfp4"
 
     @model_validator(mode="before")
     @classmethod
@@ -61,8 +76,14 @@ class QuantRecipe(BaseModel):
             )
         return self
 
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether the left GEMM operand is MXFP4 (A4W4) rather than 16-bit (W4A16)."""
+        return self.activations == "mxfp4"
+
     def describe(self) -> str:
-        """A short human-readable tag, e.g. ``floor/nearest`` or ``rceil/MBS-128/OF-1``."""
+        """A short human-readable tag, e.g. ``floor/nearest``, ``rceil/MBS-128/OF-1`` or
+        ``floor/nearest/W4A16-bf16``."""
         parts = [self.scale_rule, self.rounding]
         if self.rounding == "stochastic":
             parts[-1] += f"(seed={self.seed})"
@@ -70,6 +91,11 @@ class QuantRecipe(BaseModel):
             parts.append(f"MBS-{self.macro_block}")
         if self.outliers_per_block:
             parts.append(f"OF-{self.outliers_per_block}")
+        if not self.quantizes_activations:
+            parts.append(f"W4A16-{self.activations}")
+        for name in ("grad_input", "grad_weight"):
+            if getattr(self, name) == "high":
+                parts.append(f"{name}=high")
         return "/".join(parts)
 
 

@@ -62,8 +62,10 @@ class Backend:
         """x: finite float [R, K] -> Decomposition in rows layout ([R, Kp] / [R, Kp/32])."""
         raise NotImplementedError
 
-    def matmul(self, a: "MXTensor", b: "MXTensor") -> torch.Tensor:
-        """a: (M, K) axis 1, b: (N, K) axis 1 (b transposed) -> fp32 [M, N]."""
+    def matmul(self, a: "MXTensor | torch.Tensor", b: "MXTensor") -> torch.Tensor:
+        """a: MXTensor (M, K) axis 1, or a bf16/fp16 tensor [M, K] (W4A16); b: MXTensor
+        (N, K) axis 1 (b transposed) -> fp32 [M, N], the product of the dequantized
+        operands up to fp32 accumulation order."""
         raise NotImplementedError
 
 

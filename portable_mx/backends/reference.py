@@ -189,6 +189,8 @@ class ReferenceBackend(Backend):
             full=full,
         )
 
-    def matmul(self, a: MXTensor, b: MXTensor) -> torch.Tensor:
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
+        bq = decode_rows(b)[:, : b.k]
+        aq = a.to(torch.float32) if isinstance(a, torch.Tensor) else decode_rows(a)[:, : a.k]
         with _HighestPrecision():
-            return decode_rows(a) @ decode_rows(b).T
+            return aq @ bq.T

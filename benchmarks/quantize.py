@@ -22,18 +22,25 @@ and exits with status 2, writing nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import re
-import statistics
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-EXIT_NO_GPU = 2
+from common import (  # noqa: F401  (EXIT_NO_GPU, slug and time_ms stay importable from here)
+    EXIT_NO_GPU,
+    add_device_args,
+    add_timing_args,
+    default_out,
+    gpu_device,
+    no_gpu,
+    result_header,
+    slug,
+    time_ms,
+    write_result,
+)
+
 GOAL_RECIPE = "default"
 GOAL_RATIO = 0.85
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 
@@ -62,30 +69,6 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def slug(name: str) -> str:
-    """A file-name-safe form of a device name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
-
-
-def time_ms(fn: Callable[[], Any], repeats: int, warmup: int, inner: int) -> float:
-    """Median milliseconds per call of ``fn`` on the current CUDA stream (see module doc)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) / inner
-
-
 def _gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
@@ -94,12 +77,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="portable_mx quantize throughput vs a device-to-device copy")
     p.add_argument("--shape", type=parse_shape, default=(8192, 8192), help="input shape, e.g. 8192x8192 (quantized along the last axis)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
-    p.add_argument("--repeats", type=int, default=50, help="timed samples per measurement (median taken)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed calls first (compiles, autotunes)")
-    p.add_argument("--inner", type=int, default=10, help="back-to-back calls per timed sample")
+    add_timing_args(p)
     p.add_argument("--recipes", default=None, help=f"comma-separated subset of {','.join(['default', 'rceil', 'mbs128', 'of2', 'stochastic'])}")
-    p.add_argument("--device", default="cuda", help="the CUDA/ROCm device (default cuda, i.e. cuda:0)")
-    p.add_argument("--out", default=None, help="result JSON path (default benchmarks/results/quantize-<device>.json)")
+    add_device_args(p, "quantize")
     return p.parse_args(argv)
 
 
@@ -107,22 +87,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print(
-            "benchmarks/quantize.py: no GPU: torch sees no CUDA or ROCm device "
-            f"(torch {torch.__version__}, torch.cuda.is_available() is False). "
-            "This benchmark needs one; nothing was measured or written.",
-            file=sys.stderr,
-        )
+    if no_gpu("benchmarks/quantize.py"):
         return EXIT_NO_GPU
 
     import portable_mx as pmx
     from portable_mx import registry
 
-    device = torch.device(args.device)
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    torch.cuda.set_device(device)
+    device = gpu_device(args.device)
     dtype = getattr(torch, DTYPES[args.dtype])
     chosen = recipes()
     if args.recipes:
@@ -157,20 +128,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "ratio_to_copy": bw / copy_bw,
         })
 
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception as err:
-        triton_version = f"not importable ({type(err).__name__})"
     goal = next((r for r in rows if r["name"] == GOAL_RECIPE), None)
     result = {
-        "benchmark": "quantize",
-        "device": name,
-        "device_slug": slug(name),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"portable_mx": pmx.__version__, "torch": torch.__version__, "triton": triton_version,
-                     "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)},
+        **result_header("quantize", name),
         "shape": list(args.shape),
         "dtype": str(dtype).replace("torch.", ""),
         "repeats": args.repeats,
@@ -183,7 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "met": bool(goal and goal["ratio_to_copy"] >= GOAL_RATIO)},
     }
 
-    print(f"{name}  shape {'x'.join(map(str, args.shape))} {result['dtype']}  torch {torch.__version__}  triton {triton_version}")
+    print(f"{name}  shape {'x'.join(map(str, args.shape))} {result['dtype']}  torch {torch.__version__}  "
+          f"triton {result['versions']['triton']}")
     print(f"copy      {copy_ms * 1e3:9.1f} us  {copy_bw:8.1f} GB/s")
     for r in rows:
         print(f"{r['name']:<10}{r['time_ms'] * 1e3:9.1f} us  {r['bandwidth_gbps']:8.1f} GB/s  "
@@ -191,12 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if goal:
         print(f"goal: {GOAL_RECIPE} ratio >= {GOAL_RATIO}: {'met' if result['goal']['met'] else 'NOT met'}")
 
-    out = args.out or os.path.join(RESULTS_DIR, f"quantize-{slug(name)}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    print(f"written to {out}")
+    write_result(result, args.out or default_out("quantize", name))
     return 0
 
 

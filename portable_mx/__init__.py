@@ -1,10 +1,13 @@
 """portable_mx: MXFP4 quantize, decompose and matmul on any device.
 
 Public API: :func:`quantize`, :func:`dequantize`, :func:`decompose`, :func:`matmul`,
-:func:`backends`, :class:`QuantRecipe`, :class:`MXTensor`, :class:`Decomposition`.
+:func:`backends`, :class:`QuantRecipe`, :class:`MXTensor`, :class:`Decomposition`, and the
+training module :mod:`portable_mx.nn` (:class:`~portable_mx.nn.MXLinear`,
+:func:`~portable_mx.nn.convert`).
 """
 
 from . import backends as _backends  # noqa: F401  (registers the shipped backends)
+from . import nn  # registers the portable_mx:: torch custom ops
 from .decompose import Decomposition
 from .ops import backends, decompose, dequantize, matmul, quantize
 from .recipe import QuantRecipe
@@ -20,5 +23,6 @@ __all__ = [
     "decompose",
     "dequantize",
     "matmul",
+    "nn",
     "quantize",
 ]

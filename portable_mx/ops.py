@@ -264,10 +264,6 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     if isinstance(b, MXTensor) and b.axis != 0:
         raise ValueError(f"an MXTensor b must be quantized along axis 0 (K); it is along axis {b.axis}")
 
-    out_shape = (*a_shape[:-1], b_shape[1])
-    if math.prod(out_shape) == 0 or a_shape[-1] == 0:
-        return torch.zeros(out_shape, dtype=a_dtype, device=a_dev)
-
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b)
     )
@@ -275,6 +271,7 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
         from .nn import mx_matmul
 
         return mx_matmul(a, b, recipe)
+    out_shape = (*a_shape[:-1], b_shape[1])
     return gemm(_flatten_batch(a), b, recipe).to(a_dtype).reshape(out_shape)
 
 
@@ -282,7 +279,7 @@ def _flatten_batch(a: Operand) -> Operand:
     """a [..., M, K] (tensor or MXTensor along its last axis) -> [M', K]."""
     if isinstance(a, MXTensor):
         return a if len(a.shape) == 2 else _mx_rows(a)
-    return a.reshape(-1, a.shape[-1])
+    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
 def _as_mx(t: Operand, recipe: QuantRecipe, axis: int) -> MXTensor:
@@ -302,6 +299,9 @@ def gemm(a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:
     """The forward GEMM without autograd: fp32 ``[M, N]`` for a ``[M, K]`` (float or
     MXTensor along axis 1) and b ``[K, N]`` (float or MXTensor along axis 0), quantized
     per ``recipe`` (see :func:`matmul`). Inputs must already be validated."""
+    m, k, n = a.shape[0], a.shape[-1], b.shape[1]
+    if m == 0 or k == 0 or n == 0:
+        return torch.zeros(m, n, dtype=torch.float32, device=b.device)
     a_op = left_operand(a, recipe)
     b_rows = _mx_rows(_as_mx(b, recipe, 0))
     if isinstance(a_op, MXTensor):

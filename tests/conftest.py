@@ -37,3 +37,20 @@ def mx_backend(request, monkeypatch):
     """Run the test with PORTABLE_MX_BACKEND set to each CPU backend in turn."""
     monkeypatch.setenv(registry.ENV_BACKEND, request.param)
     return request.param
+
+
+def kernel_backends() -> list[tuple[str, str]]:
+    """(backend name, device) pairs that run the Triton kernels in this process: the
+    interpreter on the CPU, or the compiled kernels on a GPU."""
+    out = []
+    for name, device in (("triton-interpret", "cpu"), ("cuda", "cuda"), ("rocm", "cuda")):
+        if registry.get(name).unavailable_reason(torch.device(device)) is None:
+            out.append((name, device))
+    return out
+
+
+@pytest.fixture(params=kernel_backends(), ids=[n for n, _ in kernel_backends()])
+def kernel(request):
+    """(backend, device) of each backend that runs the Triton kernels here."""
+    name, device = request.param
+    return registry.get(name), device

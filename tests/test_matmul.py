@@ -1,5 +1,6 @@
 """matmul: equal to the fp64 product of the dequantized operands up to fp32 accumulation,
-on every recipe and layout; clear errors for bad input; straight-through autograd."""
+on every recipe and layout; clear errors for bad input; straight-through autograd with
+the backward GEMMs the recipe selects (the details are in tests/test_nn.py)."""
 
 import pytest
 import torch
@@ -93,16 +94,26 @@ def test_nan_in_a_block_poisons_only_its_row():
     assert out[1].isnan().all() and out[[0, 2, 3]].isfinite().all()
 
 
-def test_straight_through_gradients():
+@pytest.mark.parametrize("grads", ["high", "mxfp4"])
+def test_straight_through_gradients(grads):
+    """The quantizer's derivative is taken as 1; the backward GEMMs dX = dY @ B^T and
+    dW = A^T @ dY are unquantized with grad_input/grad_weight "high", and with "mxfp4"
+    multiply operands quantized along their own reduction axes (N for dX, M for dW)."""
     a = rand(5, 70, seed=5).requires_grad_()
     b = rand(70, 6, seed=6).requires_grad_()
     g = rand(5, 6, seed=7)
-    recipe = pmx.QuantRecipe(macro_block=64)
+    recipe = pmx.QuantRecipe(macro_block=64, grad_input=grads, grad_weight=grads)
     out = pmx.matmul(a, b, recipe)
     out.backward(g)
-    aq = pmx.dequantize(pmx.quantize(a.detach(), recipe)).double()
-    bq = pmx.dequantize(pmx.quantize(b.detach(), recipe, axis=0)).double()
-    assert torch.allclose(a.grad.double(), g.double() @ bq.T, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(b.grad.double(), aq.T @ g.double(), rtol=1e-5, atol=1e-6)
+    a_hp, b_hp = a.detach(), b.detach()
+    if grads == "high":
+        assert_fp32_accumulation_close(a.grad, g, b_hp.T)
+        assert_fp32_accumulation_close(b.grad, a_hp.T, g)
+    else:
+        def q(x, axis):
+            return pmx.dequantize(pmx.quantize(x, recipe, axis=axis))
+
+        assert_fp32_accumulation_close(a.grad, q(g, 1), q(b_hp, 1).T)
+        assert_fp32_accumulation_close(b.grad, q(a_hp, 0).T, q(g, 0))
     with torch.no_grad():
         assert torch.equal(out.detach(), pmx.matmul(a, b, recipe))

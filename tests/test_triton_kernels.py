@@ -19,28 +19,14 @@ from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.backends.triton import mode_problem
 from portable_mx.recipe import QuantRecipe as QR
 
+from conftest import kernel_backends
+
 REF = ReferenceBackend()
 EPS = 2.0**-24  # fp32 unit roundoff
 
 
-def _kernel_backends():
-    """(backend name, device) pairs that run the Triton kernels in this process."""
-    out = []
-    for name, device in (("triton-interpret", "cpu"), ("cuda", "cuda"), ("rocm", "cuda")):
-        backend = registry.get(name)
-        if backend.unavailable_reason(torch.device(device)) is None:
-            out.append((name, device))
-    return out
-
-
-KERNELS = _kernel_backends()
+KERNELS = kernel_backends()
 pytestmark = pytest.mark.skipif(not KERNELS, reason="no backend runs the Triton kernels here")
-
-
-@pytest.fixture(params=KERNELS, ids=[n for n, _ in KERNELS])
-def kernel(request):
-    name, device = request.param
-    return registry.get(name), device
 
 
 def sample(shape, seed, dtype=torch.float32, specials=True):

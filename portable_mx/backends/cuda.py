@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from .triton.backend import CompiledTritonBackend
-from .triton.launch import TileConfig
+from .triton.launch import GemmConfig, TileConfig
 
 # Element-wise kernels, sized from the sm_90 compile matrix (registers per thread, no
 # spills): 8 x 256 tiles on 4 warps hold 16 elements a thread in about 64 registers;
@@ -18,9 +18,50 @@ TILES = {
     "decompose": TileConfig(4, 256, num_warps=8),
 }
 
+# GEMM defaults per target until a tuned config is found (issue 5). The native
+# block-scaled MMA of sm_100 (tcgen05 ... block_scale) needs an M tile of at least 128 and
+# 4 or 8 warps; sm_120's mma.sync ... block_scale has ~100 KB of shared memory per SM;
+# sm_90 upcasts MXFP4 to bf16 in registers and runs wgmma, where W4A16 is the fast path.
+# Small M (decode): narrow N tiles and deep K steps keep every SM streaming the weight.
+# "-heavy" (MBS or OF operands) tiles are the largest of the sweep that spill no
+# registers with outliers on both sides (compile matrix, ptxas -v).
+GEMM_TILES = {
+    "sm_100": {
+        "a4w4": GemmConfig(128, 128, 256, num_warps=8, num_stages=3),
+        "a4w4-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+        "a4w4-small": GemmConfig(128, 64, 256, num_warps=4, num_stages=4),
+        "a4w4-small-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+        "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+        "w4a16-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=2),
+        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=4),
+        "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
+    },
+    "sm_120": {
+        "a4w4": GemmConfig(128, 64, 128, num_warps=4, num_stages=2),
+        "a4w4-heavy": GemmConfig(64, 32, 64, num_warps=4, num_stages=2),
+        "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+        "a4w4-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=2),
+        "w4a16": GemmConfig(128, 64, 128, num_warps=8, num_stages=2),
+        "w4a16-heavy": GemmConfig(64, 64, 64, num_warps=4, num_stages=2),
+        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+        "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=2),
+    },
+    "sm_90": {
+        "a4w4": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+        "a4w4-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+        "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=4),
+        "a4w4-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
+        "w4a16": GemmConfig(128, 64, 128, num_warps=8, num_stages=3),
+        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=4),
+        "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
+    },
+}
+
 
 class CudaBackend(CompiledTritonBackend):
     name = "cuda"
     priority = 100
     tiles = TILES
+    gemm_tiles = GEMM_TILES
+    scale_layouts = {"sm_100": "blackwell"}
     targets = ("sm_90", "sm_100", "sm_120")

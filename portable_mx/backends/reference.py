@@ -147,7 +147,7 @@ def to_mxtensor(enc: Encoded, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
     )
 
 
-class _HighestPrecision:
+class HighestPrecision:
     """Context: fp32 matmuls in full fp32 (no TF32) while inside."""
 
     def __enter__(self) -> None:
@@ -192,5 +192,5 @@ class ReferenceBackend(Backend):
     def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
         bq = decode_rows(b)[:, : b.k]
         aq = a.to(torch.float32) if isinstance(a, torch.Tensor) else decode_rows(a)[:, : a.k]
-        with _HighestPrecision():
+        with HighestPrecision():
             return aq @ bq.T

@@ -5,7 +5,7 @@ sizes and occupancy) is here."""
 from __future__ import annotations
 
 from .triton.backend import CompiledTritonBackend
-from .triton.launch import TileConfig
+from .triton.launch import GemmConfig, TileConfig
 
 # wave64: 4 warps are 256 lanes. 8 x 256 tiles give 8 elements a lane in 41-56 VGPRs on
 # gfx942 (compile matrix), for an occupancy of 8 waves per SIMD. No waves_per_eu hint:
@@ -18,9 +18,33 @@ TILES = {
     "decompose": TileConfig(8, 256, num_warps=8),
 }
 
+# GEMM defaults per target until a tuned config is found (issue 5). gfx950's native
+# v_mfma_scale_f32_{16x16x128,32x32x64}_f8f6f4 needs kpack=1 and matrix_instr_nonkdim
+# 16 or 32; gfx942 upcasts MXFP4 to bf16 (fp16 beside an fp16 operand) for its MFMA.
+_AMD = (("kpack", 1), ("matrix_instr_nonkdim", 16))
+GEMM_TILES = {
+    "gfx950": {
+        "a4w4": GemmConfig(128, 128, 256, num_warps=8, num_stages=2, extra=_AMD),
+        "a4w4-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=2, extra=_AMD),
+        "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD),
+        "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=2, extra=_AMD),
+        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD),
+    },
+    "gfx942": {
+        "a4w4": GemmConfig(128, 128, 128, num_warps=8, num_stages=2, extra=_AMD),
+        "a4w4-heavy": GemmConfig(64, 64, 128, num_warps=4, num_stages=2, extra=_AMD),
+        "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD),
+        "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=2, extra=_AMD),
+        "w4a16-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=2, extra=_AMD),
+        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD),
+    },
+}
+
 
 class RocmBackend(CompiledTritonBackend):
     name = "rocm"
     priority = 100
     tiles = TILES
+    gemm_tiles = GEMM_TILES
+    scale_layouts = {"gfx950": "cdna4"}
     targets = ("gfx942", "gfx950")

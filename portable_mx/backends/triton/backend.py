@@ -17,7 +17,7 @@ from ...registry import Backend
 from ...tensor import MXTensor
 from ..targets import Target, probe
 from . import mode_problem
-from .launch import KernelLaunch, TileConfig
+from .launch import GemmConfig, KernelLaunch, TileConfig
 
 # Recipes the compile matrix compiles for each target: every kernel specialization that
 # changes the generated code in kind (rules differ by a few integer ops; the heaviest
@@ -34,14 +34,28 @@ _AOT_RECIPES = (
 _AOT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
-class TritonBackend(Backend):
-    """quantize, dequantize and decompose with the Triton kernels of this package.
+def _aot_gemms():
+    """The operand kinds the compile matrix compiles the GEMM for: A4W4 plain, MBS (per
+    tile and in the epilogue) and OF on both sides; W4A16 in bf16 and fp16, with MBS and
+    with weight outliers."""
+    from .gemm import Operand
 
-    Subclasses set ``name``, ``priority``, ``targets`` and ``tiles`` and implement
-    :meth:`unavailable_reason` and :meth:`target`.
+    mx, bf16 = Operand(None, None, 0), Operand(torch.bfloat16, None, 0)
+    return (
+        (mx, mx), (Operand(None, 128, 0), Operand(None, 128, 0)), (Operand(None, 8192, 0), Operand(None, 8192, 0)),
+        (Operand(None, None, 1), Operand(None, 128, 2)),
+        (bf16, mx), (Operand(torch.float16, None, 0), mx), (bf16, Operand(None, 128, 0)), (bf16, Operand(None, None, 2)),
+    )
+
+
+class TritonBackend(Backend):
+    """quantize, dequantize, decompose and matmul with the Triton kernels of this package.
+
+    Subclasses set ``name``, ``priority``, ``targets``, ``tiles`` and ``gemm_tiles`` and
+    implement :meth:`unavailable_reason` and :meth:`target`.
     """
 
-    ops = frozenset({"quantize", "dequantize", "decompose"})
+    ops = frozenset({"quantize", "dequantize", "decompose", "matmul"})
     targets: tuple[str, ...] = ()
     """Names of the compile targets (targets.TARGETS) this backend launches on."""
 
@@ -58,7 +72,31 @@ class TritonBackend(Backend):
         heavy = recipe is not None and (recipe.rounding == "stochastic" or recipe.outliers_per_block > 0)
         return self.tiles["quantize-heavy" if op == "quantize" and heavy else op]
 
-    def options(self, config: TileConfig) -> dict:
+    gemm_tiles: dict[str, dict[str, GemmConfig]] = {}
+    """GEMM configs per target name ("interpret" for the interpreter), keyed "a4w4" or
+    "w4a16" (16-bit left operand), plus "-small" for M <= SMALL_M, plus "-heavy" when an
+    operand has macro factors or outliers (their extra accumulator and correction dots
+    need smaller tiles to stay in registers); a missing "-heavy" key falls back to the
+    key without it."""
+
+    SMALL_M = 16
+
+    scale_layouts: dict[str, str] = {}
+    """The storage layout of the weight's scales in the GEMM per target name
+    (``layouts.LAYOUTS``; "plain" where absent)."""
+
+    def scale_layout(self, target: Optional[Target]):
+        from .layouts import LAYOUTS
+
+        return LAYOUTS[self.scale_layouts.get(target.name, "plain") if target is not None else "plain"]
+
+    def gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype], heavy: bool) -> GemmConfig:
+        """The GEMM config for an M-row left operand of ``a_format`` (None: MXFP4)."""
+        key = ("a4w4" if a_format is None else "w4a16") + ("-small" if m <= self.SMALL_M else "")
+        tiles = self.gemm_tiles[target.name if target is not None else "interpret"]
+        return tiles.get(key + "-heavy", tiles[key]) if heavy else tiles[key]
+
+    def options(self, config: TileConfig | GemmConfig) -> dict:
         """Launch options: the config's, and no FMA contraction (results must match the
         reference's separately rounded multiplies and adds)."""
         return {**config.options(), "enable_fp_fusion": False}
@@ -96,12 +134,23 @@ class TritonBackend(Backend):
         with self.running():
             return decompose(_rows_contiguous(x), recipe, definition, full, config, options)
 
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
+        from .gemm import matmul
+
+        a_format = a.dtype if isinstance(a, torch.Tensor) else None
+        heavy = any(isinstance(t, MXTensor) and (t.macro_scales is not None or t.outlier_values is not None)
+                    for t in (a, b))
+        target = self.target(b.device)
+        config = self.gemm_config(target, a.shape[0], a_format, heavy)
+        with self.running():
+            return matmul(a, b, config, self.options(config), self.scale_layout(target))
+
     # ------------------------------------------------------------------- for AOT
 
     def launches(self, target: Target) -> list[KernelLaunch]:
         """Every (kernel, specialization, config) this backend launches on ``target``,
         for the compile matrix."""
-        from . import decompose, dequantize, quantize
+        from . import decompose, dequantize, gemm, quantize
 
         out = []
         for recipe in _AOT_RECIPES:
@@ -117,6 +166,14 @@ class TritonBackend(Backend):
                                          (QuantRecipe(macro_block=4096), "gain", True)):
             config = self.tile_config("decompose", target, recipe)
             out.append(decompose.launch_spec(torch.float32, recipe, definition, full, config, self.options(config)))
+        seen = set()
+        for a, b in _aot_gemms():
+            heavy = bool(a.macro_block or a.outliers or b.macro_block or b.outliers)
+            for m in (self.SMALL_M, self.SMALL_M + 1):
+                config = self.gemm_config(target, m, a.format, heavy)
+                if (a, b, config) not in seen:
+                    seen.add((a, b, config))
+                    out.append(gemm.launch_spec(a, b, config, self.options(config), self.scale_layout(target)))
         return out
 
 

@@ -21,8 +21,23 @@ POINTER_TYPES = {
 }
 
 
+class _LaunchOptions:
+    """The launch options every config carries: ``num_warps``, ``num_stages`` and the
+    vendor ``extra`` options."""
+
+    num_warps: int
+    num_stages: int
+    extra: tuple[tuple[str, Any], ...]
+
+    def options(self) -> dict[str, Any]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+    def _extra_label(self) -> str:
+        return "".join(f" {k}={v}" for k, v in self.extra)
+
+
 @dataclass(frozen=True)
-class TileConfig:
+class TileConfig(_LaunchOptions):
     """Tile sizes and launch options of one element-wise MX kernel (quantize, dequantize,
     decompose): ``block_r`` rows by ``block_k`` columns per program (``block_k`` a power of
     two and a multiple of 32), ``num_warps`` warps, and vendor options (``waves_per_eu``
@@ -34,12 +49,8 @@ class TileConfig:
     num_stages: int = 1
     extra: tuple[tuple[str, Any], ...] = ()
 
-    def options(self) -> dict[str, Any]:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
-
     def label(self) -> str:
-        extra = "".join(f" {k}={v}" for k, v in self.extra)
-        return f"r{self.block_r}xk{self.block_k} w{self.num_warps}{extra}"
+        return f"r{self.block_r}xk{self.block_k} w{self.num_warps}{self._extra_label()}"
 
 
 @dataclass(frozen=True)
@@ -70,3 +81,23 @@ class KernelLaunch:
         names = list(self.signature)
         hinted = {n for n, t in self.signature.items() if t.startswith("*")} | set(self.divisible_by_16)
         return {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+
+
+@dataclass(frozen=True)
+class GemmConfig(_LaunchOptions):
+    """Tiles and launch options of the GEMM: a ``block_m`` x ``block_n`` output tile per
+    program, ``block_k`` (a power of two >= 32) columns of K per step, programs grouped
+    ``group_m`` row tiles at a time for L2 reuse, and vendor options (``kpack``,
+    ``matrix_instr_nonkdim``, ``waves_per_eu`` on AMD) passed through to the launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+    group_m: int = 8
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def label(self) -> str:
+        return (f"m{self.block_m}xn{self.block_n}xk{self.block_k} w{self.num_warps} "
+                f"s{self.num_stages}{self._extra_label()}")

@@ -1,0 +1,152 @@
+"""What the GPU benchmarks share: the no-GPU exit, device set-up, timing, versions and the
+result file. Imported by the scripts in this folder (run them as ``python benchmarks/X.py``,
+which puts this folder on ``sys.path``).
+
+Timing (see README.md): ``--warmup`` untimed calls of each function first (kernel
+compilation, autotuning), then ``--repeats`` samples, each one event pair around
+``--inner`` back-to-back calls (launch overhead then overlaps GPU work, as in a training
+step); the time per call is the median sample / inner. With several functions, their
+samples are interleaved (sample i of every function before sample i + 1 of any), so that
+clock and thermal drift during the run affect each alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable, Mapping, Optional
+
+EXIT_NO_GPU = 2
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def slug(name: str) -> str:
+    """A file-name-safe form of a device name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def add_timing_args(p: argparse.ArgumentParser, defaults: Optional[Mapping[str, Any]] = None) -> None:
+    """--repeats, --warmup, --inner (defaults 50, 10, 10 unless ``defaults`` says otherwise)."""
+    d = {"repeats": 50, "warmup": 10, "inner": 10, **(defaults or {})}
+    p.add_argument("--repeats", type=int, default=d["repeats"], help="timed samples per measurement (median taken)")
+    p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed calls first (compiles, autotunes)")
+    p.add_argument("--inner", type=int, default=d["inner"], help="back-to-back calls per timed sample")
+
+
+def add_device_args(p: argparse.ArgumentParser, benchmark: str) -> None:
+    """--device and --out (default benchmarks/results/<benchmark>-<device>.json)."""
+    p.add_argument("--device", default="cuda", help="the CUDA/ROCm device (default cuda, i.e. cuda:0)")
+    p.add_argument("--out", default=None, help=f"result JSON path (default benchmarks/results/{benchmark}-<device>.json)")
+
+
+def no_gpu(script: str) -> bool:
+    """True, after saying so on stderr, when torch sees no CUDA or ROCm device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print(
+        f"{script}: no GPU: torch sees no CUDA or ROCm device "
+        f"(torch {torch.__version__}, torch.cuda.is_available() is False). "
+        "This benchmark needs one; nothing was measured or written.",
+        file=sys.stderr,
+    )
+    return True
+
+
+def gpu_device(spec: str) -> Any:
+    """The torch.device of ``--device`` with its index filled in, made current."""
+    import torch
+
+    device = torch.device(spec)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int, inner: int, *, events: bool = True
+) -> dict[str, float]:
+    """Median milliseconds per call of each function (see the module doc), by name.
+
+    ``events=False`` times with the host clock instead of CUDA events (CPU tensors only:
+    for checking a script without a GPU; such times mean nothing for a GPU)."""
+    import torch
+
+    def sync() -> None:
+        if events:
+            torch.cuda.synchronize()
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    samples: dict[str, list] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if events:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(inner):
+                    fn()
+                end.record()
+                samples[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    sync()
+    if events:
+        return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) / inner for name, pairs in samples.items()}
+    return {name: statistics.median(ms) / inner for name, ms in samples.items()}
+
+
+def time_ms(fn: Callable[[], Any], repeats: int, warmup: int, inner: int) -> float:
+    """Median milliseconds per call of ``fn`` on the current CUDA stream (see the module doc)."""
+    return time_interleaved({"fn": fn}, repeats, warmup, inner)["fn"]
+
+
+def triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception as err:
+        return f"not importable ({type(err).__name__})"
+
+
+def result_header(benchmark: str, device_name: str) -> dict[str, Any]:
+    """The first keys of every result file: benchmark, device, device slug, date, versions."""
+    import torch
+
+    import portable_mx
+
+    return {
+        "benchmark": benchmark,
+        "device": device_name,
+        "device_slug": slug(device_name),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"portable_mx": portable_mx.__version__, "torch": torch.__version__, "triton": triton_version(),
+                     "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)},
+    }
+
+
+def default_out(benchmark: str, device_name: str) -> str:
+    return os.path.join(RESULTS_DIR, f"{benchmark}-{slug(device_name)}.json")
+
+
+def write_result(result: Mapping[str, Any], out: str) -> None:
+    """Write ``result`` as indented JSON to ``out`` (creating its folder) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    print(f"written to {out}")

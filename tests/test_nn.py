@@ -1,0 +1,411 @@
+"""portable_mx.nn: the custom ops' forward and backward GEMMs against float64 products of
+operands quantized independently along the stated axes; MXLinear, its weight cache and
+convert(); training a small MLP on each CPU backend; torch.compile and opcheck."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import portable_mx as pmx
+from portable_mx import registry
+from portable_mx.nn import MXLinear, convert, mx_parts
+
+A4W4 = [
+    pmx.QuantRecipe(),
+    pmx.QuantRecipe(macro_block=64),
+    pmx.QuantRecipe(outliers_per_block=2),
+    pmx.QuantRecipe(macro_block=128, outliers_per_block=1),
+]
+UNIT_ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+"""Extra relative error of rounding an fp32 result once to the dtype (fp32: none)."""
+
+
+def rand(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def dq(x, recipe, axis):
+    """x quantized along ``axis`` with ``recipe`` and dequantized, in fp32 (exact)."""
+    return pmx.dequantize(pmx.quantize(x.detach(), recipe, axis=axis), dtype=torch.float32)
+
+
+def assert_product_close(out, aq, bq, add=None):
+    """out == aq @ bq (+ add) up to fp32 accumulation (K * 2^-24 * |A| @ |B|, the bound
+    of tests/test_matmul.py), one fp32 rounding of the addition, and one rounding of the
+    fp32 result to out's dtype."""
+    aq, bq = aq.detach().double(), bq.detach().double()
+    exact = aq @ bq
+    bound = aq.shape[-1] * 2.0**-24 * (aq.abs() @ bq.abs()) + 1e-30
+    if add is not None:
+        exact = exact + add.detach().double()
+        bound = bound + 2.0**-24 * exact.abs()
+    bound = bound + UNIT_ROUNDOFF[out.dtype] * (exact.abs() + bound)
+    err = (out.detach().double() - exact).abs()
+    assert out.shape == exact.shape
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+def leaf(t):
+    return t.clone().requires_grad_()
+
+
+# ----------------------------------------------------------------------------- the GEMMs
+
+
+@pytest.mark.parametrize("recipe", A4W4, ids=lambda r: r.describe())
+def test_a4w4_forward_and_quantized_backward(recipe):
+    m, k, n = 17, 70, 45  # none a multiple of 32: every quantized axis is padded
+    a, b, g = leaf(rand(m, k, seed=1)), leaf(rand(k, n, seed=2) * 3), rand(m, n, seed=3)
+    out = pmx.matmul(a, b, recipe)
+    out.backward(g)
+    assert out.dtype == a.grad.dtype == b.grad.dtype == torch.float32
+    assert_product_close(out, dq(a, recipe, 1), dq(b, recipe, 0))  # both along K
+    assert_product_close(a.grad, dq(g, recipe, 1), dq(b, recipe, 1).T)  # dY and W along N
+    assert_product_close(b.grad, dq(a, recipe, 0).T, dq(g, recipe, 0))  # X and dY along M
+    # and they are not the unquantized gradients
+    assert not torch.allclose(a.grad, g @ b.detach().T, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("grads", [("high", "high"), ("high", "mxfp4"), ("mxfp4", "high")])
+def test_grad_input_and_grad_weight_select_each_backward_gemm(grads):
+    recipe = pmx.QuantRecipe(macro_block=64, grad_input=grads[0], grad_weight=grads[1])
+    a, b, g = leaf(rand(9, 80, seed=4)), leaf(rand(80, 33, seed=5)), rand(9, 33, seed=6)
+    pmx.matmul(a, b, recipe).backward(g)
+    if grads[0] == "high":
+        assert_product_close(a.grad, g, b.T)
+    else:
+        assert_product_close(a.grad, dq(g, recipe, 1), dq(b, recipe, 1).T)
+    if grads[1] == "high":
+        assert_product_close(b.grad, a.T, g)
+    else:
+        assert_product_close(b.grad, dq(a, recipe, 0).T, dq(g, recipe, 0))
+
+
+@pytest.mark.parametrize("activations", ["bf16", "fp16"])
+def test_w4a16_rounds_activations_and_output_gradient(activations):
+    recipe = pmx.QuantRecipe(activations=activations)
+    half = torch.bfloat16 if activations == "bf16" else torch.float16
+    a, b, g = leaf(rand(12, 64, seed=7)), leaf(rand(64, 40, seed=8)), rand(12, 40, seed=9)
+    out = pmx.matmul(a, b, recipe)
+    out.backward(g)
+    assert_product_close(out, a.to(half).float(), dq(b, recipe, 0))
+    assert_product_close(a.grad, g.to(half).float(), dq(b, recipe, 1).T)
+    assert_product_close(b.grad, a.T, g)  # weight-only quantization: dW is always high
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), pmx.QuantRecipe(activations="bf16")], ids=lambda r: r.describe())
+def test_bf16_operands(recipe):
+    bf = torch.bfloat16
+    a, b, g = leaf(rand(10, 96, seed=10, dtype=bf)), leaf(rand(96, 20, seed=11, dtype=bf)), rand(10, 20, seed=12, dtype=bf)
+    out = pmx.matmul(a, b, recipe)
+    out.backward(g)
+    assert out.dtype == a.grad.dtype == b.grad.dtype == bf
+    a_fwd = dq(a, recipe, 1) if recipe.quantizes_activations else a.float()
+    g_dx = dq(g, recipe, 1) if recipe.quantizes_activations else g.float()
+    assert_product_close(out, a_fwd, dq(b, recipe, 0))
+    assert_product_close(a.grad, g_dx, dq(b, recipe, 1).T)
+    if recipe.quantizes_activations:
+        assert_product_close(b.grad, dq(a, recipe, 0).T, dq(g, recipe, 0))
+    else:
+        assert_product_close(b.grad, a.float().T, g.float())
+
+
+def test_mxtensor_b_is_dequantized_for_grad_input():
+    recipe, b_recipe = pmx.QuantRecipe(), pmx.QuantRecipe(outliers_per_block=1)
+    a, g = leaf(rand(7, 70, seed=13)), rand(7, 19, seed=14)
+    b_mx = pmx.quantize(rand(70, 19, seed=15), b_recipe, axis=0)
+    out = pmx.matmul(a, b_mx, recipe)
+    out.backward(g)
+    b_hp = b_mx.dequantize(torch.float32)
+    assert_product_close(out, dq(a, recipe, 1), b_hp)  # the forward uses b_mx's bytes
+    assert_product_close(a.grad, dq(g, recipe, 1), dq(b_hp, recipe, 1).T)
+
+
+def test_mxtensor_a_is_dequantized_for_grad_weight():
+    recipe, a_recipe = pmx.QuantRecipe(scale_rule="rceil"), pmx.QuantRecipe(macro_block=64)
+    a_mx = pmx.quantize(rand(2, 5, 70, seed=16), a_recipe)  # batched, along the last axis
+    b, g = leaf(rand(70, 21, seed=17)), rand(2, 5, 21, seed=18)
+    out = pmx.matmul(a_mx, b, recipe)
+    assert out.shape == (2, 5, 21)
+    out.backward(g)
+    a_hp = a_mx.dequantize(torch.float32).reshape(10, 70)
+    g2 = g.reshape(10, 21)
+    assert_product_close(out.reshape(10, 21), a_hp, dq(b, recipe, 0))
+    assert_product_close(b.grad, dq(a_hp, recipe, 0).T, dq(g2, recipe, 0))
+
+
+def test_batched_a_gradients_come_back_in_its_shape():
+    recipe = pmx.QuantRecipe(outliers_per_block=1)
+    a, b, g = leaf(rand(2, 3, 9, 70, seed=19)), leaf(rand(70, 11, seed=20)), rand(2, 3, 9, 11, seed=21)
+    out = pmx.matmul(a, b, recipe)
+    out.backward(g)
+    assert out.shape == g.shape and a.grad.shape == a.shape and b.grad.shape == b.shape
+    a2, g2 = a.detach().reshape(54, 70), g.reshape(54, 11)
+    assert_product_close(a.grad.reshape(54, 70), dq(g2, recipe, 1), dq(b, recipe, 1).T)
+    assert_product_close(b.grad, dq(a2, recipe, 0).T, dq(g2, recipe, 0))
+
+
+def test_only_the_inputs_that_need_a_gradient_get_one():
+    a, b = leaf(rand(4, 64)), rand(64, 8)
+    pmx.matmul(a, b).sum().backward()
+    assert a.grad is not None and b.grad is None
+    layer, e = MXLinear(64, 8), leaf(torch.empty(0, 64))  # an empty batch
+    out = layer(e)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert layer.weight.grad.eq(0).all() and e.grad.shape == (0, 64)
+
+
+def test_op_rejects_bad_input():
+    rj = pmx.QuantRecipe().model_dump_json()
+    mm = torch.ops.portable_mx.mm
+    a, b = rand(4, 64), rand(64, 8)
+    parts = mx_parts(pmx.quantize(b, axis=0))
+    with pytest.raises(ValueError, match="2-D"):
+        mm(rand(2, 4, 64), b, [], [], rj, "", "")
+    with pytest.raises(ValueError, match="inner dimensions"):
+        mm(a, rand(32, 8), [], [], rj, "", "")
+    with pytest.raises(TypeError, match="same dtype"):
+        mm(a, b.double(), [], [], rj, "", "")
+    with pytest.raises(ValueError, match=r"b_parts must be \[qdata, scales\]"):
+        mm(a, b, [], parts[:1], rj, "", rj)
+    with pytest.raises(ValueError, match="b_parts scales must be"):
+        mm(a, b, [], [parts[0], parts[1].float()], rj, "", rj)
+    with pytest.raises(ValueError, match="b_recipe is set"):
+        mm(a, b, [], [], rj, "", rj)
+    with pytest.raises(ValueError):
+        mm(a, b, [], [], '{"scale_rule": "nope"}', "", "")
+    with pytest.raises(TypeError, match="MXTensor"):
+        mx_parts(b)
+
+
+def test_opcheck():
+    recipe = pmx.QuantRecipe(macro_block=64, outliers_per_block=1)
+    rj = recipe.model_dump_json()
+    a, b = rand(6, 70, seed=22).requires_grad_(), rand(70, 10, seed=23).requires_grad_()
+    b_parts = mx_parts(pmx.quantize(b, recipe, axis=0))
+    a_parts = mx_parts(pmx.quantize(a, recipe))
+    torch.library.opcheck(torch.ops.portable_mx.mm.default, (a, b, [], [], rj, "", ""))
+    torch.library.opcheck(torch.ops.portable_mx.mm.default, (a, b, a_parts, b_parts, rj, rj, rj))
+    for quantized in (True, False):
+        torch.library.opcheck(torch.ops.portable_mx.grad_mm.default, (a.detach(), b.detach(), rj, quantized))
+
+
+# ----------------------------------------------------------------------------- MXLinear
+
+
+def test_mxlinear_is_linear_of_the_dequantized_weight():
+    recipe = pmx.QuantRecipe(macro_block=64)
+    torch.manual_seed(0)
+    linear = nn.Linear(70, 24)
+    layer = MXLinear.from_linear(linear, recipe)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    assert "recipe=rceil/nearest/MBS-64" in repr(layer)
+    x, g = leaf(rand(3, 5, 70, seed=24)), rand(3, 5, 24, seed=25)
+    y = layer(x)
+    assert y.shape == (3, 5, 24) and y.dtype == torch.float32
+    y.backward(g)
+    x2, g2, w = x.detach().reshape(15, 70), g.reshape(15, 24), linear.weight.detach()
+    xq, wq = dq(x2, recipe, 1), dq(w, recipe, 1)
+    torch.testing.assert_close(y.detach(), F.linear(xq, wq, linear.bias.detach()).reshape(3, 5, 24))
+    assert_product_close(y.detach().reshape(15, 24), xq, wq.T, add=linear.bias)
+    assert_product_close(x.grad.reshape(15, 70), dq(g2, recipe, 1), dq(w, recipe, 0))
+    assert_product_close(linear.weight.grad.T, dq(x2, recipe, 0).T, dq(g2, recipe, 0))
+    torch.testing.assert_close(linear.bias.grad, g2.sum(0))
+
+
+def test_mxlinear_like_linear_constructor_dtype_and_1d_input():
+    layer = MXLinear(32, 8, bias=False, dtype=torch.bfloat16, recipe={"outliers_per_block": 1})
+    assert layer.bias is None and layer.weight.dtype == torch.bfloat16
+    assert layer.recipe == pmx.QuantRecipe(outliers_per_block=1)
+    assert set(layer.state_dict()) == {"weight"}
+    x = rand(32, seed=26, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (8,) and y.dtype == torch.bfloat16
+    assert_product_close(y[None], dq(x[None], layer.recipe, 1), dq(layer.weight, layer.recipe, 1).T)
+
+
+def test_mxlinear_rejects_bad_input():
+    layer = MXLinear(64, 8)
+    with pytest.raises(TypeError, match="weight is torch.float32"):
+        layer(rand(4, 64).double())
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        layer(rand(4, 63))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        layer(rand(4, 64).numpy())
+    with pytest.raises(TypeError, match="recipe must be"):
+        MXLinear(64, 8, recipe="floor")
+    with pytest.raises(TypeError, match="nn.Linear"):
+        MXLinear.from_linear(nn.Conv1d(3, 3, 1))
+
+
+def test_weight_cache(monkeypatch):
+    calls = []
+    real = pmx.ops.quantize
+
+    def counting(x, recipe=None, *, axis=-1):
+        calls.append((tuple(x.shape), axis))
+        return real(x, recipe, axis=axis)
+
+    monkeypatch.setattr(pmx.ops, "quantize", counting)
+    layer = MXLinear(64, 16, recipe=pmx.QuantRecipe(scale_rule="even"))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = rand(8, 64, seed=27)
+
+    def forward():
+        """Run a forward; return its output and how many times it quantized the weight."""
+        calls.clear()
+        out = layer(x)
+        return out, calls.count(((64, 16), 0))
+
+    y1, n = forward()
+    assert n == 1
+    y2, n = forward()
+    assert n == 0 and torch.equal(y1, y2)
+    cached = layer.quantized_weight()
+    fresh = real(layer.weight.detach(), layer.recipe, axis=1)  # [out, in] along in
+    assert torch.equal(cached.qdata, fresh.qdata) and torch.equal(cached.scales, fresh.scales)
+
+    y2.sum().backward()
+    opt.step()
+    y3, n = forward()
+    assert n == 1 and not torch.equal(y3, y2)
+    assert forward()[1] == 0
+
+    with torch.no_grad():
+        layer.weight.mul_(2)  # any in-place update bumps _version
+    assert forward()[1] == 1
+    layer.recipe = pmx.QuantRecipe(outliers_per_block=1)
+    assert forward()[1] == 1
+    layer.weight = nn.Parameter(layer.weight.detach().clone())
+    assert forward()[1] == 1
+    layer.load_state_dict(MXLinear(64, 16).state_dict())
+    y4, n = forward()
+    assert n == 1
+    clone = copy.deepcopy(layer)  # the cache is not copied
+    assert torch.equal(clone(x), y4)
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 32)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(2)])
+        self.proj = nn.Linear(32, 32)
+        self.lm_head = nn.Linear(32, 10)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.proj(h))
+
+
+def kinds(model):
+    return {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+
+
+def test_convert_swaps_linears_in_place_and_skips_by_name_or_predicate():
+    net = Net()
+    proj_weight = net.proj.weight
+    recipe = pmx.QuantRecipe(macro_block=64)
+    assert convert(net, recipe, skip=["lm_head"]) is net
+    assert kinds(net) == {
+        "embed": "Embedding", "blocks.0.0": "MXLinear", "blocks.1.0": "MXLinear",
+        "proj": "MXLinear", "lm_head": "Linear",
+    }
+    assert net.proj.weight is proj_weight and net.proj.recipe == recipe
+    assert net(torch.tensor([[1, 2, 3]])).shape == (1, 3, 10)
+    before = {n: m for n, m in net.named_modules()}
+    convert(net)  # only lm_head is left to convert; MXLinear layers stay as they are
+    assert all(before[n] is m for n, m in net.named_modules() if n != "lm_head")
+    assert isinstance(net.lm_head, MXLinear) and net.proj.recipe == recipe
+
+    net = convert(Net(), skip=lambda name, m: m.out_features == 10)
+    assert kinds(net)["lm_head"] == "Linear" and kinds(net)["proj"] == "MXLinear"
+    net = convert(Net(), skip=("blocks.*", lambda name, m: name == "proj"))
+    assert [n for n, k in kinds(net).items() if k == "MXLinear"] == ["lm_head"]
+    assert sum(isinstance(m, MXLinear) for m in convert(Net(), skip="*head").modules()) == 3
+
+
+def test_convert_shared_and_root_linear():
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    convert(model)
+    assert isinstance(model[0], MXLinear) and model[0] is model[2]
+    root = nn.Linear(8, 4)
+    converted = convert(root)
+    assert isinstance(converted, MXLinear) and converted.weight is root.weight
+    assert convert(root, skip=lambda name, m: True) is root
+
+
+def test_convert_rejects_bad_input():
+    with pytest.raises(TypeError, match="nn.Module"):
+        convert("model")
+    with pytest.raises(TypeError, match="skip entries"):
+        convert(Net(), skip=[3])
+    with pytest.raises(TypeError, match="recipe must be"):
+        convert(Net(), recipe="floor")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train(recipe, steps=30):
+    """Adam on a seeded synthetic regression with a 32 -> 64 -> 1 MLP; the losses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    if recipe is not None:
+        convert(model, recipe)
+    gen = torch.Generator().manual_seed(1)
+    w1, w2 = torch.randn(32, 8, generator=gen) / 32**0.5, torch.randn(8, 1, generator=gen)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, 32, generator=gen)
+        loss = F.mse_loss(model(x), torch.tanh(x @ w1) @ w2)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_mlp_trains_like_fp32_on_each_backend(mx_backend, monkeypatch):
+    recipe = pmx.QuantRecipe()
+    losses = train(recipe)
+    final = sum(losses[-5:]) / 5
+    assert final < 0.25 * losses[0]
+    fp32 = train(None)
+    assert abs(final - sum(fp32[-5:]) / 5) < 0.25 * sum(fp32[-5:]) / 5
+    if mx_backend != "reference":
+        monkeypatch.setenv(registry.ENV_BACKEND, "reference")
+        ref = train(recipe)
+        assert abs(final - sum(ref[-5:]) / 5) < 0.05 * final
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    model = convert(nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 4, bias=False)), pmx.QuantRecipe(macro_block=64))
+    x = rand(16, 32, seed=28).requires_grad_()
+    eager = model(x)
+    eager.sum().backward()
+    grads = [t.grad.clone() for t in (x, *model.parameters())]
+    x.grad = None
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    for t, ref in zip((x, *model.parameters()), grads):
+        torch.testing.assert_close(t.grad, ref)

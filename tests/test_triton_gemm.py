@@ -1,0 +1,210 @@
+"""The Triton GEMM against the exact product of the dequantized operands.
+
+Expected values are float64 products of operands dequantized by the reference backend
+(exact in fp32, so exact in float64); the kernel may differ from them only by fp32
+accumulation order: |got - exact| <= K * 2^-24 * (|A| @ |B|^T) elementwise (the
+worst-case bound of a length-K fp32 sum, with the promotion multiplies of MBS adding one
+rounding per K tile, covered because a K tile holds at least 32 terms).
+
+On a machine without a GPU the kernel runs under the Triton interpreter; with one, it
+runs compiled (tests/conftest.py, ``kernel`` fixture).
+"""
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx import ops, registry
+from portable_mx.backends.reference import ReferenceBackend
+from portable_mx.recipe import QuantRecipe as QR
+
+from conftest import kernel_backends
+
+REF = ReferenceBackend()
+EPS = 2.0**-24
+pytestmark = pytest.mark.skipif(not kernel_backends(), reason="no backend runs the Triton kernels here")
+
+
+def randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def rows_mx(x, recipe):
+    """x [R, K] quantized by the reference along K, in the rows layout."""
+    return ops._mx_rows(REF.quantize(x, recipe))
+
+
+def dequantized(op, k):
+    """float64 values of a GEMM operand (an MXTensor in the rows layout or a 16-bit tensor)."""
+    if isinstance(op, torch.Tensor):
+        return op.double()
+    return REF.dequantize(op)[:, :k].double()
+
+
+def assert_accumulation_close(got, a, b, k):
+    """got (any device) against the exact product of the operands a [M, K], b [N, K]."""
+    aq, bq = dequantized(a, k), dequantized(b, k)
+    exact = aq @ bq.T
+    bound = k * EPS * (aq.abs() @ bq.abs().T)
+    err = (got.cpu().double() - exact).abs()
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert (err <= bound).all(), f"max error {err.max():.3g}, bound there {bound[err == err.max()].min():.3g}"
+
+
+# (left recipe, right recipe): plain, every scale rule, MBS in the K loop (equal, unequal
+# and non-power-of-two macro blocks), MBS in the epilogue (one macro block spans K), OF on
+# either side, and everything at once
+PAIRS = [
+    (QR(), QR()),
+    (QR(scale_rule="rceil"), QR(scale_rule="even")),
+    (QR(scale_rule="ceil", rounding="stochastic", seed=5), QR()),
+    (QR(macro_block=64), QR(macro_block=64)),
+    (QR(macro_block=96), QR(macro_block=128)),
+    (QR(), QR(macro_block=256)),
+    (QR(macro_block=2048), QR(macro_block=4096)),
+    (QR(outliers_per_block=1), QR()),
+    (QR(), QR(outliers_per_block=2)),
+    (QR(outliers_per_block=2), QR(outliers_per_block=1)),
+    (QR(outliers_per_block=1, macro_block=64), QR(outliers_per_block=2, macro_block=128)),
+    (QR(outliers_per_block=2, macro_block=1024), QR(macro_block=1024)),
+]
+# M and N off the tile grid, K a multiple of 32 or padded, one or many K tiles
+SHAPES = [(1, 1, 32), (17, 65, 70), (70, 33, 300), (130, 7, 1000)]
+
+
+def _pair_id(pair):
+    return f"{pair[0].describe()}x{pair[1].describe()}"
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_a4w4_equals_dequantized_product(kernel, pair):
+    backend, device = kernel
+    ra, rb = pair
+    for i, (m, n, k) in enumerate(SHAPES):
+        a = rows_mx(randn(m, k, seed=i), ra)
+        b = rows_mx(randn(n, k, seed=100 + i, scale=3.0), rb)
+        assert_accumulation_close(backend.matmul(a.to(device), b.to(device)), a, b, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rb", [QR(), QR(macro_block=128), QR(outliers_per_block=2), QR(macro_block=4096),
+                                QR(outliers_per_block=1, macro_block=64)], ids=lambda r: r.describe())
+def test_w4a16_equals_dequantized_product(kernel, dtype, rb):
+    backend, device = kernel
+    for i, (m, n, k) in enumerate(SHAPES):
+        a = randn(m, k, seed=i).to(dtype)
+        b = rows_mx(randn(n, k, seed=100 + i, scale=3.0), rb)
+        assert_accumulation_close(backend.matmul(a.to(device), b.to(device)), a, b, k)
+
+
+def test_w4a16_strided_left_operand(kernel):
+    """A column slice of a wider activation (row stride > K) is read in place."""
+    backend, device = kernel
+    wide = randn(20, 300, seed=7).to(torch.bfloat16)
+    a = wide[:, 40:240]
+    b = rows_mx(randn(9, 200, seed=8), QR())
+    assert_accumulation_close(backend.matmul(a.to(device), b.to(device)), a, b, 200)
+
+
+def test_nan_block_poisons_its_row_and_column(kernel):
+    backend, device = kernel
+    x, w = randn(4, 96, seed=1), randn(5, 96, seed=2)
+    x[1, 40] = float("nan")
+    w[3, 70] = float("inf")
+    out = backend.matmul(rows_mx(x, QR()).to(device), rows_mx(w, QR()).to(device)).cpu()
+    nan = torch.zeros(4, 5, dtype=torch.bool)
+    nan[1, :] = True
+    nan[:, 3] = True
+    assert torch.equal(out.isnan(), nan)
+
+
+def test_public_matmul_through_the_kernel(kernel, monkeypatch):
+    """pmx.matmul with the kernel backend forced: batched a, K padding, W4A16 recipe,
+    prequantized weight; the result in a's dtype, equal to the reference backend's up to
+    accumulation order."""
+    backend, device = kernel
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    a, w = randn(2, 3, 9, 100, seed=3), randn(100, 11, seed=4)
+    for recipe in (QR(), QR(macro_block=64, outliers_per_block=1), QR(activations="bf16")):
+        w_mx = pmx.quantize(w.to(device), recipe, axis=0)
+        out = pmx.matmul(a.to(device), w_mx, recipe)
+        assert out.shape == (2, 3, 9, 11) and out.dtype == torch.float32 and out.device.type == device
+        left = ops.left_operand(a.reshape(-1, 100), recipe)
+        left = left if isinstance(left, torch.Tensor) else ops._mx_rows(left)
+        assert_accumulation_close(out.reshape(-1, 11), left, ops._mx_rows(w_mx.to("cpu")), 100)
+    out16 = pmx.matmul(a.to(device).bfloat16(), w.to(device).bfloat16())
+    assert out16.dtype == torch.bfloat16
+
+
+def test_block_k_divides_the_macro_blocks():
+    """Every K tile lies inside one macro block of each operand (MBS promotion), unless one
+    macro block spans K and there are no outliers (the factors move to the epilogue)."""
+    from portable_mx.backends.triton.gemm import Operand, Plan
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    config = GemmConfig(64, 64, 256)
+    for ma, mb, kp in ((64, 64, 4096), (96, 128, 4096), (None, 384, 4096), (4096, 4096, 4096), (2048, None, 1024)):
+        plan = Plan.make(Operand(None, ma, 0), Operand(None, mb, 0), kp, config)
+        macros = [m for m in (ma, mb) if m]
+        if min(macros) >= kp:
+            assert plan.constexprs["EPILOGUE"] and plan.block_k == 256
+        else:
+            assert not plan.constexprs["EPILOGUE"]
+            assert all(m % plan.block_k == 0 for m in macros) and plan.block_k & (plan.block_k - 1) == 0
+    with_outliers = Plan.make(Operand(None, 4096, 1), Operand(None, None, 0), 4096, config)
+    assert not with_outliers.constexprs["EPILOGUE"]
+
+
+@pytest.mark.parametrize("layout", ["plain", "blackwell", "cdna4"])
+def test_scale_layouts_roundtrip(layout):
+    """swizzle then unswizzle is the identity, every element has its own offset, and the
+    padding is zero."""
+    from portable_mx.backends.triton.layouts import LAYOUTS
+
+    lay = LAYOUTS[layout]
+    for rows, cols in ((1, 1), (130, 9), (256, 16), (33, 70)):
+        s = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+        flat = lay.swizzle(s)
+        rows_p, cols_p = lay.padded(rows, cols)
+        assert flat.numel() == rows_p * cols_p
+        assert torch.equal(lay.unswizzle(flat, rows, cols), s)
+        offs = lay._grid(rows, cols, "cpu").reshape(-1)
+        assert offs.unique().numel() == offs.numel() and int(offs.max()) < flat.numel()
+
+
+def test_blackwell_layout_golden_offsets():
+    """NVIDIA's 128x4 scale-factor tiles: (r, s) at (r%32)*16 + (r//32)*4 + s inside a
+    512-byte tile, tiles row-major."""
+    from portable_mx.backends.triton.layouts import BLACKWELL
+
+    r = torch.tensor([[0], [1], [32], [127], [128]])
+    s = torch.tensor([[0, 1, 3, 4]])
+    want = torch.tensor([[0, 1, 3, 512], [16, 17, 19, 528], [4, 5, 7, 516], [31 * 16 + 12, 31 * 16 + 13, 31 * 16 + 15, 512 + 31 * 16 + 12],
+                         [1024, 1025, 1027, 1536]])
+    assert torch.equal(BLACKWELL.offsets(r, s, 8), want)
+
+
+@pytest.mark.parametrize("layout", ["blackwell", "cdna4"])
+def test_gemm_reads_swizzled_scales(kernel, layout, monkeypatch):
+    """The kernel reading the weight's scales swizzled multiplies the same operand; the
+    swizzled copy is made once per scales tensor (a view of it finds the same copy)."""
+    from portable_mx.backends.triton import gemm
+    from portable_mx.backends.triton.launch import GemmConfig
+    from portable_mx.backends.triton.layouts import LAYOUTS, ScaleLayout
+
+    swizzles = []
+    real = ScaleLayout.swizzle
+    monkeypatch.setattr(ScaleLayout, "swizzle", lambda self, s: swizzles.append(s.shape) or real(self, s))
+    backend, device = kernel
+    config = GemmConfig(64, 64, 128)
+    options = backend.options(config)
+    for i, (m, n, k) in enumerate([(17, 200, 300), (5, 130, 1000)]):
+        for rb in (QR(), QR(macro_block=64, outliers_per_block=1)):
+            a = rows_mx(randn(m, k, seed=i), QR())
+            b = rows_mx(randn(n, k, seed=50 + i), rb).to(device)
+            with backend.running():
+                got = gemm.matmul(a.to(device), b, config, options, LAYOUTS[layout])
+                again = gemm.matmul(a.to(device), ops._mx_rows(b), config, options, LAYOUTS[layout])
+            assert_accumulation_close(got, a, b.to("cpu"), k)
+            assert torch.equal(got.cpu(), again.cpu())
+    assert len(swizzles) == 4

@@ -46,15 +46,12 @@ from common import (
     time_interleaved,
     write_result,
 )
+# the shapes and their parser are the tuner's: `portable-mx tune --shapes decode` tunes
+# exactly what this benchmark measures
+from portable_mx.tune import PRESETS, Shape, parse_shapes
 
 EXIT_CHECK_FAILED = 3
 
-Shape = tuple[int, int, int]  # (M, N, K)
-PRESETS: dict[str, list[Shape]] = {
-    "decode": [(1, 8192, 8192), (16, 8192, 8192), (128, 8192, 8192)],
-    "prefill": [(4096, 4096, 4096), (8192, 8192, 8192)],
-}
-PRESETS["all"] = PRESETS["decode"] + PRESETS["prefill"]
 QUICK_SHAPES: list[Shape] = [(1, 4096, 4096), (16, 4096, 4096), (2048, 2048, 2048)]
 VARIANTS = ("w4a16", "a4w4")
 TIMING_DEFAULTS = {"repeats": 50, "warmup": 10, "inner": 10}
@@ -74,29 +71,6 @@ GOALS = (
 
 
 # ----------------------------------------------------------------------------- arguments
-
-
-def parse_shapes(text: str) -> list[Shape]:
-    """ "decode,prefill" / "all" / "1x8192x8192,4096x4096x4096" (M x N x K) -> shapes, in
-    order, without repeats."""
-    shapes: list[Shape] = []
-    for item in (t.strip().lower() for t in text.split(",")):
-        if item in PRESETS:
-            new = PRESETS[item]
-        else:
-            try:
-                dims = tuple(int(d) for d in item.split("x"))
-            except ValueError:
-                dims = ()
-            if len(dims) != 3 or any(d <= 0 for d in dims):
-                raise argparse.ArgumentTypeError(
-                    f"each shape is MxNxK (e.g. 1x8192x8192) or one of {', '.join(PRESETS)}; got {item!r}"
-                )
-            new = [dims]
-        shapes += [s for s in new if s not in shapes]
-    if not shapes:
-        raise argparse.ArgumentTypeError("no shapes given")
-    return shapes
 
 
 def parse_variants(text: str) -> list[str]:

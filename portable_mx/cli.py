@@ -41,6 +41,7 @@ def info(as_json: bool = False) -> dict:
         "devices": [_device_line(d) for d in devices],
         "backends": backends(),
         "routes": [r.__dict__ for r in registry.routes(devices)],
+        "config_caches": _config_caches(devices),
     }
     if as_json:
         print(json.dumps(report, indent=2))
@@ -59,7 +60,38 @@ def info(as_json: bool = False) -> dict:
     print("routes:")
     for row in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+    print("tuned GEMM configs (user cache, then shipped):")
+    for c in report["config_caches"]:
+        print(f"  {c['device']}: {c['file']} ({c['entries']} entries)" if c["file"] else f"  {c['device']}: {c['why']}")
     return report
+
+
+def _config_caches(devices: list[torch.device]) -> list[dict]:
+    """Per device: the config-cache files the GEMM of the backend serving it reads, with
+    their valid entry counts."""
+    from . import registry
+    from .tuning import cache
+
+    out = []
+    for device in devices:
+        try:
+            backend = registry.select("matmul", device)
+        except registry.BackendUnavailableError as err:
+            out.append({"device": str(device), "file": None, "entries": 0, "why": str(err)})
+            continue
+        if not hasattr(backend, "device_identity"):
+            out.append({"device": str(device), "file": None, "entries": 0,
+                        "why": f"the {backend.name} backend has no tunable configs"})
+            continue
+        arch, name = backend.device_identity(device)
+        files = [p for p in cache._sources(arch, name) if p.exists()]
+        if not files:
+            out.append({"device": str(device), "file": None, "entries": 0,
+                        "why": f"no cache file yet ({cache.cache_file(arch, name)}); defaults in use"})
+        for path in files:
+            loaded = cache.load(path, arch)
+            out.append({"device": str(device), "file": str(path), "entries": len(loaded.entries) if loaded else 0})
+    return out
 
 
 # Subcommands that live in their own modules: each has HELP, add_arguments(parser) and
@@ -67,6 +99,7 @@ def info(as_json: bool = False) -> dict:
 _SUBCOMMANDS = {
     "compile-matrix": "portable_mx.compile_matrix",
     "parity": "portable_mx.parity",
+    "tune": "portable_mx.tune",
 }
 
 

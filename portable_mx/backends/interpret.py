@@ -39,6 +39,9 @@ class InterpretBackend(TritonBackend):
     def path(self, device: torch.device, op: str) -> str:
         return "interpreted"
 
+    def device_identity(self, device: torch.device) -> tuple[str, str]:
+        return "interpret", "cpu"
+
     def running(self):
         """numpy runs the kernels: its overflow/invalid warnings on inf/NaN lanes (which
         the kernels mask out) are noise, so they are silenced during launches."""

@@ -7,6 +7,7 @@ lives here."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -90,8 +91,10 @@ class TritonBackend(Backend):
 
         return LAYOUTS[self.scale_layouts.get(target.name, "plain") if target is not None else "plain"]
 
-    def gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype], heavy: bool) -> GemmConfig:
-        """The GEMM config for an M-row left operand of ``a_format`` (None: MXFP4)."""
+    def default_gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype],
+                            heavy: bool) -> GemmConfig:
+        """The heuristic GEMM config for an M-row left operand of ``a_format`` (None:
+        MXFP4), ``heavy`` when an operand has macro factors or outliers."""
         key = ("a4w4" if a_format is None else "w4a16") + ("-small" if m <= self.SMALL_M else "")
         tiles = self.gemm_tiles[target.name if target is not None else "interpret"]
         return tiles.get(key + "-heavy", tiles[key]) if heavy else tiles[key]
@@ -134,16 +137,29 @@ class TritonBackend(Backend):
         with self.running():
             return decompose(_rows_contiguous(x), recipe, definition, full, config, options)
 
-    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
-        from .gemm import matmul
+    def device_identity(self, device: torch.device) -> tuple[str, str]:
+        """(arch, device name) under which tuned configs of ``device`` are cached."""
+        raise NotImplementedError
 
-        a_format = a.dtype if isinstance(a, torch.Tensor) else None
-        heavy = any(isinstance(t, MXTensor) and (t.macro_scales is not None or t.outlier_values is not None)
-                    for t in (a, b))
-        target = self.target(b.device)
-        config = self.gemm_config(target, a.shape[0], a_format, heavy)
+    def gemm_config(self, device: torch.device, a, b, m: int, n: int, kp: int) -> GemmConfig:
+        """The config of a GEMM of operands like ``a``, ``b`` (``gemm.Operand``) with M, N
+        rows and padded K ``kp`` on ``device``: the tuned one from the config cache when
+        there is one for its key, else the backend's heuristic default."""
+        from ...tuning import cache
+
+        arch, name = self.device_identity(device)
+        tuned = cache.lookup(arch, name, cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp))
+        if tuned is not None:
+            return GemmConfig(**{**tuned, "extra": tuple(tuple(kv) for kv in tuned.get("extra", ()))})
+        heavy = bool(a.macro_block or a.outliers or b.macro_block or b.outliers)
+        return self.default_gemm_config(self.target(device), m, a.format, heavy)
+
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
+        from .gemm import Operand, matmul
+
+        config = self.gemm_config(b.device, Operand.of(a), Operand.of(b), a.shape[0], b.shape[0], b.k_padded)
         with self.running():
-            return matmul(a, b, config, self.options(config), self.scale_layout(target))
+            return matmul(a, b, config, self.options(config), self.scale_layout(self.target(b.device)))
 
     # ------------------------------------------------------------------- for AOT
 
@@ -170,7 +186,7 @@ class TritonBackend(Backend):
         for a, b in _aot_gemms():
             heavy = bool(a.macro_block or a.outliers or b.macro_block or b.outliers)
             for m in (self.SMALL_M, self.SMALL_M + 1):
-                config = self.gemm_config(target, m, a.format, heavy)
+                config = self.default_gemm_config(target, m, a.format, heavy)
                 if (a, b, config) not in seen:
                     seen.add((a, b, config))
                     out.append(gemm.launch_spec(a, b, config, self.options(config), self.scale_layout(target)))
@@ -198,3 +214,11 @@ class CompiledTritonBackend(TritonBackend):
 
     def path(self, device: torch.device, op: str) -> str:
         return "native"
+
+    def device_identity(self, device: torch.device) -> tuple[str, str]:
+        return self.target(device).name, _device_name(torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)

@@ -205,6 +205,12 @@ class Operand:
     macro_block: Optional[int]
     outliers: int
 
+    def tag(self) -> str:
+        """The operand's part of a config-cache key (``tuning.cache.operand_tag``)."""
+        from ...tuning.cache import operand_tag
+
+        return operand_tag(FORMATS[self.format], self.macro_block, self.outliers)
+
     @staticmethod
     def of(t: Union[MXTensor, torch.Tensor]) -> "Operand":
         if isinstance(t, torch.Tensor):

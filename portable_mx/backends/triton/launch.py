@@ -99,5 +99,5 @@ class GemmConfig(_LaunchOptions):
     extra: tuple[tuple[str, Any], ...] = ()
 
     def label(self) -> str:
-        return (f"m{self.block_m}xn{self.block_n}xk{self.block_k} w{self.num_warps} "
+        return (f"m{self.block_m}xn{self.block_n}xk{self.block_k} g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}{self._extra_label()}")

@@ -1,0 +1,391 @@
+"""``portable-mx tune``: tune the GEMM's tile configs on this device into the config
+cache, run only the ahead-of-time (static) stage for a target with no device, or run the
+macro-block study.
+
+::
+
+    portable-mx tune [--op matmul] [--shapes MxNxK[,MxNxK...]|decode|prefill|all] [--trials N]
+                     [--storage URL] [--recipe R] [--seed S] [--out DIR] [--study-dir DIR]
+                     [--full] [--exhaustive] [--jobs N] [--json PATH]
+    portable-mx tune --static --target sm_100|gfx950|... [--shapes ...] [--recipe R] [--full]
+    portable-mx tune --macro --shapes MxNxK [--tensors FILE] [--error-tolerance F] [--trials N]
+
+The GEMM study (portable_mx.tuning.search) prints a progress bar per shape and a final
+table: the best config, its time, the default config's time and the speed-up; the best
+configs go into ``<out or the user cache dir>/<arch>-<device>.json``, which every later
+process on that device reads. Without a GPU (and without --static) it says so and exits
+with status 2. ``--static`` compiles the candidates for ``--target`` here and prints
+those that survive and how many were pruned, by reason (exit 1 when none survive).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+HELP = ("tune the GEMM's tiles on this device (Optuna) into the config cache; --static: only "
+        "the ahead-of-time pruning for a --target, no device needed; --macro: macro-block study")
+EXIT_NO_GPU = 2
+DEFAULT_TRIALS = 50
+
+Shape = tuple[int, int, int]
+PRESETS: dict[str, list[Shape]] = {  # the GEMM benchmark's shapes (benchmarks/gemm.py)
+    "decode": [(1, 8192, 8192), (16, 8192, 8192), (128, 8192, 8192)],
+    "prefill": [(4096, 4096, 4096), (8192, 8192, 8192)],
+}
+PRESETS["all"] = PRESETS["decode"] + PRESETS["prefill"]
+RECIPE_PRESETS = {"a4w4": {}, "w4a16": {"activations": "bf16"}, "w4a16-bf16": {"activations": "bf16"},
+                  "w4a16-fp16": {"activations": "fp16"}}
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """ "1x8192x8192,4096x4096x4096" (M x N x K) or presets decode, prefill, all."""
+    shapes: list[Shape] = []
+    for item in (t.strip().lower() for t in text.split(",") if t.strip()):
+        if item in PRESETS:
+            new = PRESETS[item]
+        else:
+            try:
+                dims = tuple(int(d) for d in item.split("x"))
+            except ValueError:
+                dims = ()
+            if len(dims) != 3 or any(d <= 0 for d in dims):
+                raise argparse.ArgumentTypeError(
+                    f"each shape is MxNxK (e.g. 16x8192x8192) or one of {', '.join(PRESETS)}; got {item!r}")
+            new = [dims]
+        shapes += [s for s in new if s not in shapes]
+    if not shapes:
+        raise argparse.ArgumentTypeError("no shapes given")
+    return shapes
+
+
+def parse_recipe(text: str):
+    """ "a4w4" (default), "w4a16", "w4a16-fp16", and/or QuantRecipe fields as key=value,
+    comma-separated: "macro_block=128,outliers_per_block=1", "w4a16,macro_block=128"."""
+    from .recipe import QuantRecipe
+
+    fields: dict[str, Any] = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if "=" not in item:
+            if item.lower() not in RECIPE_PRESETS:
+                raise argparse.ArgumentTypeError(
+                    f"recipe items are {', '.join(RECIPE_PRESETS)} or field=value; got {item!r}")
+            fields.update(RECIPE_PRESETS[item.lower()])
+            continue
+        key, value = (s.strip() for s in item.split("=", 1))
+        fields[key] = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
+    try:
+        return QuantRecipe(**fields)
+    except Exception as err:  # pydantic's ValidationError: say which field
+        raise argparse.ArgumentTypeError(f"bad recipe {text!r}: {err}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", choices=("matmul",), default="matmul", help="the op to tune (matmul)")
+    parser.add_argument("--shapes", type=parse_shapes, default=None, metavar="SHAPES",
+                        help="comma-separated MxNxK, or presets decode (M=1,16,128, N=K=8192), prefill "
+                             "(M=N=K=4096, 8192), all (default for tuning: all; for --static: a large-M space at K=8192)")
+    parser.add_argument("--trials", type=int, default=None, metavar="N",
+                        help="new configs to measure per shape (default 50; --macro: every point)")
+    parser.add_argument("--storage", default=None, metavar="URL",
+                        help="Optuna storage: an RDB URL (postgresql://..., mysql://..., sqlite:///...) or a "
+                             "journal file path (default: a journal in --study-dir)")
+    parser.add_argument("--recipe", type=parse_recipe, default=None, metavar="R",
+                        help="operand kinds: a4w4 (default), w4a16, w4a16-fp16, and/or QuantRecipe fields, "
+                             "e.g. macro_block=128,outliers_per_block=1")
+    parser.add_argument("--seed", type=int, default=0, help="sampler and data seed (default 0)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="where the config cache file is written (default: the user cache dir, "
+                             "PORTABLE_MX_CACHE_DIR or ~/.cache/portable_mx)")
+    parser.add_argument("--study-dir", default=None, metavar="DIR",
+                        help="the journal and static verdicts (default: <user cache dir>/studies)")
+    parser.add_argument("--full", action="store_true", help="the full search space instead of the curated one")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="measure every surviving candidate (a study of its own) and report how many "
+                             "trials the TPE study needed to come within 2%% of its best")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N", help="compile workers (default: CPU count)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--static", action="store_true", help="only the static stage, for --target, no device needed")
+    parser.add_argument("--target", default=None, metavar="NAME", help="--static: sm_90, sm_100, sm_120, gfx942, gfx950")
+    parser.add_argument("--macro", action="store_true",
+                        help="the macro-block / outliers study (error vs GEMM time, Pareto front)")
+    parser.add_argument("--tensors", default=None, metavar="FILE",
+                        help="--macro: a torch.save'd tensor, list or dict of tensors for the error objective "
+                             "(quantized along their last axis; default: sampled)")
+    parser.add_argument("--error-tolerance", type=float, default=None, metavar="F",
+                        help="--macro pick rule: the fastest Pareto point within F of the lowest error (default 0.10)")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the interpreter, for tests
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    lines = [header, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _config(config: Any) -> str:
+    return "-" if config is None else config.label()
+
+
+def _write_json(path: str, doc: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
+class _Bar:
+    """A tqdm bar on stderr (shown when stderr is a terminal), or nothing."""
+
+    def __init__(self, total: int, desc: str, unit: str):
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None)
+        except ImportError:
+            self.bar = None
+
+    def to(self, n: int, best: Optional[float] = None) -> None:
+        if self.bar is not None:
+            self.bar.update(n - self.bar.n)
+            if best is not None:
+                self.bar.set_postfix_str(f"best {best:.4f} ms")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------- --static
+
+
+def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
+    from .backends.targets import TARGETS
+    from .recipe import QuantRecipe
+    from .tuning import search
+    from .tuning.space import gemm_space
+    from .tuning.static import DEFAULT_KP, STORE_NAME, VerdictStore, backend_for_target, prune
+
+    if args.target not in TARGETS:
+        print(f"portable-mx tune --static: --target must be one of {', '.join(TARGETS)}; got {args.target!r}",
+              file=sys.stderr)
+        return 2
+    target = TARGETS[args.target]
+    backend = backend_for_target(target.name)
+    recipe = args.recipe or QuantRecipe()
+    problems = [search.Problem(m, n, k, recipe) for m, n, k in args.shapes] if args.shapes else [None]
+    store = VerdictStore(search.study_dir(args.study_dir) / STORE_NAME)
+    doc: dict[str, Any] = {"target": target.name, "backend": backend.name, "recipe": recipe.describe(), "spaces": []}
+    any_survivor = False
+    seen_spaces = set()
+    for problem in problems:
+        a, b = (problem or search.Problem(1024, 1024, DEFAULT_KP, recipe)).operands()
+        m, kp = (problem.m, problem.kp) if problem else (None, DEFAULT_KP)
+        heavy = bool(a.macro_block or a.outliers or b.macro_block or b.outliers)
+        default = backend.default_gemm_config(target, m or 1024, a.format, heavy)
+        space = gemm_space(target, a, b, m, kp, full=args.full, default=default)
+        if (space.name, kp) in seen_spaces:
+            continue
+        seen_spaces.add((space.name, kp))
+        candidates = space.candidates()
+        bar = _Bar(len(candidates), f"static {target.name}", "compile")
+        done = [0]
+
+        def tick(_result, bar=bar, done=done) -> None:
+            done[0] += 1
+            bar.to(done[0])
+
+        start = time.perf_counter()
+        try:
+            report = prune(candidates, a, b, target, backend, kp, store=store, compile_fn=compile_fn,
+                           jobs=args.jobs, on_result=tick)
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - start
+        unique = report.unique()
+        survivors = [(c, v) for c, v in unique.values() if v.ok]
+        group_m = dict(space.choices).get("group_m", ())
+        print(f"static stage: {target.name} ({target.description}), backend {backend.name}, "
+              f"{'A4W4' if a.format is None else 'W4A16'} a:{a.tag()} b:{b.tag()}, "
+              f"{'M=' + str(m) if m else 'large M'}, K padded {kp}")
+        print(f"space {space.name}: {len(candidates)} candidates = {len(unique)} compiles x GROUP_M {group_m} "
+              f"(GROUP_M shares a compile); default config {_config(default)}")
+        for note in space.notes:
+            print(f"  restriction: {note}")
+        print(f"compiled {report.compiled} now, {report.reused} verdicts from earlier runs ({seconds:.0f} s)")
+        rows = [(c.label(), "-" if v.shared_bytes is None else f"{v.shared_bytes / 1024:g}",
+                 "-" if v.registers is None else str(v.registers),
+                 "-" if v.native_mx is None else ("yes" if v.native_mx else "NO"))
+                for c, v in survivors]
+        print(f"surviving candidates: {len(survivors)} of {len(unique)}")
+        if rows:
+            print(_table(("config (every GROUP_M choice)", "shared KiB", "regs", "native MX"), rows))
+        by_reason = report.by_reason()
+        pruned = len(unique) - len(survivors)
+        print(f"pruned: {pruned} of {len(unique)}" + ("" if not by_reason else " -- by reason (one compile may "
+              "have several): " + ", ".join(f"{kind}: {n}" for kind, n in by_reason.items())))
+        print()
+        any_survivor |= bool(survivors)
+        doc["spaces"].append({
+            "space": space.name, "m": m, "kp": kp, "candidates": len(candidates), "compiles": len(unique),
+            "group_m": list(group_m), "notes": list(space.notes), "default": _config(default),
+            "survivors": [{"config": c.label(), **v.to_json()} for c, v in survivors],
+            "pruned": [{"config": c.label(), **v.to_json()} for c, v in unique.values() if not v.ok],
+            "pruned_by_reason": by_reason,
+        })
+    if args.json:
+        _write_json(args.json, doc)
+    return 0 if any_survivor else 1
+
+
+# ----------------------------------------------------------------------------- tuning
+
+
+def _device(args: argparse.Namespace):
+    """The device to tune on, or None after saying why there is none."""
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"portable-mx tune: no GPU: torch sees no CUDA or ROCm device (torch {torch.__version__}, "
+              "torch.cuda.is_available() is False). Tuning times kernels on the device it tunes for; "
+              "nothing was measured or written. `portable-mx tune --static --target NAME` runs the "
+              "ahead-of-time stage without a device.", file=sys.stderr)
+        return None
+    return device
+
+
+def run_search(args: argparse.Namespace, device: Any) -> int:
+    from .recipe import QuantRecipe
+    from .tuning import search
+
+    recipe = args.recipe or QuantRecipe()
+    shapes = args.shapes or PRESETS["all"]
+    trials = DEFAULT_TRIALS if args.trials is None else args.trials
+    results = []
+    for m, n, k in shapes:
+        problem = search.Problem(m, n, k, recipe, op=args.op)
+        bar = _Bar(trials, f"tune {problem.shape}", "config")
+        try:
+            result = search.tune(problem, device=device, trials=trials, storage=args.storage,
+                                 directory=args.study_dir, seed=args.seed, full=args.full, jobs=args.jobs,
+                                 out=args.out, progress=bar.to)
+            exhaustive = None
+            if args.exhaustive:
+                exhaustive = search.tune(problem, device=device, trials=0, storage=args.storage,
+                                         directory=args.study_dir, seed=args.seed, full=args.full, jobs=args.jobs,
+                                         out=args.out, exhaustive=True)
+        finally:
+            bar.close()
+        results.append((result, exhaustive))
+    rows, doc = [], {"recipe": recipe.describe(), "results": []}
+    for r, ex in results:
+        rows.append((r.problem.shape, f"{r.key.split('|')[1]}", _config(r.best), _ms(r.best_ms), _config(r.default),
+                     _ms(r.default_ms), "-" if r.speedup is None else f"{r.speedup:.2f}x",
+                     f"{r.trials} ({r.survivors}/{r.candidates})"))
+        entry = {"shape": r.problem.shape, "key": r.key, "study": r.study_name, "best": _config(r.best),
+                 "best_ms": r.best_ms, "default": _config(r.default), "default_ms": r.default_ms,
+                 "speedup": r.speedup, "trials": r.trials, "candidates": r.candidates, "survivors": r.survivors,
+                 "static_pruned": r.static_pruned, "stop": r.stop_reason,
+                 "cache": None if r.cache_path is None else str(r.cache_path)}
+        if ex is not None and ex.best_ms is not None:
+            needed = search.trials_to_within(r.history, ex.best_ms, 0.02)
+            entry["exhaustive"] = {"best": _config(ex.best), "best_ms": ex.best_ms, "measured": ex.trials,
+                                   "tpe_trials_within_2pct": needed,
+                                   "tpe_fraction_of_space": None if needed is None else needed / max(ex.survivors, 1)}
+        doc["results"].append(entry)
+    print(_table(("shape", "operands", "best config", "best ms", "default config", "default ms", "speed-up",
+                  "measured (survivors/space)"), rows))
+    for entry in doc["results"]:
+        ex = entry.get("exhaustive")
+        if ex:
+            needed = ex["tpe_trials_within_2pct"]
+            print(f"{entry['shape']}: exhaustive best {ex['best']} {ex['best_ms']:.4f} ms over {ex['measured']} "
+                  f"configs; TPE came within 2% after "
+                  + ("never" if needed is None else f"{needed} trials ({ex['tpe_fraction_of_space']:.0%} of the space)"))
+    paths = sorted({e["cache"] for e in doc["results"] if e["cache"]})
+    for path in paths:
+        print(f"config cache: {path}")
+    if args.json:
+        _write_json(args.json, doc)
+    return 0 if all(r.best is not None for r, _ in results) else 1
+
+
+def run_macro(args: argparse.Namespace, device: Any) -> int:
+    from .recipe import QuantRecipe
+    from .tuning import macro, search
+
+    recipe = args.recipe or QuantRecipe()
+    shapes = args.shapes or [PRESETS["decode"][1]]
+    tensors = None
+    if args.tensors:
+        import torch
+
+        loaded = torch.load(args.tensors, map_location=device, weights_only=True)
+        items = loaded.values() if isinstance(loaded, dict) else loaded if isinstance(loaded, (list, tuple)) else [loaded]
+        tensors = [t.float() for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1]
+        if not tensors:
+            print(f"portable-mx tune --macro: no floating-point tensor in {args.tensors}", file=sys.stderr)
+            return 2
+    tolerance = macro.DEFAULT_TOLERANCE if args.error_tolerance is None else args.error_tolerance
+    doc: dict[str, Any] = {"recipe": recipe.describe(), "error_tolerance": tolerance, "results": []}
+    for m, n, k in shapes:
+        problem = search.Problem(m, n, k, recipe)
+        bar = _Bar(len(macro.macro_choices(problem.kp)) * len(macro.OUTLIER_CHOICES), f"macro {problem.shape}", "point")
+        try:
+            result = macro.tune_macro(problem, device=device, tensors=tensors,
+                                      trials=args.trials, storage=args.storage,
+                                      directory=args.study_dir, seed=args.seed, error_tolerance=tolerance,
+                                      progress=bar.to)
+        finally:
+            bar.close()
+        print(f"macro-block study {problem.shape} ({result.study_name}): {len(result.points)} points, "
+              f"Pareto front {len(result.front)}")
+        rows = [(p.label, f"{p.relative_mse:.5g}", f"{p.shares.get('share_scale', float('nan')):.3f}",
+                 f"{p.shares.get('share_dead', float('nan')):.3f}", f"{p.shares.get('share_grid', float('nan')):.3f}",
+                 f"{p.time_ms:.4f}", "<- pick" if p == result.pick else "") for p in result.front]
+        print(_table(("point", "rel. MSE", "scale", "dead", "grid", "GEMM ms", ""), rows))
+        print(f"pick: {result.pick.label} ({result.recipe().describe()}): {result.rule}")
+        print()
+        doc["results"].append({"shape": problem.shape, "study": result.study_name, "rule": result.rule,
+                               "pick": result.pick.label, "recipe": result.recipe().model_dump(),
+                               "front": [{"point": p.label, "relative_mse": p.relative_mse, "time_ms": p.time_ms,
+                                          "shares": p.shares} for p in result.front]})
+    if args.json:
+        _write_json(args.json, doc)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """The subcommand (see the module doc)."""
+    if args.trials is not None and args.trials < 0:
+        print("portable-mx tune: --trials must be >= 0", file=sys.stderr)
+        return 2
+    if args.static:
+        if args.target is None:
+            print("portable-mx tune --static: --target is required", file=sys.stderr)
+            return 2
+        return run_static(args)
+    if args.target is not None:
+        print("portable-mx tune: --target goes with --static (tuning uses this machine's device)", file=sys.stderr)
+        return 2
+    device = _device(args)
+    if device is None:
+        return EXIT_NO_GPU
+    try:
+        return run_macro(args, device) if args.macro else run_search(args, device)
+    except ValueError as err:  # no Triton backend for the device, and the like
+        print(f"portable-mx tune: {err}", file=sys.stderr)
+        return 2

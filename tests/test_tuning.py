@@ -1,0 +1,397 @@
+"""The tuner (portable_mx.tuning) on the CPU: search space, static pruning, the Optuna
+study (search, persistence, resumption), the config cache (concurrent writers, corrupt
+files, lookup) and the second process that launches the GEMM with a cached config.
+
+Timing is a deterministic fake (a function of the config); correctness checks run the
+real kernels under the Triton interpreter where that backend is available here, else a
+stub launcher. One test compiles two real candidates for sm_100 (no GPU needed).
+"""
+
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from portable_mx import cli, registry
+from portable_mx.aot import CompileResult
+from portable_mx.backends.reference import ReferenceBackend
+from portable_mx.backends.targets import TARGETS
+from portable_mx.backends.triton.gemm import Operand
+from portable_mx.backends.triton.launch import GemmConfig
+from portable_mx.tuning import cache, macro, search, static
+from portable_mx.tuning.space import gemm_space
+
+CPU = torch.device("cpu")
+INTERPRET = registry.get("triton-interpret")
+MX = Operand(None, None, 0)
+interpreted = pytest.mark.skipif(INTERPRET.unavailable_reason(CPU) is not None,
+                                 reason="the Triton interpreter does not run here (TRITON_INTERPRET unset)")
+PROBLEM = search.Problem(16, 64, 128)  # one 16 x 64 x 128 GEMM: the interpreter runs it in ms
+OPTIMUM = (32, 32, 64, 1)  # (block_m, block_n, block_k, group_m) of the fake timer's minimum
+
+
+def fake_ms(config) -> float:
+    """A deterministic 'time' with its unique minimum (1.0) at OPTIMUM."""
+    bm, bn, bk, g = OPTIMUM
+    return (1.0 + abs(math.log2(config.block_m / bm)) + abs(math.log2(config.block_n / bn))
+            + abs(math.log2(config.block_k / bk)) + 0.5 * (config.group_m != g))
+
+
+class CountingTimer:
+    def __init__(self, fail_after=None):
+        self.calls, self.fail_after = [], fail_after
+
+    def __call__(self, fn, config):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise RuntimeError("timer interrupted")
+        self.calls.append(config)
+        return fake_ms(config)
+
+
+def reference_launcher(a, b, config):
+    """A correct GEMM whatever the config (the reference backend)."""
+    return lambda: ReferenceBackend().matmul(a, b)
+
+
+@pytest.fixture(autouse=True)
+def cache_env(tmp_path, monkeypatch):
+    """An empty user cache dir of this test's own."""
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    cache.clear()
+    yield tmp_path / "cache"
+    cache.clear()
+
+
+def _tune(tmp_path, **kw):
+    args = dict(device=CPU, backend=INTERPRET, trials=20, directory=tmp_path / "studies", out=tmp_path / "out",
+                seed=0, timer=CountingTimer())
+    args.update(kw)
+    return search.tune(PROBLEM, **args)
+
+
+# ----------------------------------------------------------------------------- the space
+
+
+def test_space_is_deterministic_and_round_trips():
+    default = INTERPRET.default_gemm_config(None, 16, None, False)
+    space = gemm_space(None, MX, MX, 16, 128, default=default)
+    cands = space.candidates()
+    assert cands == gemm_space(None, MX, MX, 16, 128, default=default).candidates()
+    assert len(cands) == len(set(cands)) == len(space) and default in cands
+    for c in cands:
+        assert space.decode(space.encode(c)) == c
+        assert c.block_k >= 32 and c.block_k & (c.block_k - 1) == 0
+    assert set(space.distributions()) == {"block_m", "block_n", "block_k", "group_m"}
+
+
+def test_space_keeps_the_native_instruction():
+    sm100 = gemm_space(TARGETS["sm_100"], MX, MX, 1, 8192, full=True)
+    assert {c.block_m for c in sm100.candidates()} <= {128, 256}
+    assert {c.num_warps for c in sm100.candidates()} == {4, 8}
+    w4a16 = gemm_space(TARGETS["sm_100"], Operand(torch.bfloat16, None, 0), MX, 1, 8192)
+    assert min(c.block_m for c in w4a16.candidates()) == 16  # not native: any M tile
+    gfx = gemm_space(TARGETS["gfx950"], MX, MX, 4096, 8192, full=True)
+    extras = {c.extra for c in gfx.candidates()}
+    assert all(dict(e)["kpack"] == 1 and dict(e)["matrix_instr_nonkdim"] in (16, 32) for e in extras)
+    assert any("waves_per_eu" in dict(e) for e in extras)
+    default = registry.get("rocm").default_gemm_config(TARGETS["gfx950"], 4096, None, False)
+    assert gemm_space(TARGETS["gfx950"], MX, MX, 4096, 8192, default=default).contains(default)
+
+
+def test_space_caps_block_k_at_the_macro_period():
+    mbs = Operand(None, 64, 0)
+    space = gemm_space(TARGETS["sm_90"], mbs, mbs, 4096, 8192, full=True)
+    assert {c.block_k for c in space.candidates()} == {32, 64}
+    # one macro block spans K: the factors move to the epilogue, no cap
+    assert max(c.block_k for c in gemm_space(TARGETS["sm_90"], Operand(None, 8192, 0), MX, 4096, 8192,
+                                             full=True).candidates()) == 512
+
+
+# ----------------------------------------------------------------------------- search
+
+
+@interpreted
+def test_search_finds_the_fake_optimum_and_caches_it(tmp_path):
+    timer = CountingTimer()
+    r = _tune(tmp_path, timer=timer)
+    best = r.best
+    assert (best.block_m, best.block_n, best.block_k, best.group_m) == OPTIMUM and r.best_ms == 1.0
+    assert r.default == INTERPRET.default_gemm_config(None, 16, None, False)
+    assert timer.calls[0] == r.default and r.default_ms == fake_ms(r.default)  # the baseline, first
+    assert len(timer.calls) == len(set(timer.calls)) == r.trials <= 20 < len(r.space)  # nothing timed twice
+    doc = json.loads(r.cache_path.read_text())
+    entry = doc["entries"][PROBLEM.key()]
+    assert entry["config"]["block_m"] == 32 and entry["baseline_ms"] == r.default_ms and entry["trials"] == r.trials
+    assert r.cache_path.parent == tmp_path / "out" and r.cache_path.name == "interpret-cpu.json"
+
+
+def test_wrong_config_is_a_failed_trial_never_the_winner(tmp_path):
+    import optuna
+
+    def launcher(a, b, config):
+        bad = (config.block_m, config.block_n, config.block_k, config.group_m) == OPTIMUM
+        return lambda: ReferenceBackend().matmul(a, b) + (1.0 if bad else 0.0)
+
+    r = _tune(tmp_path, launcher=launcher, trials=36)  # the whole space
+    assert r.best_ms > 1.0 and r.failed == 1
+    study = optuna.load_study(study_name=r.study_name, storage=search.storage_for(None, tmp_path / "studies"))
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 1 and failed[0].user_attrs["failure"] == "wrong"
+    assert "bound" in failed[0].user_attrs["failed_reason"]
+
+
+def test_resumption_after_an_interrupted_run_reuses_what_was_timed(tmp_path):
+    first = CountingTimer(fail_after=6)
+    with pytest.raises(RuntimeError, match="timer interrupted"):
+        _tune(tmp_path, launcher=reference_launcher, timer=first)
+    assert len(first.calls) == 6
+    second = CountingTimer()
+    r = _tune(tmp_path, launcher=reference_launcher, timer=second, trials=30)
+    assert not set(first.calls) & set(second.calls)  # nothing timed twice across the runs
+    assert r.trials == len(first.calls) + len(second.calls)
+    assert r.default_ms == fake_ms(r.default)  # the baseline of the first run is kept
+    assert r.history[0][1] == r.default
+    again = CountingTimer()
+    r2 = _tune(tmp_path, launcher=reference_launcher, timer=again, trials=5)
+    assert not set(again.calls) & (set(first.calls) | set(second.calls))
+    assert r2.trials == r.trials + len(again.calls)
+
+
+def test_an_rdb_storage_url(tmp_path):
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    r = _tune(tmp_path, launcher=reference_launcher, storage=url, trials=4)
+    assert r.trials == 4 and (tmp_path / "studies.db").exists()
+    assert not (tmp_path / "studies" / search.JOURNAL_NAME).exists()
+
+
+# ----------------------------------------------------------------------------- static
+
+
+class FakeCompile:
+    """compile_all's signature; configs with block_k 128 overflow shared memory."""
+
+    def __init__(self):
+        self.compiled = []
+
+    def __call__(self, items, jobs=None, on_result=None):
+        out = []
+        for launch, target in items:
+            self.compiled.append(launch.label)
+            overflow = launch.constexprs["BLOCK_K"] == 128
+            r = CompileResult("gemm", launch.label, target.name, True, None, 300_000 if overflow else 1000,
+                              target.shared_memory, 64, 0, True, ("tcgen05.mma",),
+                              problems=[f"shared memory 300000 B > {target.shared_memory} B limit"] if overflow else [])
+            if on_result:
+                on_result(r)
+            out.append(r)
+        return out
+
+
+def test_static_pruning_records_verdicts_and_never_compiles_twice(tmp_path):
+    fake = FakeCompile()
+    cands = gemm_space(None, MX, MX, 16, 128).candidates()
+    path = tmp_path / static.STORE_NAME
+    report = static.prune(cands, MX, MX, TARGETS["sm_100"], INTERPRET, 128, static.VerdictStore(path), fake)
+    assert len(fake.compiled) == len(set(fake.compiled)) == len(cands) // 2  # GROUP_M 1 and 2 share a compile
+    assert report.compiled == len(fake.compiled) and report.reused == 0
+    pruned = report.pruned()
+    assert pruned and all(c.block_k == 128 for c in pruned)
+    assert all("shared memory" in v.reason for v in pruned.values())
+    assert report.by_reason() == {"shared memory overflow": len(report.unique()) // 3}
+    # another run, another process: read back, nothing compiled
+    again = static.prune(cands, MX, MX, TARGETS["sm_100"], INTERPRET, 128, static.VerdictStore(path), fake)
+    assert len(fake.compiled) == len(cands) // 2 and again.compiled == 0
+    assert again.verdicts == report.verdicts
+    doc = json.loads(path.read_text())
+    key = next(iter(doc["verdicts"]))
+    assert key.startswith(f"sm_100|triton {cache.triton_version()}|kernel {cache.kernel_hash()}|a:e2m1 b:e2m1|")
+
+
+def test_statically_pruned_candidates_are_pruned_trials_never_timed(tmp_path):
+    import optuna
+
+    fake, timer = FakeCompile(), CountingTimer()
+    r = _tune(tmp_path, launcher=reference_launcher, timer=timer, static_target=TARGETS["sm_100"],
+              compile_fn=fake, trials=30)
+    assert r.static_pruned == 12 and r.survivors == 24
+    assert all(c.block_k != 128 for c in timer.calls if c != r.default)  # a pruned default is still the baseline
+    study = optuna.load_study(study_name=r.study_name, storage=search.storage_for(None, tmp_path / "studies"))
+    static_trials = [t for t in study.trials if t.user_attrs.get("stage") == "static"]
+    assert len(static_trials) == 12
+    assert all(t.state == optuna.trial.TrialState.PRUNED and "shared memory" in t.user_attrs["pruned_reason"]
+               for t in static_trials)
+    n = len(fake.compiled)
+    _tune(tmp_path, launcher=reference_launcher, static_target=TARGETS["sm_100"], compile_fn=fake, trials=2)
+    assert len(fake.compiled) == n  # resumed: every verdict read back
+
+
+def test_one_real_static_compile_for_sm_100(tmp_path):
+    """Two candidates compiled for B200 here (no GPU): the default config keeps the
+    native tcgen05.mma block_scale and fits; an M tile of 64 loses it."""
+    cuda = registry.get("cuda")
+    good = cuda.default_gemm_config(TARGETS["sm_100"], 4096, None, False)
+    bad = dataclasses.replace(good, block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=2)
+    store = static.VerdictStore(tmp_path / static.STORE_NAME)
+    report = static.prune([good, bad], MX, MX, TARGETS["sm_100"], cuda, 8192, store, jobs=2)
+    assert report.verdicts[good].ok and report.verdicts[good].native_mx is True, report.verdicts[good]
+    assert not report.verdicts[bad].ok and "no native MX instruction" in report.verdicts[bad].reason
+    assert report.survivors() == [good]
+    calls = []
+    again = static.prune([good, bad], MX, MX, TARGETS["sm_100"], cuda, 8192,
+                         static.VerdictStore(tmp_path / static.STORE_NAME),
+                         lambda items, **kw: calls.append(items) or [])
+    assert not calls and again.verdicts == report.verdicts
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def _record_many(args):
+    directory, worker, count = args
+    for i in range(count):
+        cache.record("sm_100", "NVIDIA B200", {f"matmul|a:e2m1 b:e2m1|M{worker}xN{i}xK64":
+                                               cache.make_entry(GemmConfig(128, 64, 128), 1.0 + i)},
+                     directory=Path(directory))
+    return worker
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with ctx.Pool(4) as pool:
+        assert sorted(pool.map(_record_many, [(str(tmp_path), w, 8) for w in range(4)])) == [0, 1, 2, 3]
+    doc = cache.ConfigCache.model_validate_json(cache.cache_file("sm_100", "NVIDIA B200", tmp_path).read_text())
+    assert len(doc.entries) == 32
+
+
+def test_a_corrupt_cache_is_ignored_with_one_warning(cache_env):
+    path = cache.cache_file("interpret", "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.entries("interpret", "cpu") == {}
+        cache.clear()
+        assert cache.lookup("interpret", "cpu", PROBLEM.key()) is None
+    assert len([w for w in caught if "ignored" in str(w.message)]) == 1
+    # a write replaces the corrupt file
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_n"] == 32
+
+
+def test_cache_lookup_and_the_backend_config(cache_env):
+    tuned = GemmConfig(32, 32, 64, group_m=1)
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(tuned, 1.0, baseline_ms=2.0, trials=5)})
+    assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_k"] == 64
+    a, b = PROBLEM.operands()
+    assert INTERPRET.gemm_config(CPU, a, b, 16, 64, 128) == tuned
+    assert INTERPRET.gemm_config(CPU, a, b, 9, 64, 128) == tuned  # M 9 is in the M16 bucket
+    assert INTERPRET.gemm_config(CPU, a, b, 17, 64, 128) == INTERPRET.default_gemm_config(None, 17, None, False)
+
+
+SPY = textwrap.dedent("""
+    import dataclasses, json, torch
+    import portable_mx as pmx
+    from portable_mx.backends.triton import gemm
+
+    launched = []
+    real = gemm.matmul
+    def spy(a, b, config, *args, **kwargs):
+        launched.append(dataclasses.asdict(config))
+        return real(a, b, config, *args, **kwargs)
+    gemm.matmul = spy
+    x, w = torch.randn(16, 128), torch.randn(128, 64)
+    out = pmx.matmul(x, w)
+    exact = pmx.dequantize(pmx.quantize(x)).double() @ pmx.dequantize(pmx.quantize(w, axis=0)).double()
+    print(json.dumps({"launched": launched, "max_err": float((out.double() - exact).abs().max())}))
+""")
+
+
+@interpreted
+def test_a_second_process_launches_the_gemm_with_the_cached_config(tmp_path):
+    """Tune here (the fake timer's optimum is not the default), then a fresh process with
+    PORTABLE_MX_CACHE_DIR pointing at the written cache launches its GEMM with it."""
+    r = _tune(tmp_path, trials=20)
+    assert r.best != r.default
+    env = {**os.environ, cache.ENV_CACHE_DIR: str(tmp_path / "out"), "TRITON_INTERPRET": "1",
+           registry.ENV_BACKEND: "triton-interpret"}
+    proc = subprocess.run([sys.executable, "-c", SPY], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    launched = [GemmConfig(**{**c, "extra": tuple(map(tuple, c["extra"]))}) for c in got["launched"]]
+    assert launched == [r.best]
+    assert got["max_err"] < 1e-3
+
+
+# ----------------------------------------------------------------------------- macro blocks
+
+
+def test_macro_study_front_pick_and_resumption(tmp_path):
+    calls = []
+
+    def timer(fn, recipe):
+        calls.append((recipe.macro_block, recipe.outliers_per_block))
+        return 1.0 + 0.4 * recipe.outliers_per_block + (0.3 + 16 / recipe.macro_block if recipe.macro_block else 0.0)
+
+    tensors = macro.sample_tensors(256, rows=32)
+    problem = search.Problem(16, 64, 256)
+    kw = dict(device=CPU, backend=INTERPRET, tensors=tensors, directory=tmp_path, timer=timer, error_tolerance=0.1)
+    r = macro.tune_macro(problem, **kw)
+    assert len(r.points) == len(set(calls)) == len(calls) == 4 * 3  # None, 64, 128, 256 x 0, 1, 2
+    for p in r.front:  # nothing on the front is beaten on both objectives
+        assert not any(q.relative_mse < p.relative_mse and q.time_ms < p.time_ms for q in r.points)
+    best_err = min(p.relative_mse for p in r.front)
+    assert r.pick.relative_mse <= 1.1 * best_err
+    assert all(p.time_ms >= r.pick.time_ms for p in r.front if p.relative_mse <= 1.1 * best_err)
+    assert {"share_scale", "share_dead", "share_grid"} <= set(r.pick.shares)
+    plain = next(p for p in r.points if p.macro_block is None and p.outliers_per_block == 0)
+    assert plain.relative_mse > r.pick.relative_mse
+    assert r.recipe().outliers_per_block == r.pick.outliers_per_block
+    again = macro.tune_macro(problem, **kw)  # continued: nothing evaluated again
+    assert len(calls) == 12 and again.pick == r.pick
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_tune_without_a_gpu_exits_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["tune", "--shapes", "16x64x128", "--trials", "3"]) == 2
+    assert "no GPU" in capsys.readouterr().err
+
+
+def test_tune_static_prints_survivors_and_pruned_by_reason(tmp_path, capsys, monkeypatch):
+    import portable_mx.aot
+
+    fake = FakeCompile()
+    monkeypatch.setattr(portable_mx.aot, "compile_all", fake)
+    argv = ["tune", "--static", "--target", "sm_100", "--study-dir", str(tmp_path), "--json", str(tmp_path / "s.json")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "s.json").read_text())["spaces"][0]
+    assert len(fake.compiled) == doc["compiles"] and doc["survivors"] and doc["pruned"]
+    assert f"surviving candidates: {len(doc['survivors'])} of {doc['compiles']}" in out
+    assert f"shared memory overflow: {len(doc['pruned'])}" in out
+    assert all(s["config"].startswith(("m128", "m256")) for s in doc["survivors"])  # native M tiles only
+    assert cli.main(argv) == 0 and len(fake.compiled) == doc["compiles"]  # verdicts reused
+
+
+@interpreted
+def test_tune_command_end_to_end_on_the_interpreter(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    monkeypatch.setattr(search, "host_timer", lambda fn, config=None: fake_ms(config))
+    argv = ["tune", "--device", "cpu", "--shapes", "16x64x128", "--trials", "4", "--study-dir", str(tmp_path),
+            "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "16x64x128" in out and "interpret-cpu.json" in out
+    assert cache.lookup("interpret", "cpu", PROBLEM.key()) is None  # written to --out, not the user dir

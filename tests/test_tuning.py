@@ -287,6 +287,41 @@ def test_a_corrupt_cache_is_ignored_with_one_warning(cache_env):
     assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_n"] == 32
 
 
+@pytest.mark.parametrize("field, value", [("schema_version", 99), ("arch", "sm_90"), ("triton_version", "0.0.1")])
+def test_a_mismatched_cache_is_ignored_with_one_warning(cache_env, field, value):
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    path = cache.cache_file("interpret", "cpu")
+    doc = json.loads(path.read_text())
+    doc[field] = value
+    path.write_text(json.dumps(doc))
+    cache.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.lookup("interpret", "cpu", PROBLEM.key()) is None
+        cache.clear()
+        assert cache.lookup("interpret", "cpu", PROBLEM.key()) is None
+    assert len([w for w in caught if "ignored" in str(w.message)]) == 1
+
+
+def test_record_merges_and_keeps_the_faster_entry(cache_env):
+    other = "matmul|a:bf16 b:e2m1|M1xN64xK128"
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    cache.record("interpret", "cpu", {other: cache.make_entry(GemmConfig(16, 64, 64), 1.0)})
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(32, 32, 64), 3.0)})  # slower
+    assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_m"] == 16
+    assert cache.lookup("interpret", "cpu", other)["block_n"] == 64
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(64, 32, 64), 1.5)})  # faster
+    assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_m"] == 64
+
+
+def test_shape_bucket_and_keys():
+    assert cache.shape_bucket(1, 8, 32) == "M1xN8xK32"
+    assert cache.shape_bucket(9, 8, 32) == cache.shape_bucket(16, 8, 32) == "M16xN8xK32"
+    assert cache.shape_bucket(17, 8, 32) == "M32xN8xK32"
+    assert cache.entry_key("matmul", cache.operand_tag("e2m1", 128, 1), "bf16", 3, 5, 64) == \
+        "matmul|a:e2m1/MBS-128/OF-1 b:bf16|M4xN5xK64"
+
+
 def test_cache_lookup_and_the_backend_config(cache_env):
     tuned = GemmConfig(32, 32, 64, group_m=1)
     cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(tuned, 1.0, baseline_ms=2.0, trials=5)})

@@ -1,0 +1,155 @@
+"""Adaptive quantization noise (AQN, numerics.md section 4): the noise schedule, and its
+injection into the RMSNorm weights of the model that generates rollouts.
+
+Contract
+- Schedule over ``total_steps`` optimizer steps T with ``stages`` K (default 10),
+  ``sigma_start`` 1e-2 and ``sigma_end`` 1e-4: step t belongs to stage
+  ``s = floor(t * K / T)`` (clamped to [0, K-1]); stage 0 (the first T/K steps) has
+  sigma 0; stage s >= 1 is noisy stage ``j = s - 1`` (j = 0..K-2) with
+  ``sigma = sigma_start * (sigma_end / sigma_start) ** (j / (K - 2))`` (K = 2: the one
+  noisy stage uses ``sigma_start``). Steps past T stay in the last stage.
+- Injection: Gaussian noise N(0, sigma^2), drawn fresh on every call, added in fp32 to
+  the weight of every RMSNorm module of a model that is *not* the trained one (the
+  rollout copy). A norm weight stored in a 16-bit dtype is replaced by its fp32 value
+  plus the noise (a bf16 weight near 1 has a 2^-7 ulp and would swallow sigma < ~2e-3);
+  :func:`refresh_rollout_copy` copies the trained weights into the rollout copy first, so
+  the noise never reaches the trained weights and never accumulates across updates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "AQNSchedule",
+    "add_rmsnorm_noise",
+    "is_rmsnorm",
+    "refresh_rollout_copy",
+    "rmsnorm_weights",
+]
+
+
+@dataclass(frozen=True)
+class AQNSchedule:
+    """The AQN noise schedule of numerics.md section 4 (see the module doc)."""
+
+    total_steps: int
+    stages: int = 10
+    sigma_start: float = 1e-2
+    sigma_end: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.total_steps, int) or self.total_steps < 1:
+            raise ValueError(f"total_steps must be a positive int; got {self.total_steps!r}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"stages must be an int >= 2 (one silent stage, then noisy ones); got {self.stages!r}")
+        if not (self.sigma_start > 0 and self.sigma_end > 0):
+            raise ValueError(f"sigma_start and sigma_end must be > 0; got {self.sigma_start}, {self.sigma_end}")
+
+    def stage(self, step: int) -> int:
+        """The stage (0..K-1) of optimizer step ``step`` (0-based; negative steps are stage 0)."""
+        s = (max(step, 0) * self.stages) // self.total_steps
+        return min(s, self.stages - 1)
+
+    def stage_sigma(self, stage: int) -> float:
+        """sigma of stage ``stage``: 0 for stage 0, the geometric ladder after it."""
+        if stage <= 0:
+            return 0.0
+        j = min(stage, self.stages - 1) - 1
+        if self.stages == 2:
+            return float(self.sigma_start)
+        return float(self.sigma_start * (self.sigma_end / self.sigma_start) ** (j / (self.stages - 2)))
+
+    def sigma(self, step: int) -> float:
+        """sigma at optimizer step ``step``."""
+        return self.stage_sigma(self.stage(step))
+
+    def sigmas(self) -> list[float]:
+        """sigma of every step 0..T-1."""
+        return [self.sigma(t) for t in range(self.total_steps)]
+
+
+def is_rmsnorm(module: torch.nn.Module) -> bool:
+    """True for ``torch.nn.RMSNorm`` and for any module whose class name ends in
+    "RMSNorm" (the Llama/Qwen-style norms of most model code) that has a ``weight``."""
+    if isinstance(module, torch.nn.RMSNorm):
+        return module.weight is not None
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def rmsnorm_weights(
+    model: torch.nn.Module, match: Callable[[torch.nn.Module], bool] = is_rmsnorm
+) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of every norm module ``match`` accepts."""
+    for name, module in model.named_modules():
+        if match(module):
+            yield name, module
+
+
+@torch.no_grad()
+def add_rmsnorm_noise(
+    model: torch.nn.Module,
+    sigma: float,
+    *,
+    generator: Optional[torch.Generator] = None,
+    match: Callable[[torch.nn.Module], bool] = is_rmsnorm,
+) -> int:
+    """Add N(0, sigma^2) noise, in fp32, to the weight of every RMSNorm of ``model``, in
+    place; a 16-bit weight becomes an fp32 Parameter (see the module doc). The noise is
+    drawn on the CPU from ``generator`` (the global generator when None) so that a seed
+    gives the same noise on every device. sigma = 0 still converts the weights to fp32
+    and adds nothing. Returns the number of norm weights touched."""
+    if not math.isfinite(sigma) or sigma < 0:
+        raise ValueError(f"sigma must be finite and >= 0; got {sigma!r}")
+    n = 0
+    for _, module in rmsnorm_weights(model, match):
+        w = module.weight
+        w32 = w.detach().to(torch.float32)
+        if sigma > 0:
+            noise = torch.randn(w32.shape, generator=generator, dtype=torch.float32)
+            w32 = w32 + sigma * noise.to(w32.device)
+        if w.dtype == torch.float32:
+            w.copy_(w32)
+        else:
+            module.weight = torch.nn.Parameter(w32, requires_grad=w.requires_grad)
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def refresh_rollout_copy(
+    trained: torch.nn.Module,
+    rollout: torch.nn.Module,
+    sigma: float,
+    *,
+    generator: Optional[torch.Generator] = None,
+    match: Callable[[torch.nn.Module], bool] = is_rmsnorm,
+) -> int:
+    """Make ``rollout`` the trained weights plus fresh AQN noise: copy every parameter and
+    buffer of ``trained`` into ``rollout`` (same module structure; names must match), then
+    :func:`add_rmsnorm_noise`. Call it after every optimizer step. ``trained`` is only
+    read. Returns the number of norm weights that got noise."""
+    if trained is rollout:
+        raise ValueError("the rollout copy must be a different module from the trained model")
+    src = dict(trained.named_parameters())
+    src.update(trained.named_buffers())
+    dst = dict(rollout.named_parameters())
+    dst.update(rollout.named_buffers())
+    if src.keys() != dst.keys():
+        missing = sorted(src.keys() ^ dst.keys())[:5]
+        raise ValueError(f"trained and rollout models differ in their parameters: {missing}")
+    for name, t in dst.items():
+        s = src[name]
+        if t.data_ptr() == s.data_ptr():
+            raise ValueError(f"the rollout copy shares {name!r} with the trained model; deep-copy it first")
+        if t.shape != s.shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} in the rollout copy, {tuple(s.shape)} trained")
+        t.copy_(s.to(t.dtype))
+    # a norm weight that an earlier refresh turned into fp32 is refilled from the trained
+    # weight above in fp32 (exact); the noise is then drawn fresh
+    return add_rmsnorm_noise(rollout, sigma, generator=generator, match=match)

@@ -1,0 +1,108 @@
+"""Command line of the demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+HELP = """GRPO with MXFP4 layers on reversed-digit arithmetic: a supervised warm-up, then arms
+that differ only in numerics (high precision; MXFP4; +MBS; +MBS+OF; +MBS+OF+AQN), with
+gradient accuracy, rollout quality, entropy, the error decomposition, a component probe,
+and decomposition parity across the backends on this machine. Writes results.json,
+report.md and report.png under --out."""
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    from .config import ARM_NAMES
+
+    p = argparse.ArgumentParser(prog="python -m rl_demo", description=HELP)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="one seed, three arms (hp, mxfp4, mbs_of_aqn), 30 iterations")
+    mode.add_argument("--tiny", action="store_true", help="a toy configuration (seconds; for tests)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default out/rl_demo[-quick|-tiny])")
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--task", choices=("add", "mul"), default=None, help="add (default) or mul")
+    p.add_argument("--arms", nargs="+", choices=ARM_NAMES, default=None)
+    p.add_argument("--seeds", nargs="+", type=int, default=None)
+    p.add_argument("--iterations", type=int, default=None, help="GRPO iterations per (arm, seed)")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="warm-up checkpoint to reuse when its configuration matches (else trained and saved there; "
+                        "default OUT/warmup.pt)")
+    p.add_argument("--fresh-warmup", action="store_true",
+                   help="train the warm-up from scratch even when a matching checkpoint exists (OUT/warmup.pt or "
+                        "the one shipped in rl_demo/checkpoints/)")
+    p.add_argument("--no-parity", action="store_true", help="skip the cross-backend parity check")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("PORTABLE_MX_BACKEND"):
+        print("rl_demo: TRITON_INTERPRET=1 is set, so the registry would train with the Triton interpreter "
+              "(far too slow); training uses PORTABLE_MX_BACKEND=reference. The parity check still runs the "
+              "interpreter in a subprocess.", file=sys.stderr)
+        os.environ["PORTABLE_MX_BACKEND"] = "reference"
+    import torch
+
+    from .config import preset
+    from .model import ModelConfig
+    from .run import run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    cfg = preset(name)
+    changes = {}
+    if args.task:
+        changes["task"] = args.task
+    if args.arms:
+        changes["arms"] = tuple(args.arms)
+    if args.seeds:
+        changes["seeds"] = tuple(args.seeds)
+    if args.iterations:
+        changes["iterations"] = args.iterations
+    if args.d_model or args.layers:
+        m = cfg.model
+        changes["model"] = ModelConfig(**{**m.to_dict(), **({"d_model": args.d_model} if args.d_model else {}),
+                                          **({"n_layers": args.layers} if args.layers else {})})
+    if args.device != "cpu":
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            print(f"rl_demo: --device {args.device} asked for, but torch sees no GPU", file=sys.stderr)
+            return 2
+        changes["device"] = args.device
+    cfg = replace(cfg, **changes)
+    out = args.out or Path("out") / ("rl_demo" if name == "full" else f"rl_demo-{name}")
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm
+    command = "python -m rl_demo " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    print(f"rl_demo ({name}): task {cfg.task}, arms {', '.join(cfg.arms)}, seeds {list(cfg.seeds)}, "
+          f"{cfg.iterations} GRPO iterations, device {cfg.device}; writing {out}/", flush=True)
+    t0 = time.perf_counter()
+    results = run(cfg, out, progress=progress, checkpoint=args.checkpoint, parity=not args.no_parity,
+                  fresh_warmup=args.fresh_warmup, command=command.strip())
+    print(f"\nrl_demo: done in {time.perf_counter() - t0:.0f} s; finite: {results['finite']}")
+    for arm, a in results["arms"].items():
+        s = a["summary"]
+        print(f"  {a['label']:<22} reward {s['reward_start']['mean']:.3f} -> {s['reward_end']['mean']:.3f}   "
+              f"greedy acc q {s['final_greedy_accuracy_q']['mean']:.3f} hp {s['final_greedy_accuracy_hp']['mean']:.3f}   "
+              f"grad cos {s['final_grad_cos']['mean']:.4f}")
+    if results["parity"] is not None:
+        for r in results["parity"]["results"]:
+            state = ("equal" if r.get("equal") else f"{r.get('mismatch_count')} mismatches") if r["status"] == "ran" \
+                else f"{r['status']}: {r.get('detail')}"
+            print(f"  parity {r['backend']}/{r['device']}: {state}")
+    print(f"  {out / 'report.md'}\n  {out / 'report.png'}\n  {out / 'results.json'}")
+    return 0 if results["finite"] else 1

@@ -1,0 +1,226 @@
+"""The supervised warm-up and the GRPO loop of one (arm, seed).
+
+GRPO: per iteration, ``prompts_per_iter`` prompts, ``group_size`` samples each from the
+rollout model (the arm's numerics; with AQN, a copy whose RMSNorm weights carry fresh
+noise); exact-match rewards; advantages normalised within each group
+(A = (r - mean) / (std + 1e-6), 0 for a group whose rewards are all equal); then
+``minibatches`` AdamW steps on the clipped-ratio loss
+
+    L = mean_tokens[ -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + kl_coef * k3 ]
+
+with rho = pi_theta / pi_rollout (the log-probabilities the rollout model sampled with),
+and k3 = exp(ref - logp) - (ref - logp) - 1 the KL estimator to the warm-up policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from portable_mx.aqn import AQNSchedule, refresh_rollout_copy
+
+from .config import Arm, DemoConfig
+from .measure import (
+    EvalSet,
+    ProbeBatch,
+    compare_gradients,
+    forward_agreement,
+    gradients,
+    greedy_accuracy,
+)
+from .model import GPT, answer_logits, generate, numerics_view, token_logprobs
+from .tasks import ANSWER_LEN, Task, reward
+
+Progress = Callable[..., Any]
+
+
+def _tqdm(progress: Optional[Progress], total: int, desc: str):
+    if progress is None:
+        return None
+    return progress(total=total, desc=desc, leave=False)
+
+
+def warmup(cfg: DemoConfig, ev: EvalSet, progress: Optional[Progress] = None) -> tuple[dict, dict[str, Any]]:
+    """Supervised training from scratch (high precision, cross-entropy on the answer
+    tokens, AdamW with a 50-step linear warm-up, gradient clipping at 1) until the greedy
+    accuracy on ``ev`` reaches ``warmup_target`` (checked every ``warmup_eval_every``
+    steps, every 5 steps once half-way there) or ``warmup_max_steps``.
+    Returns (state_dict, log)."""
+    task = Task(cfg.task)
+    pos = task.positions(cfg.coupled_positions).to(cfg.device)
+    torch.manual_seed(cfg.warmup_seed)
+    model = GPT(cfg.model).to(cfg.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    gen = torch.Generator().manual_seed(cfg.warmup_seed + 1)
+    curve, acc, step = [], 0.0, 0
+    bar = _tqdm(progress, cfg.warmup_max_steps, "warm-up (supervised)")
+    t0 = time.perf_counter()
+    for step in range(1, cfg.warmup_max_steps + 1):
+        p, a = task.sample(cfg.warmup_batch, gen)
+        p, a = p.to(cfg.device), a.to(cfg.device)
+        logits = answer_logits(model, p, a, pos)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), a.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if bar is not None:
+            bar.update(1)
+        # evaluate every warmup_eval_every steps, and every 5 once half-way to the target
+        every = 5 if acc >= cfg.warmup_target / 2 else cfg.warmup_eval_every
+        if step % every == 0 or step == cfg.warmup_max_steps:
+            acc = greedy_accuracy(model, ev)
+            curve.append({"step": step, "loss": loss.item(), "greedy_accuracy": acc})
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
+            if acc >= cfg.warmup_target:
+                break
+    if bar is not None:
+        bar.close()
+    log = {"steps": step, "greedy_accuracy": acc, "seconds": time.perf_counter() - t0, "curve": curve,
+           "parameters": model.num_parameters()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, log
+
+
+def make_probe(cfg: DemoConfig, model: GPT) -> ProbeBatch:
+    """The fixed probe batch: ``probe_prompts`` prompts x ``probe_group`` answers with
+    their group-normalised advantages: ``probe_group - 1`` samples of the warm-up policy
+    (high precision, fixed seed) and the target answer, so that no group is all-wrong
+    (whose advantages, and so its gradient, would vanish)."""
+    task = Task(cfg.task)
+    pos = task.positions(cfg.coupled_positions).to(cfg.device)
+    g = torch.Generator().manual_seed(cfg.warmup_seed + 7)
+    p, a = task.sample(cfg.probe_prompts, g)
+    p, a = p.repeat_interleave(cfg.probe_group, 0).to(cfg.device), a.repeat_interleave(cfg.probe_group, 0).to(cfg.device)
+    ans, _, _ = generate(model, p, pos, ANSWER_LEN, greedy=False, generator=g)
+    ans[cfg.probe_group - 1 :: cfg.probe_group] = a[cfg.probe_group - 1 :: cfg.probe_group]
+    adv = group_advantages(reward(ans, a), cfg.probe_group)
+    return ProbeBatch(p, ans, adv, pos)
+
+
+def group_advantages(r: torch.Tensor, group: int) -> torch.Tensor:
+    rg = r.view(-1, group)
+    adv = (rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True) + 1e-6)
+    return adv.view(-1)
+
+
+def evaluate(cfg: DemoConfig, arm: Arm, model: GPT, view: GPT, rollout: Optional[GPT], ev: EvalSet, probe: ProbeBatch) -> dict:
+    """Rollout quality, entropies and gradient accuracy of the arm's numerics (for the
+    high-precision arm: of plain MXFP4, as a shadow) against the high-precision forward
+    of the same weights."""
+    shadow = view if arm.recipe is not None else numerics_view(model, cfg.arm("mxfp4").recipe)
+    out: dict[str, Any] = {
+        "greedy_accuracy_hp": greedy_accuracy(model, ev),
+        "greedy_accuracy_q": greedy_accuracy(shadow, ev),
+    }
+    agree = forward_agreement(model, shadow, ev)
+    out.update(entropy_hp=agree["entropy_a"], entropy_q=agree["entropy_b"], kl_hp_q=agree["kl_a_b"])
+    if rollout is not None:
+        out["greedy_accuracy_rollout"] = greedy_accuracy(rollout, ev)
+        out["entropy_rollout"] = forward_agreement(model, rollout, ev)["entropy_b"]
+    g_hp = gradients(model, model, probe)
+    g_q = gradients(shadow, model, probe)
+    out["grad"] = compare_gradients(g_q, g_hp)
+    return out
+
+
+def run_arm(
+    cfg: DemoConfig,
+    arm: Arm,
+    seed: int,
+    state: dict,
+    ev: EvalSet,
+    probe: ProbeBatch,
+    progress: Optional[Progress] = None,
+    on_end: Optional[Callable[[GPT, GPT], dict]] = None,
+) -> dict[str, Any]:
+    """GRPO for one arm and seed from the warm-up ``state``; returns its log (curves,
+    evaluations, and whatever ``on_end(model, view)`` returns under "end")."""
+    task = Task(cfg.task)
+    dev = cfg.device
+    pos = task.positions(cfg.coupled_positions).to(dev)
+    ref = GPT(cfg.model).to(dev)
+    ref.load_state_dict(state)
+    ref.requires_grad_(False)
+    model = GPT(cfg.model).to(dev)
+    model.load_state_dict(state)
+    view = numerics_view(model, arm.recipe) if arm.recipe is not None else model
+    total_steps = cfg.iterations * cfg.minibatches
+    schedule = AQNSchedule(total_steps, cfg.aqn_stages, cfg.aqn_sigma_start, cfg.aqn_sigma_end)
+    base = 1000 * seed
+    noise_gen = torch.Generator().manual_seed(base + 3)
+    rollout = None
+    if arm.aqn:
+        rollout = copy.deepcopy(view)
+        refresh_rollout_copy(view, rollout, schedule.sigma(0), generator=noise_gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    prompt_gen = torch.Generator().manual_seed(base + 1)
+    sample_gen = torch.Generator().manual_seed(base + 2)
+    perm_gen = torch.Generator().manual_seed(base + 4)
+    g = cfg.group_size
+    curve = {k: [] for k in ("iteration", "reward", "entropy", "kl_ref", "clip_fraction", "loss", "sigma", "seconds")}
+    evals = []
+    bar = _tqdm(progress, cfg.iterations, f"GRPO {arm.name} seed {seed}")
+    opt_step = 0
+    t0 = time.perf_counter()
+    for it in range(cfg.iterations + 1):
+        if it % cfg.eval_every == 0 or it == cfg.iterations:
+            e = evaluate(cfg, arm, model, view, rollout, ev, probe)
+            e["iteration"] = it
+            evals.append(e)
+        if it == cfg.iterations:
+            break
+        p, a = task.sample(cfg.prompts_per_iter, prompt_gen)
+        p, a = p.repeat_interleave(g, 0).to(dev), a.repeat_interleave(g, 0).to(dev)
+        sampler = rollout if rollout is not None else view
+        sigma = schedule.sigma(opt_step) if arm.aqn else 0.0
+        ans, old_logp, ent = generate(sampler, p, pos, ANSWER_LEN, greedy=False, generator=sample_gen,
+                                      temperature=cfg.temperature)
+        r = reward(ans, a)
+        adv = group_advantages(r, g)
+        with torch.no_grad():
+            ref_logp = token_logprobs(ref, p, ans, pos)
+        order = torch.randperm(p.shape[0], generator=perm_gen).to(dev)
+        kls, clips, losses = [], [], []
+        for mb in order.chunk(cfg.minibatches):
+            logp = token_logprobs(view, p[mb], ans[mb], pos)
+            ratio = torch.exp(logp - old_logp[mb])
+            A = adv[mb][:, None]
+            pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * A)
+            d = ref_logp[mb] - logp
+            k3 = torch.exp(d) - d - 1
+            loss = (pg + cfg.kl_coef * k3).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt_step += 1
+            if rollout is not None:  # fresh noise after every update, on the copy only
+                refresh_rollout_copy(view, rollout, schedule.sigma(opt_step), generator=noise_gen)
+            kls.append(float(k3.detach().mean()))
+            clips.append(float(((ratio - 1).abs() > cfg.clip_eps).float().mean()))
+            losses.append(float(loss.detach()))
+        for k, v in (("iteration", it), ("reward", float(r.mean())), ("entropy", float(ent.mean())),
+                     ("kl_ref", sum(kls) / len(kls)), ("clip_fraction", sum(clips) / len(clips)),
+                     ("loss", sum(losses) / len(losses)), ("sigma", sigma),
+                     ("seconds", time.perf_counter() - t0)):
+            curve[k].append(v)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{float(r.mean()):.2f}")
+    if bar is not None:
+        bar.close()
+    log: dict[str, Any] = {"curve": curve, "evals": evals, "seconds": time.perf_counter() - t0,
+                           "optimizer_steps": opt_step}
+    if arm.aqn:
+        log["aqn_schedule"] = {"total_steps": total_steps, "stages": cfg.aqn_stages,
+                               "sigma_start": cfg.aqn_sigma_start, "sigma_end": cfg.aqn_sigma_end}
+    if on_end is not None:
+        log["end"] = on_end(model, view)
+    return log

@@ -1,0 +1,128 @@
+"""AQN (numerics.md section 4): the schedule against independent float64 math, and the
+injection: fp32 noise on the RMSNorm weights of a copy only, fresh on every refresh."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from portable_mx.aqn import AQNSchedule, add_rmsnorm_noise, is_rmsnorm, refresh_rollout_copy, rmsnorm_weights
+
+
+def expected_sigma(t: int, T: int, K: int, s0: float, s1: float) -> float:
+    """numerics.md in float64: 0 in the first T/K steps, then stage j uses
+    s0 * (s1/s0)^(j/(K-2)), where the stage of step t is floor(t / (T/K))."""
+    stage_len = T / K
+    stage = min(int(math.floor(t / stage_len + 1e-12)), K - 1)
+    if stage == 0:
+        return 0.0
+    j = stage - 1
+    return s0 * math.exp(math.log(s1 / s0) * j / (K - 2)) if K > 2 else s0
+
+
+@pytest.mark.parametrize("T,K", [(100, 10), (60, 10), (37, 10), (120, 5), (10, 10), (7, 3)])
+def test_schedule_matches_float64(T, K):
+    s = AQNSchedule(T, K)
+    for t in range(T + 5):
+        want = expected_sigma(t, T, K, 1e-2, 1e-4)
+        got = s.sigma(t)
+        assert got == pytest.approx(want, rel=1e-12, abs=0.0), (t, got, want)
+
+
+def test_schedule_shape_default():
+    T, K = 100, 10
+    s = AQNSchedule(T)
+    sig = s.sigmas()
+    assert sig[: T // K] == [0.0] * (T // K)  # the first T/K steps are silent
+    assert sig[T // K] == pytest.approx(1e-2, rel=1e-15)  # stage j = 0 starts at sigma_start
+    assert sig[-1] == pytest.approx(1e-4, rel=1e-12)  # stage j = K-2 ends at sigma_end
+    stages = sorted(set(sig), reverse=True)
+    assert len(stages) == K  # zero + K-1 geometric stages
+    ratios = [stages[i + 1] / stages[i] for i in range(len(stages) - 2)]
+    want = (1e-4 / 1e-2) ** (1 / (K - 2))
+    assert all(r == pytest.approx(want, rel=1e-12) for r in ratios)
+    # each stage lasts T/K steps
+    assert all(sig.count(v) == T // K for v in stages)
+
+
+def test_schedule_custom_and_invalid():
+    s = AQNSchedule(20, stages=2, sigma_start=5e-3, sigma_end=1e-5)
+    assert s.sigmas() == [0.0] * 10 + [5e-3] * 10
+    for bad in (dict(total_steps=0), dict(total_steps=10, stages=1), dict(total_steps=10, sigma_start=0.0)):
+        with pytest.raises(ValueError):
+            AQNSchedule(**bad)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.norm1 = torch.nn.RMSNorm(64, dtype=dtype)
+        self.lin = torch.nn.Linear(64, 64, dtype=dtype)
+        self.norm2 = torch.nn.RMSNorm(64, dtype=dtype)
+
+
+def test_is_rmsnorm_finds_norms_only():
+    m = Tiny()
+    assert [n for n, _ in rmsnorm_weights(m)] == ["norm1", "norm2"]
+    assert not is_rmsnorm(m.lin)
+    assert not is_rmsnorm(torch.nn.LayerNorm(8))
+
+    class LlamaRMSNorm(torch.nn.Module):  # name-based match for model-zoo norms
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+
+    assert is_rmsnorm(LlamaRMSNorm())
+
+
+def test_noise_on_copy_only_and_fp32():
+    trained = Tiny(torch.bfloat16)
+    before = {k: v.clone() for k, v in trained.state_dict().items()}
+    rollout = copy.deepcopy(trained)
+    g = torch.Generator().manual_seed(0)
+    sigma = 1e-3  # below the bf16 ulp at 1 (2^-7): must survive because the add is in fp32
+    n = refresh_rollout_copy(trained, rollout, sigma, generator=g)
+    assert n == 2
+    for k, v in trained.state_dict().items():  # the trained model is untouched
+        assert torch.equal(v, before[k]) and v.dtype == torch.bfloat16
+    for name in ("norm1", "norm2"):
+        w = getattr(rollout, name).weight
+        assert w.dtype == torch.float32
+        delta = (w - getattr(trained, name).weight.float()).detach()
+        # the exact noise: N(0,1) draws from the same generator, scaled in fp32
+        assert delta.abs().max() > 0
+        assert 0.5 * sigma < float(delta.std()) < 2 * sigma
+    g2 = torch.Generator().manual_seed(0)
+    want1 = trained.norm1.weight.float() + sigma * torch.randn(64, generator=g2)
+    assert torch.equal(rollout.norm1.weight, want1)
+    assert torch.equal(rollout.lin.weight, trained.lin.weight)  # non-norm weights: copied, no noise
+
+
+def test_noise_is_fresh_and_does_not_accumulate():
+    trained = Tiny()
+    rollout = copy.deepcopy(trained)
+    g = torch.Generator().manual_seed(1)
+    refresh_rollout_copy(trained, rollout, 1e-2, generator=g)
+    d1 = (rollout.norm1.weight - trained.norm1.weight).detach()
+    refresh_rollout_copy(trained, rollout, 1e-2, generator=g)
+    d2 = (rollout.norm1.weight - trained.norm1.weight).detach()
+    assert not torch.equal(d1, d2)  # a fresh draw
+    assert float(d2.std()) < 2e-2  # not d1 + d2: the copy starts from the trained weights each time
+    # a trained update shows up in the copy at the next refresh
+    with torch.no_grad():
+        trained.lin.weight.add_(1.0)
+    refresh_rollout_copy(trained, rollout, 0.0, generator=g)
+    assert torch.equal(rollout.lin.weight, trained.lin.weight)
+    assert torch.equal(rollout.norm1.weight, trained.norm1.weight)  # sigma 0: no noise
+
+
+def test_refresh_rejects_shared_parameters():
+    trained = Tiny()
+    with pytest.raises(ValueError):
+        refresh_rollout_copy(trained, trained, 1e-2)
+    shallow = copy.copy(trained)
+    with pytest.raises(ValueError):
+        refresh_rollout_copy(trained, shallow, 1e-2)
+    with pytest.raises(ValueError):
+        add_rmsnorm_noise(trained, -1.0)

@@ -193,7 +193,7 @@ def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
     for problem in problems:
         a, b = (problem or search.Problem(1024, 1024, DEFAULT_KP, recipe)).operands()
         m, kp = (problem.m, problem.kp) if problem else (None, DEFAULT_KP)
-        heavy = bool(a.macro_block or a.outliers or b.macro_block or b.outliers)
+        heavy = a.heavy or b.heavy
         default = backend.default_gemm_config(target, m or 1024, a.format, heavy)
         space = gemm_space(target, a, b, m, kp, full=args.full, default=default)
         if (space.name, kp) in seen_spaces:

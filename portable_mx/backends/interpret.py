@@ -39,7 +39,7 @@ class InterpretBackend(TritonBackend):
     def path(self, device: torch.device, op: str) -> str:
         return "interpreted"
 
-    def device_identity(self, device: torch.device) -> tuple[str, str]:
+    def _identity(self, device: torch.device, target: Optional[Target]) -> tuple[str, str]:
         return "interpret", "cpu"
 
     def running(self):

@@ -24,6 +24,7 @@ bucket is M rounded up to a power of two, N and K exact.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -107,6 +108,7 @@ def triton_version() -> str:
         return "none"
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_hash() -> str:
     """sha256 (16 hex digits) of the GEMM kernel sources a tuned config was measured with."""
     h = hashlib.sha256()

@@ -415,7 +415,7 @@ def tune(
     target = backend.target(device)
     arch, device_name = backend.device_identity(device)
     a_op, b_op = problem.operands()
-    heavy = bool(a_op.macro_block or a_op.outliers or b_op.macro_block or b_op.outliers)
+    heavy = a_op.heavy or b_op.heavy
     default = backend.default_gemm_config(target, problem.m, a_op.format, heavy)
     if space is None:
         space = gemm_space(target, a_op, b_op, problem.m, problem.kp, full=full, default=default)

@@ -139,27 +139,35 @@ class TritonBackend(Backend):
 
     def device_identity(self, device: torch.device) -> tuple[str, str]:
         """(arch, device name) under which tuned configs of ``device`` are cached."""
+        return self._identity(device, self.target(device))
+
+    def _identity(self, device: torch.device, target: Optional[Target]) -> tuple[str, str]:
         raise NotImplementedError
 
     def gemm_config(self, device: torch.device, a, b, m: int, n: int, kp: int) -> GemmConfig:
         """The config of a GEMM of operands like ``a``, ``b`` (``gemm.Operand``) with M, N
         rows and padded K ``kp`` on ``device``: the tuned one from the config cache when
         there is one for its key, else the backend's heuristic default."""
+        return self._gemm_config(device, self.target(device), a, b, m, n, kp)
+
+    def _gemm_config(self, device: torch.device, target: Optional[Target], a, b, m: int, n: int,
+                     kp: int) -> GemmConfig:
         from ...tuning import cache
 
-        arch, name = self.device_identity(device)
+        arch, name = self._identity(device, target)
         tuned = cache.lookup(arch, name, cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp))
         if tuned is not None:
             return GemmConfig(**{**tuned, "extra": tuple(tuple(kv) for kv in tuned.get("extra", ()))})
-        heavy = bool(a.macro_block or a.outliers or b.macro_block or b.outliers)
-        return self.default_gemm_config(self.target(device), m, a.format, heavy)
+        return self.default_gemm_config(target, m, a.format, a.heavy or b.heavy)
 
     def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
         from .gemm import Operand, matmul
 
-        config = self.gemm_config(b.device, Operand.of(a), Operand.of(b), a.shape[0], b.shape[0], b.k_padded)
+        target = self.target(b.device)  # probed once per launch
+        config = self._gemm_config(b.device, target, Operand.of(a), Operand.of(b), a.shape[0], b.shape[0],
+                                   b.k_padded)
         with self.running():
-            return matmul(a, b, config, self.options(config), self.scale_layout(self.target(b.device)))
+            return matmul(a, b, config, self.options(config), self.scale_layout(target))
 
     # ------------------------------------------------------------------- for AOT
 
@@ -184,7 +192,7 @@ class TritonBackend(Backend):
             out.append(decompose.launch_spec(torch.float32, recipe, definition, full, config, self.options(config)))
         seen = set()
         for a, b in _aot_gemms():
-            heavy = bool(a.macro_block or a.outliers or b.macro_block or b.outliers)
+            heavy = a.heavy or b.heavy
             for m in (self.SMALL_M, self.SMALL_M + 1):
                 config = self.default_gemm_config(target, m, a.format, heavy)
                 if (a, b, config) not in seen:
@@ -215,8 +223,8 @@ class CompiledTritonBackend(TritonBackend):
     def path(self, device: torch.device, op: str) -> str:
         return "native"
 
-    def device_identity(self, device: torch.device) -> tuple[str, str]:
-        return self.target(device).name, _device_name(torch.device(device))
+    def _identity(self, device: torch.device, target: Optional[Target]) -> tuple[str, str]:
+        return target.name, _device_name(torch.device(device))
 
 
 @functools.lru_cache(maxsize=None)

@@ -205,6 +205,11 @@ class Operand:
     macro_block: Optional[int]
     outliers: int
 
+    @property
+    def heavy(self) -> bool:
+        """Whether the operand has macro factors or outliers (the backends' "-heavy" tiles)."""
+        return bool(self.macro_block or self.outliers)
+
     def tag(self) -> str:
         """The operand's part of a config-cache key (``tuning.cache.operand_tag``)."""
         from ...tuning.cache import operand_tag

@@ -7,8 +7,10 @@ lives here."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -49,6 +51,18 @@ def _aot_gemms():
     )
 
 
+@dataclass(frozen=True)
+class GemmRoute:
+    """Which GEMM kernel a launch uses and how it reads the weight: ``kernel`` "scaled"
+    (gemm.py, ``tl.dot_scaled``: native block-scaled MMA, weight scales in ``scales``) or
+    "upcast" (gemm_upcast.py, the MXFP4 tiles decoded in registers, read as ``upcast``
+    says)."""
+
+    kernel: str
+    scales: Any = None
+    upcast: Any = None
+
+
 class TritonBackend(Backend):
     """quantize, dequantize, decompose and matmul with the Triton kernels of this package.
 
@@ -83,21 +97,82 @@ class TritonBackend(Backend):
     SMALL_M = 16
 
     scale_layouts: dict[str, str] = {}
-    """The storage layout of the weight's scales in the GEMM per target name
-    (``layouts.LAYOUTS``; "plain" where absent)."""
+    """The storage layout of the weight's scales in the ``tl.dot_scaled`` GEMM per target
+    name (``layouts.LAYOUTS``; "plain" where absent)."""
+
+    upcast_layouts: dict[str, str] = {}
+    """The weight's value layout in the upcast GEMM per target name
+    (``layouts.VALUE_LAYOUTS``; "plain" where absent; its scale layout goes with it)."""
+
+    upcast_asm: tuple[str, ...] = ()
+    """Targets whose upcast GEMM decodes bf16 with inline assembly (upcast.py)."""
+
+    scaled_outliers: tuple[str, ...] = ()
+    """Upcast targets on which launches with outliers (OF) use the ``tl.dot_scaled``
+    kernel (where it compiles and has been measured)."""
+
+    gemm_sms: dict[str, int] = {}
+    """Nominal SM / CU count per target name: what ``split_k = 0`` assumes for the
+    ahead-of-time compile (a live device reports its own)."""
+
+    casts_in_kernel = True
+    """Whether the GEMM kernel's store writes the output dtype (else fp32, cast after)."""
 
     def scale_layout(self, target: Optional[Target]):
         from .layouts import LAYOUTS
 
         return LAYOUTS[self.scale_layouts.get(target.name, "plain") if target is not None else "plain"]
 
+    MID_M = 64
+
     def default_gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype],
                             heavy: bool) -> GemmConfig:
         """The heuristic GEMM config for an M-row left operand of ``a_format`` (None:
-        MXFP4), ``heavy`` when an operand has macro factors or outliers."""
-        key = ("a4w4" if a_format is None else "w4a16") + ("-small" if m <= self.SMALL_M else "")
+        MXFP4), ``heavy`` when an operand has macro factors or outliers: the first of
+        "<kind>-small" (M <= SMALL_M) or "<kind>-mid" (M <= MID_M), then "<kind>", each
+        "-heavy" first when heavy, that ``gemm_tiles`` has."""
+        base = "a4w4" if a_format is None else "w4a16"
+        keys = [base + "-small"] if m <= self.SMALL_M else [base + "-mid"] if m <= self.MID_M else []
+        keys.append(base)
         tiles = self.gemm_tiles[target.name if target is not None else "interpret"]
-        return tiles.get(key + "-heavy", tiles[key]) if heavy else tiles[key]
+        for key in keys:
+            for candidate in ((key + "-heavy", key) if heavy else (key,)):
+                if candidate in tiles:
+                    return tiles[candidate]
+        raise KeyError(f"no GEMM config for {base} at M={m} in gemm_tiles")
+
+    def gemm_route(self, target: Optional[Target], a, b) -> GemmRoute:
+        """The GEMM kernel and weight layouts of operands like ``a``, ``b``
+        (``gemm.Operand``) on ``target`` (None: the interpreter, which runs the
+        ``tl.dot_scaled`` kernel): the native block-scaled MMA where the target has one,
+        else the upcast kernel (outliers may stay on ``tl.dot_scaled`` where
+        ``scaled_outliers`` says so)."""
+        from .gemm_upcast import UpcastRoute
+        from .layouts import VALUE_LAYOUTS
+
+        if target is None or target.native_mx or ((a.outliers or b.outliers) and target.name in self.scaled_outliers):
+            return GemmRoute("scaled", scales=self.scale_layout(target))
+        values = VALUE_LAYOUTS[self.upcast_layouts.get(target.name, "plain")]
+        return GemmRoute("upcast", upcast=UpcastRoute(values, asm=target.name in self.upcast_asm))
+
+    def sm_count(self, device: torch.device, target: Optional[Target]) -> int:
+        """Streaming multiprocessors (CUs) of ``device``: what ``split_k = 0`` fills."""
+        return self.gemm_sms.get(target.name, 132) if target is not None else 4
+
+    def resolve_split_k(self, config: GemmConfig, m: int, n: int, kp: int, sms: int) -> GemmConfig:
+        """``config`` with ``split_k = 0`` (auto) made concrete for an M x N output and
+        padded K ``kp`` on ``sms`` SMs: the largest split (at most 16, and at least 2 K
+        tiles per split) that keeps the programs within one wave, counting 2 programs per
+        SM for small tiles (M tiles of at most 32 rows) and 1 for the others."""
+        if config.split_k != 0:
+            return config
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        k_tiles = -(-kp // config.block_k)
+        per_sm = 2 if config.block_m <= 32 else 1
+        split = 1
+        while split < 16 and split * 2 <= k_tiles // 2 and tiles * split * 2 <= per_sm * sms:
+            split *= 2
+        return dataclasses.replace(config, split_k=split)
 
     def options(self, config: TileConfig | GemmConfig) -> dict:
         """Launch options: the config's, and no FMA contraction (results must match the
@@ -160,21 +235,53 @@ class TritonBackend(Backend):
             return GemmConfig(**{**tuned, "extra": tuple(tuple(kv) for kv in tuned.get("extra", ()))})
         return self.default_gemm_config(target, m, a.format, a.heavy or b.heavy)
 
-    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
-        from .gemm import Operand, matmul
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .gemm import Operand
 
         target = self.target(b.device)  # probed once per launch
         config = self._gemm_config(b.device, target, Operand.of(a), Operand.of(b), a.shape[0], b.shape[0],
                                    b.k_padded)
         with self.running():
-            return matmul(a, b, config, self.options(config), self.scale_layout(target))
+            return self.run_gemm(a, b, config, target, out_dtype)
+
+    def run_gemm(self, a: MXTensor | torch.Tensor, b: MXTensor, config: GemmConfig, target: Optional[Target],
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[M, N] in ``out_dtype`` = a @ b^T with ``config``: the launch :meth:`matmul`
+        makes (and the tuner times), through :meth:`gemm_route`'s kernel. The kernel's
+        store writes ``out_dtype``, except where ``casts_in_kernel`` is False (the
+        interpreter, whose casts truncate): fp32 there, cast after."""
+        from . import gemm, gemm_upcast
+        from .gemm import Operand
+
+        route = self.gemm_route(target, Operand.of(a), Operand.of(b))
+        config = self.resolve_split_k(config, a.shape[0], b.shape[0], b.k_padded, self.sm_count(b.device, target))
+        kernel_dtype = out_dtype if self.casts_in_kernel else torch.float32
+        if route.kernel == "upcast":
+            c = gemm_upcast.matmul(a, b, config, self.options(config), route.upcast, kernel_dtype,
+                                   interpreted=target is None)
+        else:
+            c = gemm.matmul(a, b, config, self.options(config), route.scales, kernel_dtype)
+        return c if c.dtype == out_dtype else c.to(out_dtype)
+
+    def gemm_launch_spec(self, target: Target, a, b, config: GemmConfig, m: int = SMALL_M, n: int = 8192,
+                         kp: int = 8192, out_dtype: torch.dtype = torch.float32) -> KernelLaunch:
+        """The launch :meth:`run_gemm` makes on ``target`` for operands like ``a``, ``b``
+        (``gemm.Operand``) with ``config`` at M x N x ``kp`` (which resolves ``split_k = 0``
+        with the target's nominal SM count), as data for the compile matrix and the tuner."""
+        from . import gemm, gemm_upcast
+
+        route = self.gemm_route(target, a, b)
+        config = self.resolve_split_k(config, m, n, kp, self.gemm_sms.get(target.name, 132))
+        if route.kernel == "upcast":
+            return gemm_upcast.launch_spec(a, b, config, self.options(config), route.upcast, kp=kp, out_dtype=out_dtype)
+        return gemm.launch_spec(a, b, config, self.options(config), route.scales, kp=kp, out_dtype=out_dtype)
 
     # ------------------------------------------------------------------- for AOT
 
     def launches(self, target: Target) -> list[KernelLaunch]:
         """Every (kernel, specialization, config) this backend launches on ``target``,
         for the compile matrix."""
-        from . import decompose, dequantize, gemm, quantize
+        from . import decompose, dequantize, quantize
 
         out = []
         for recipe in _AOT_RECIPES:
@@ -193,11 +300,15 @@ class TritonBackend(Backend):
         seen = set()
         for a, b in _aot_gemms():
             heavy = a.heavy or b.heavy
-            for m in (self.SMALL_M, self.SMALL_M + 1):
+            # decode (M = 1), the largest small M, the smallest prefill M and a large one:
+            # every tile config, split and output dtype the defaults launch at N = K = 8192
+            for m in (1, self.SMALL_M, self.SMALL_M + 1, 4096):
                 config = self.default_gemm_config(target, m, a.format, heavy)
-                if (a, b, config) not in seen:
-                    seen.add((a, b, config))
-                    out.append(gemm.launch_spec(a, b, config, self.options(config), self.scale_layout(target)))
+                out_dtype = torch.float32 if a.format is None else a.format
+                launch = self.gemm_launch_spec(target, a, b, config, m=m, out_dtype=out_dtype)
+                if launch.label not in seen:
+                    seen.add(launch.label)
+                    out.append(launch)
         return out
 
 
@@ -226,7 +337,15 @@ class CompiledTritonBackend(TritonBackend):
     def _identity(self, device: torch.device, target: Optional[Target]) -> tuple[str, str]:
         return target.name, _device_name(torch.device(device))
 
+    def sm_count(self, device: torch.device, target: Optional[Target]) -> int:
+        return _sm_count(torch.device(device))
+
 
 @functools.lru_cache(maxsize=None)
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

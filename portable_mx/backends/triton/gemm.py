@@ -23,7 +23,11 @@ Either MXFP4 operand may carry macro factors (MBS) and outliers (OF):
 
 The result equals the product of the dequantized operands up to fp32 accumulation order
 (numerics.md section 4). Vendor-specific choices (tiles, warps, stages, ``kpack``,
-``matrix_instr_nonkdim``) come in through :class:`~.launch.GemmConfig`.
+``matrix_instr_nonkdim``) come in through :class:`~.launch.GemmConfig`. With
+``split_k`` > 1 several programs share an output tile, each summing a contiguous range of
+its K tiles, and the last one to finish adds the partial sums in a fixed order (splitk.py):
+the decode path on targets with a native block-scaled MMA. The kernel's store writes the
+output dtype. Targets without one use gemm_upcast.py.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ...tensor import MXTensor
+from . import splitk
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 from .layouts import PLAIN, ScaleLayout, prepared, scale_offset
 
@@ -133,13 +138,14 @@ def _tile_product(
 def gemm_kernel(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
     b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
-    c_ptr,
-    M, N, K, KP, stride_am, NMA, NMB, MACRO_A, MACRO_B,
+    c_ptr, part_ptr, count_ptr,
+    M, N, K, KP, stride_am, stride_cm, NMA, NMB, MACRO_A, MACRO_B,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     B_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """c: fp32 [M, N] = A [M, K] @ B [N, K]^T.
+    """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
 
     A: codes uint8 [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32] when
     A_FORMAT is "e2m1", else bf16/fp16 [M, K] (row stride stride_am); B: codes uint8
@@ -147,8 +153,14 @@ def gemm_kernel(
     macro blocks MACRO_A / MACRO_B; outliers int16 (bf16 bits) and uint8 indices
     [rows, KP/32, k]. With macro factors each K tile lies inside one macro block of each
     operand; EPILOGUE: one macro block spans K and there are no outliers, so the factors
-    scale the finished sum."""
+    scale the finished sum. With SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero)
+    are splitk.buffers."""
     pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        pid_k = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    else:
+        pid_k = 0
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * grid_n
@@ -163,9 +175,11 @@ def gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     ma = tl.full((BLOCK_M,), 1.0, tl.float32)
     mb = tl.full((BLOCK_N,), 1.0, tl.float32)
+    first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
     if (A_MACRO or B_MACRO) and not EPILOGUE:
         # promote each K tile (it lies inside one macro block of each operand)
-        for k0 in range(0, KP, BLOCK_K):
+        for t in range(first, last):
+            k0 = t * BLOCK_K
             if A_MACRO:
                 ma = tl.load(am_ptr + rm * NMA + k0 // MACRO_A, mask=rm < M, other=1.0)
             if B_MACRO:
@@ -177,20 +191,27 @@ def gemm_kernel(
                 A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
             acc += part * (ma[:, None] * mb[None, :])
     else:
-        for k0 in range(0, KP, BLOCK_K):
+        for t in range(first, last):
             acc, _ = _tile_product(
                 a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
-                rm, rn, k0, M, N, K, KP, NB, stride_am, ma, mb, acc, acc,
+                rm, rn, t * BLOCK_K, M, N, K, KP, NB, stride_am, ma, mb, acc, acc,
                 A_FORMAT, False, False, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K > 1:
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        acc, is_last = splitk.combine(acc, offs, mask, part_ptr, count_ptr, pid_m * grid_n + pid_n, pid_k,
+                                      SPLIT_K, BLOCK_M * BLOCK_N)
+    else:
+        is_last = True
+    if is_last:
         if EPILOGUE:  # one macro block spans K: its factors scale the whole sum
             if A_MACRO:
                 ma = tl.load(am_ptr + rm * NMA, mask=rm < M, other=1.0)
             if B_MACRO:
                 mb = tl.load(bm_ptr + rn * NMB, mask=rn < N, other=1.0)
             acc = acc * (ma[:, None] * mb[None, :])
-
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=mask)
+        tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -246,28 +267,30 @@ class Plan:
         constexprs = {
             "A_FORMAT": FORMATS[a.format], "A_MACRO": a.macro_block is not None,
             "B_MACRO": b.macro_block is not None, "A_OUT": a.outliers, "B_OUT": b.outliers,
-            "EVEN_K": kp % block_k == 0, "EPILOGUE": epilogue, "B_LAYOUT": b_layout.layout_id, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-            "BLOCK_K": block_k, "GROUP_M": config.group_m,
+            "EVEN_K": kp % block_k == 0, "EPILOGUE": epilogue, "B_LAYOUT": b_layout.layout_id,
+            "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "GROUP_M": config.group_m,
+            "SPLIT_K": max(1, config.split_k),
         }
         return Plan(block_k, constexprs)
 
 
-_INT_ARGS = ("M", "N", "K", "KP", "stride_am", "NMA", "NMB", "MACRO_A", "MACRO_B")
+_INT_ARGS = ("M", "N", "K", "KP", "stride_am", "stride_cm", "NMA", "NMB", "MACRO_A", "MACRO_B")
 
 
 def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, b_layout: ScaleLayout = PLAIN,
-                kp: int = 8192) -> KernelLaunch:
+                kp: int = 8192, out_dtype: torch.dtype = torch.float32) -> KernelLaunch:
     """The launch :func:`matmul` makes for operands like ``a`` and ``b`` (K padded to
-    ``kp``, b's scales in ``b_layout``), as data (for AOT). A4W4 launches are marked
-    ``multiplies_mx``: on a target with a native block-scaled instruction the compile
-    matrix requires it."""
+    ``kp``, b's scales in ``b_layout``, output ``out_dtype``), as data (for AOT). A4W4
+    launches are marked ``multiplies_mx``: on a target with a native block-scaled
+    instruction the compile matrix requires it."""
     plan = Plan.make(a, b, kp, config, b_layout)
     a_ptr = "*u8" if a.format is None else POINTER_TYPES[a.format]
     signature = {
         "a_ptr": a_ptr, "as_ptr": "*u8", "am_ptr": "*fp32" if a.macro_block else "*u8",
         "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
         "b_ptr": "*u8", "bs_ptr": "*u8", "bm_ptr": "*fp32" if b.macro_block else "*u8",
-        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", "c_ptr": "*fp32",
+        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", "c_ptr": POINTER_TYPES[out_dtype],
+        "part_ptr": "*fp32", "count_ptr": "*i32",
         **{name: "i32" for name in _INT_ARGS},
     }
     signature.update({name: "constexpr" for name in plan.constexprs})
@@ -276,9 +299,11 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, b_lay
     extras += [f"{side}OF-{n}" for side, n in (("a:", a.outliers), ("b:", b.outliers)) if n]
     if b_layout is not PLAIN:
         extras.append(f"scales:{b_layout.name}")
+    if out_dtype != torch.float32:
+        extras.append(f"out:{FORMATS.get(out_dtype, str(out_dtype))}")
     label = " ".join([kind, *extras, config.label()])
     return KernelLaunch("gemm", gemm_kernel, signature, dict(plan.constexprs), dict(options), label,
-                        multiplies_mx=a.format is None, divisible_by_16=("K", "KP", "stride_am"))
+                        multiplies_mx=a.format is None, divisible_by_16=("K", "KP", "stride_am", "stride_cm"))
 
 
 def _parts(t: MXTensor) -> tuple[torch.Tensor, ...]:
@@ -292,10 +317,12 @@ def _parts(t: MXTensor) -> tuple[torch.Tensor, ...]:
 
 
 def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
-           b_layout: ScaleLayout = PLAIN) -> torch.Tensor:
-    """fp32 [M, N] = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16 [M, K], and
-    b: MXTensor (N, K) axis 1, all on the kernel's device. b's scales are read in
-    ``b_layout``, swizzled once per scales tensor (:func:`layouts.prepared`)."""
+           b_layout: ScaleLayout = PLAIN, out_dtype: torch.dtype = torch.float32,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
+    [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's scales are read
+    in ``b_layout``, swizzled once per scales tensor (:func:`layouts.prepared`). ``out``:
+    an [M, N] tensor of ``out_dtype`` to write (unit column stride)."""
     n, kp = b.qdata.shape[0], b.k_padded
     oa, ob = Operand.of(a), Operand.of(b)
     if isinstance(a, MXTensor):
@@ -315,11 +342,16 @@ def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, op
     b_parts = (b_parts[0], prepared(b_parts[1], b_layout), *b_parts[2:])
     nmb = 1 if b.macro_scales is None else b.macro_scales.shape[-1]
     plan = Plan.make(oa, ob, kp, config, b_layout)
-    c = torch.empty(m, n, dtype=torch.float32, device=b.device)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    gemm_kernel[grid](
-        *a_parts, *b_parts, c,
-        m, n, b.k, kp, stride_am, nma, nmb, oa.macro_block or 32, ob.macro_block or 32,
+    c = out if out is not None else torch.empty(m, n, dtype=out_dtype, device=b.device)
+    split = plan.constexprs["SPLIT_K"]
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    if split > 1:
+        part, counts = splitk.buffers(b.device, tiles * split * config.block_m * config.block_n, tiles)
+    else:
+        part, counts = c, c
+    gemm_kernel[(tiles * split,)](
+        *a_parts, *b_parts, c, part, counts,
+        m, n, b.k, kp, stride_am, c.stride(0), nma, nmb, oa.macro_block or 32, ob.macro_block or 32,
         **plan.constexprs, **options,
     )
     return c

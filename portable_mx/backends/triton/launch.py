@@ -87,8 +87,11 @@ class KernelLaunch:
 class GemmConfig(_LaunchOptions):
     """Tiles and launch options of the GEMM: a ``block_m`` x ``block_n`` output tile per
     program, ``block_k`` (a power of two >= 32) columns of K per step, programs grouped
-    ``group_m`` row tiles at a time for L2 reuse, and vendor options (``kpack``,
-    ``matrix_instr_nonkdim``, ``waves_per_eu`` on AMD) passed through to the launch."""
+    ``group_m`` row tiles at a time for L2 reuse, ``split_k`` programs per output tile
+    each summing a contiguous share of its K tiles (combined on the device in the same
+    launch, splitk.py; 0: chosen per shape from the GPU's SM count, backend.py), and
+    vendor options (``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu`` on AMD) passed
+    through to the launch."""
 
     block_m: int
     block_n: int
@@ -97,7 +100,9 @@ class GemmConfig(_LaunchOptions):
     num_stages: int = 2
     group_m: int = 8
     extra: tuple[tuple[str, Any], ...] = ()
+    split_k: int = 1
 
     def label(self) -> str:
+        split = "" if self.split_k == 1 else f" sk{self.split_k or 'auto'}"
         return (f"m{self.block_m}xn{self.block_n}xk{self.block_k} g{self.group_m} w{self.num_warps} "
-                f"s{self.num_stages}{self._extra_label()}")
+                f"s{self.num_stages}{split}{self._extra_label()}")

@@ -1,12 +1,16 @@
-"""Storage layouts of a GEMM weight's E8M0 scales: plain, and the vendor swizzles.
+"""Storage layouts of a GEMM weight: its E8M0 scales (plain and the vendor swizzles) and
+its E2M1 codes (plain and the sm_90 upcast layout).
 
-A scale layout is a private storage detail of a backend (numerics.md section 1): the
-MXTensor keeps its scales plain ``[R, S]`` (R rows of the weight, S = Kp/32), and a
-backend whose target wants another order swizzles them once per weight
+A layout is a private storage detail of a backend (numerics.md section 1): the MXTensor
+keeps its codes ``[R, Kp/2]`` and scales ``[R, S]`` plain (R rows of the weight, S =
+Kp/32), and a backend whose target wants another order swizzles them once per weight
 (:func:`prepared`) and reads the swizzled copy in the GEMM. Each layout has its torch
-swizzle and unswizzle side by side with the in-kernel twin of its offset formula
-(:func:`scale_offset`); tests check that the kernel reading a swizzled copy multiplies
-exactly what it reads from the plain one.
+swizzle and unswizzle side by side with the in-kernel twin of its offsets
+(:func:`scale_offset`; the upcast GEMM's tile loads, gemm_upcast.py); tests check the
+round trip and that the kernel reading a swizzled copy multiplies exactly what it reads
+from the plain one.
+
+Scale layouts:
 
 - ``plain``: row-major ``[R, S]``.
 - ``blackwell``: 128 x 4 tiles of 512 contiguous bytes, tiles row-major over
@@ -18,6 +22,16 @@ exactly what it reads from the plain one.
   ``(((r1 * S8 + s1) * 4 + st) * 16 + rt) * 4 + 2 sp + rp`` (S8 = padded S / 8): the 4
   scales one lane feeds to 2 x 2 MFMAs are one 32-bit word, and a wave's 64 lanes read
   256 contiguous bytes.
+- ``hopper``: for the upcast GEMM on sm_90 (gemm_upcast.py), 512-byte tiles of 64 rows x 8
+  scales, tiles row-major over (R/64, S/8); inside a tile, (r, s) sits at
+  ``(r % 8) * 16 + ((r // 16) % 4) * 128 + (s % 8) * 2 + (r // 8) % 2``: the scales of rows
+  r and r + 8 (the two rows a thread holds in a wgmma register operand) interleaved, so a
+  K tile of BK values gives each thread BK/16 contiguous bytes.
+
+Value layouts (:class:`ValueLayout`):
+
+- ``plain``: the MXTensor's codes as they are.
+- ``hopper``: the wgmma register-operand order of sm_90 (see :class:`HopperValues`).
 
 Padding (rows to the tile, columns to the tile) holds byte 0 and is never read for
 in-range elements.
@@ -55,6 +69,9 @@ class ScaleLayout:
         if self.layout_id == 1:
             tile = (r // 128) * (cols_p // 4) + s // 4
             return tile * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + s % 4
+        if self.layout_id == 3:
+            tile = (r // 64) * (cols_p // 8) + s // 8
+            return tile * 512 + (r % 8) * 16 + ((r // 16) % 4) * 128 + (s % 8) * 2 + (r // 8) % 2
         r1, rp, rt = r // 32, (r // 16) % 2, r % 16
         s1, sp, st = s // 8, (s // 4) % 2, s % 4
         return (((r1 * (cols_p // 8) + s1) * 4 + st) * 16 + rt) * 4 + sp * 2 + rp
@@ -80,18 +97,24 @@ class ScaleLayout:
 PLAIN = ScaleLayout("plain", 0, 1, 1)
 BLACKWELL = ScaleLayout("blackwell", 1, 128, 4)
 CDNA4 = ScaleLayout("cdna4", 2, 32, 8)
-LAYOUTS = {layout.name: layout for layout in (PLAIN, BLACKWELL, CDNA4)}
+HOPPER = ScaleLayout("hopper", 3, 256, 8)
+"""Rows padded to 256 (the largest BLOCK_N of the upcast GEMM), so that its tiles need no
+row mask; tiles of 64 rows."""
+LAYOUTS = {layout.name: layout for layout in (PLAIN, BLACKWELL, CDNA4, HOPPER)}
 
 
 @triton.jit
 def scale_offset(r, s, NB, LAYOUT: tl.constexpr):
     """Offsets of scales (r, s) of an [R, NB] scale matrix stored in layout ``LAYOUT``
-    (0 plain, 1 blackwell, 2 cdna4): the twin of :meth:`ScaleLayout.offsets`."""
+    (0 plain, 1 blackwell, 2 cdna4, 3 hopper): the twin of :meth:`ScaleLayout.offsets`."""
     if LAYOUT == 0:
         off = r * NB + s
     elif LAYOUT == 1:
         tile = (r // 128) * ((NB + 3) // 4) + s // 4
         off = tile * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + s % 4
+    elif LAYOUT == 3:
+        tile = (r // 64) * ((NB + 7) // 8) + s // 8
+        off = tile * 512 + (r % 8) * 16 + ((r // 16) % 4) * 128 + (s % 8) * 2 + (r // 8) % 2
     else:
         r1 = r // 32
         s1 = s // 8
@@ -99,24 +122,135 @@ def scale_offset(r, s, NB, LAYOUT: tl.constexpr):
     return off
 
 
-# swizzled copies, kept for as long as the storage of the plain scales they were made
+# ----------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True)
+class ValueLayout:
+    """One storage layout of a weight's E2M1 codes: its name, the id the upcast GEMM takes
+    (``VALUES``), and the row and K (values) tiles its storage is padded to. The plain
+    layout is the MXTensor's own ``[R, Kp/2]`` bytes (two codes per byte, low nibble first)."""
+
+    name: str
+    layout_id: int
+    row_tile: int
+    col_tile: int
+
+    def padded(self, rows: int, k: int) -> tuple[int, int]:
+        return -(-rows // self.row_tile) * self.row_tile, -(-k // self.col_tile) * self.col_tile
+
+    def row_stride(self, k: int) -> int:
+        """Bytes from one row (plain) or one 64-row block (hopper) of storage to the next."""
+        return self.padded(1, k)[1] // 2 if self.layout_id == 0 else self.padded(1, k)[1] * 32
+
+    def swizzle(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes [R, Kp/2] -> the flat uint8 storage of this layout (padded)."""
+        return codes.reshape(-1)
+
+    def unswizzle(self, storage: torch.Tensor, rows: int, kp: int) -> torch.Tensor:
+        """The flat storage of this layout -> uint8 codes [rows, kp/2]."""
+        return storage.reshape(rows, kp // 2)
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, Kp/2] -> uint8 codes [R, Kp] (element 2j from the low nibble)."""
+    return torch.stack((codes & 15, codes >> 4), dim=-1).reshape(codes.shape[0], -1)
+
+
+# (sign bit, lowest bit of the 3 exponent/mantissa bits) of the low half of pair j of a
+# word, j = 0, 1, 2 (upcast.py); pair 3 splits its bits (sign 14, exponent 11..10, mantissa 13)
+_PAIR_BITS = ((15, 6), (12, 3), (9, 0))
+# hopper storage order of the 14 size-2 (or tile) axes of the padded codes
+# [AN, n5, n4, n3, n2, n1, n0, AK, k5, k4, k3, k2, k1, k0] (AN, AK: 64-row / 64-column
+# tiles; n*, k*: the bits of the row and column inside them)
+_HOPPER_ORDER = (0, 7, 1, 2, 4, 5, 6, 11, 12, 8, 9, 3, 10, 13)
+
+
+@dataclass(frozen=True)
+class HopperValues(ValueLayout):
+    """The codes in the order in which sm_90's wgmma takes its register operand A (bf16,
+    m64 x k16 per warpgroup; thread ``l`` of warp ``w`` holds rows 16w + l//4 (+8) and
+    columns 2(l%4) (+1, +8, +9) of each k16 step), so that the upcast GEMM's tile load
+    is 16 bytes per thread and its decode needs no data movement.
+
+    Storage: 2048-byte tiles of 64 rows x 64 columns, tiles row-major over (R/64, K/64)
+    (rows padded to 256, K to 256). Inside a tile, with the row's bits n5..n0 and the
+    column's bits k5..k0, the byte at ``k0 | k3<<1 | k4<<2 | k5<<3 | k1<<4 | k2<<5 |
+    n0<<6 | n1<<7 | n2<<8 | n4<<9 | n5<<10``, together with the other three bytes of its
+    32-bit word (little-endian), holds the 8 codes (n3, k3, k0 free) of that word: pair
+    ``j = 2 n3 + k3`` of the word (upcast.py) is the bf16x2 of the columns k0 = 0, 1. So a
+    thread's 16 contiguous bytes are its A fragments of 4 k16 steps, both of its rows,
+    lanes 0-3 read 64 contiguous bytes and a warp 512. Inside a word, pair j's low code has
+    its sign at bit 15 - 3j and its 3 other bits at 6 - 3j .. 8 - 3j (j < 3); pair 3 has the
+    sign at 14, the exponent at 11..10 and the mantissa at 13; high codes 16 bits up."""
+
+    def swizzle(self, codes: torch.Tensor) -> torch.Tensor:
+        rows, kp = codes.shape[0], codes.shape[1] * 2
+        rows_p, k_p = self.padded(rows, kp)
+        x = torch.zeros(rows_p, k_p, dtype=torch.int32, device=codes.device)
+        x[:rows, :kp] = _nibbles(codes).to(torch.int32)
+        x = x.reshape(rows_p // 64, 2, 2, 2, 2, 2, 2, k_p // 64, 2, 2, 2, 2, 2, 2)
+        x = x.permute(*_HOPPER_ORDER).reshape(-1, 4, 2)  # [word, pair j, half h]
+        word = torch.zeros(x.shape[0], dtype=torch.int64, device=codes.device)
+        for j in range(4):
+            for h in range(2):
+                c = x[:, j, h].to(torch.int64)
+                if j < 3:
+                    sign_bit, low_bit = _PAIR_BITS[j]
+                    bits = ((c >> 3) << sign_bit) | ((c & 7) << low_bit)
+                else:
+                    bits = ((c >> 3) << 14) | (((c >> 1) & 3) << 10) | ((c & 1) << 13)
+                word |= bits << (16 * h)
+        word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+        return word.view(torch.uint8)
+
+    def unswizzle(self, storage: torch.Tensor, rows: int, kp: int) -> torch.Tensor:
+        rows_p, k_p = self.padded(rows, kp)
+        word = storage.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        codes = torch.empty(word.shape[0], 4, 2, dtype=torch.int64, device=storage.device)
+        for j in range(4):
+            for h in range(2):
+                w = word >> (16 * h)
+                if j < 3:
+                    sign_bit, low_bit = _PAIR_BITS[j]
+                    c = (((w >> sign_bit) & 1) << 3) | ((w >> low_bit) & 7)
+                else:
+                    c = (((w >> 14) & 1) << 3) | (((w >> 10) & 3) << 1) | ((w >> 13) & 1)
+                codes[:, j, h] = c
+        sizes = (rows_p // 64, 2, 2, 2, 2, 2, 2, k_p // 64, 2, 2, 2, 2, 2, 2)
+        stored = codes.reshape(*(sizes[i] for i in _HOPPER_ORDER))
+        inverse = sorted(range(14), key=_HOPPER_ORDER.__getitem__)
+        x = stored.permute(*inverse).reshape(rows_p, k_p)[:rows, :kp].to(torch.uint8)
+        return x[:, 0::2] | (x[:, 1::2] << 4)
+
+
+PLAIN_VALUES = ValueLayout("plain", 0, 1, 32)
+HOPPER_VALUES = HopperValues("hopper", 1, 256, 256)
+"""Rows and K padded to 256 (the largest BLOCK_N and BLOCK_K of the upcast GEMM): its tile
+loads need no mask."""
+VALUE_LAYOUTS = {layout.name: layout for layout in (PLAIN_VALUES, HOPPER_VALUES)}
+
+
+# swizzled copies, kept for as long as the storage of the plain tensor they were made
 # from lives (keyed by the storage object, which torch keeps one per storage: every view
-# and detached alias of the scales finds the same entry)
+# and detached alias of the tensor finds the same entry)
 _PREPARED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
-def prepared(scales: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
-    """``scales`` in ``layout``: swizzled on first use and then kept with the tensor's
-    storage (a weight's MXTensor is swizzled once, not per call). Plain scales are
-    returned as they are. An in-place change of ``scales`` (its version) makes a new copy."""
+def prepared(plain: torch.Tensor, layout) -> torch.Tensor:
+    """``plain`` (a weight's scales, or its codes for a :class:`ValueLayout`) in
+    ``layout``: swizzled on first use and then kept with the tensor's storage (a weight's
+    MXTensor is swizzled once, not per call). The plain layouts return the tensor as it
+    is. An in-place change of ``plain`` (its version) makes a new copy."""
     if layout.layout_id == 0:
-        return scales
-    storage = scales.untyped_storage()
-    key = (id(storage), scales.storage_offset(), tuple(scales.shape), scales.stride(), layout.name)
+        return plain
+    storage = plain.untyped_storage()
+    key = (id(storage), plain.storage_offset(), tuple(plain.shape), plain.stride(), type(layout).__name__,
+           layout.name)
     hit = _PREPARED.get(key)
-    if hit is not None and hit[0]() is storage and hit[1] == scales._version:
+    if hit is not None and hit[0]() is storage and hit[1] == plain._version:
         return hit[2]
-    out = layout.swizzle(scales)
+    out = layout.swizzle(plain)
     ref = weakref.ref(storage, lambda _, key=key: _PREPARED.pop(key, None))
-    _PREPARED[key] = (ref, scales._version, out)
+    _PREPARED[key] = (ref, plain._version, out)
     return out

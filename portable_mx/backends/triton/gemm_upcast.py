@@ -1,0 +1,425 @@
+"""The MXFP4 GEMM for targets without a block-scaled MMA (sm_90, gfx942): ``C = A @ B^T``
+with the MXFP4 tiles decoded in registers (upcast.py) and ``tl.dot`` in bf16 (fp16 beside
+an fp16 operand), fp32 accumulation.
+
+Operands as in gemm.py: A [M, K] (the tokens) is bf16/fp16 or MXFP4 (codes [M, Kp/2],
+scales [M, Kp/32]); B [N, K] (the weight) is MXFP4, its codes and scales stored in a
+layout of layouts.py (plain, or ``hopper`` on sm_90, made once per weight). Either MXFP4
+operand may carry macro factors (MBS, promoted per K tile as in gemm.py) and outliers
+(OF, expanded to dense bf16 tiles and added to the decoded tile, which is exact: the
+dense part holds code 0 at the outlier positions; with macro factors on the same operand,
+or beside fp16, they are a separate correction dot).
+
+The tokens sit on the MMA's N dimension (the swap): each program computes the
+transposed tile ``acc[BLOCK_N, BLOCK_M] = W[BLOCK_N, BLOCK_K] @ A^T[BLOCK_K, BLOCK_M]``,
+the decoded weight is the first operand (on sm_90 wgmma reads it from registers, and the
+``hopper`` layout gives each thread exactly its fragments with one 16-byte load) and A^T
+the second (shared memory); the epilogue stores the transpose. So decode (M = 1..16) pads
+the tokens to BLOCK_M >= 16 on the MMA's N, not to 64 on its M.
+
+Split-K (``SPLIT_K``, splitk.py) divides the K tiles of an output tile among programs
+and combines their partial sums on the device in the same launch, in a fixed order.
+
+Exactness: the decoded operands equal the reference's fp32 dequantization (upcast.py);
+products of two of them (A4W4: both decoded to bf16) are exact in the fp32 accumulator,
+whose rounding is the only difference from the exact product, as for gemm.py. fp16
+decoding (W4A16 beside fp16 activations) is exact while the weight's scales lie in
+2**-14 .. 2**13 (fp16's range); outside it, values round or overflow in the decode.
+In the interpreter (``DOT == "fp32"``) both operands are fp32 and the dot is IEEE
+(its bf16 dot is wrong: numerics.md section 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tensor import MXTensor
+from . import splitk
+from .gemm import FORMATS, Operand, _parts, outlier_tile
+from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
+from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, prepared
+from .upcast import decode_words, e8m0_scale, hopper_asm, hopper_twin
+
+
+@triton.jit
+def _dot(a, b, acc, DOT: tl.constexpr):
+    if DOT == "fp32":
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _cast(v, DOT: tl.constexpr):
+    """A decoded tile (bf16, fp32 in the interpreter) -> the dot's dtype (fp16 exactly
+    inside its range)."""
+    if DOT == "fp16":
+        v = v.to(tl.float16)
+    return v
+
+
+@triton.jit
+def _bytes_of(words, R: tl.constexpr, C: tl.constexpr):
+    """int32 words [R, C // 4] -> their bytes [R, C] (uint8, little-endian order)."""
+    b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, (words >> 24) & 0xFF))
+    return tl.reshape(b, (R, C)).to(tl.uint8)
+
+
+@triton.jit
+def _row_scales(s_ptr, rows, row_in, k0, NB, stride, WORDS: tl.constexpr, EVEN_K: tl.constexpr,
+                R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 scales [R, BLOCK_K/32] of rows ``rows`` (row stride ``stride`` bytes, NB scales
+    per row) from K k0. WORDS: read as 32-bit words (NB and BLOCK_K/32 multiples of 4), so
+    that a small tile still gives each thread 4-byte loads, which Triton's pipeline
+    needs to prefetch them."""
+    if WORDS:
+        kw = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+        ptrs = s_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride // 4) + kw[None, :]
+        if EVEN_K:
+            w = tl.load(ptrs, mask=row_in[:, None], other=0)
+        else:
+            w = tl.load(ptrs, mask=row_in[:, None] & (kw[None, :] < NB // 4), other=0)
+        sc = _bytes_of(w, R, BLOCK_K // 32)
+    else:
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        ptrs = s_ptr + rows[:, None] * stride + ks[None, :]
+        if EVEN_K:
+            sc = tl.load(ptrs, mask=row_in[:, None], other=0)
+        else:
+            sc = tl.load(ptrs, mask=row_in[:, None] & (ks[None, :] < NB), other=0)
+    return sc
+
+
+@triton.jit
+def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
+                 VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                 SCALE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The decoded weight tile [BLOCK_N, BLOCK_K] (rows rn, K from k0) in the dot's dtype."""
+    DT: tl.constexpr = tl.float32 if DOT == "fp32" else tl.bfloat16  # the decode's dtype
+    if VALUES == 1:
+        # hopper layout (layouts.HopperValues): the tile as bytes [BLOCK_N/2, BLOCK_K]:
+        # row rr = (64-row block, n5 n4 n2 n1 n0), column cc = (64-column block, k2 k1 k5
+        # k4 k3 k0); each byte gives a value of row n3 = 0 (output r0) and of n3 = 1 (r1)
+        rr = tl.arange(0, BLOCK_N // 2)
+        blk = (pid_n * (BLOCK_N // 64) + rr // 32).to(tl.int64)
+        if ASM:
+            cc = tl.arange(0, BLOCK_K)
+            b = tl.load(w_ptr + (blk * stride_wv + (rr % 32) * 64)[:, None]
+                        + ((k0 // 64 + cc // 64) * 2048 + cc % 64)[None, :])
+            r0, r1 = hopper_asm(b)
+        else:
+            cw = tl.arange(0, BLOCK_K // 4)
+            words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + (blk * (stride_wv // 4) + (rr % 32) * 16)[:, None]
+                            + ((k0 // 64 + cw // 16) * 512 + cw % 16)[None, :])
+            r0, r1 = hopper_twin(words, DT, BLOCK_N // 2, BLOCK_K)
+        v = tl.join(r0, r1)  # the new last axis is n3
+        v = tl.reshape(v, (BLOCK_N // 64, 2, 2, 2, 2, 2, BLOCK_K // 64, 2, 2, 2, 2, 2, 2, 2))
+        v = tl.permute(v, (0, 1, 2, 13, 3, 4, 5, 6, 9, 10, 11, 7, 8, 12))
+        v = tl.reshape(v, (BLOCK_N, BLOCK_K))
+        # scales (layouts.HOPPER): [BLOCK_N/2, 2 * BLOCK_K/32], column = (K block, n3): the
+        # tile's 2 * BLOCK_K/32 bytes of a row pair, contiguous, read as 32-bit words
+        sw = tl.arange(0, BLOCK_K // 64)
+        scol = (k0 // 256) * 128 + (k0 % 256) // 64  # in 32-bit words
+        s = tl.load(ws_ptr.to(tl.pointer_type(tl.int32)) + (blk * (stride_ws // 4) + (rr % 32) * 4)[:, None]
+                    + (scol + sw)[None, :])
+        s = _bytes_of(s, BLOCK_N // 2, BLOCK_K // 16)
+        s = tl.reshape(s, (BLOCK_N // 64, 2, 2, 2, 2, 2, BLOCK_K // 32, 2))
+        s = tl.reshape(tl.permute(s, (0, 1, 2, 7, 3, 4, 5, 6)), (BLOCK_N, BLOCK_K // 32))
+        v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 32)) * e8m0_scale(s, DT)[:, :, None]
+        w = tl.reshape(v, (BLOCK_N, BLOCK_K))
+    else:
+        # plain layout: int32 words [BLOCK_N, BLOCK_K/8] (rows of KP/8 words)
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        n_in = rn[:, None] < N
+        wp = w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None] * (stride_wv // 4) + kw[None, :]
+        if EVEN_K:
+            words = tl.load(wp, mask=n_in, other=0)
+        else:
+            words = tl.load(wp, mask=n_in & (kw[None, :] < KP // 8), other=0)
+        scales = _row_scales(ws_ptr, rn, rn < N, k0, NB, stride_ws, SCALE_WORDS, EVEN_K, BLOCK_N, BLOCK_K)
+        w = decode_words(words, scales, DT, BLOCK_N, BLOCK_K)
+    return _cast(w, DOT)
+
+
+@triton.jit
+def _token_tile(x_ptr, xs_ptr, rm, k0, M, K, KP, NB, stride_xm,
+                X_FORMAT: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A^T's tile [BLOCK_K, BLOCK_M] (tokens rm, K from k0) in the dot's dtype."""
+    DT: tl.constexpr = tl.float32 if DOT == "fp32" else tl.bfloat16  # the decode's dtype
+    if X_FORMAT == "e2m1":
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        m_in = rm[:, None] < M
+        xp = x_ptr.to(tl.pointer_type(tl.int32)) + rm[:, None] * (stride_xm // 4) + kw[None, :]
+        if EVEN_K:
+            words = tl.load(xp, mask=m_in, other=0)
+        else:
+            words = tl.load(xp, mask=m_in & (kw[None, :] < KP // 8), other=0)
+        scales = _row_scales(xs_ptr, rm, rm < M, k0, NB, NB, SCALE_WORDS, EVEN_K, BLOCK_M, BLOCK_K)
+        xt = _cast(tl.trans(decode_words(words, scales, DT, BLOCK_M, BLOCK_K)), DOT)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            mask = rm[None, :] < M
+        else:
+            mask = (rm[None, :] < M) & (kk[:, None] < K)
+        xt = tl.load(x_ptr + rm[None, :] * stride_xm + kk[:, None], mask=mask, other=0.0)
+        if DOT == "fp32":
+            xt = xt.to(tl.float32)
+    return xt
+
+
+@triton.jit
+def upcast_gemm_kernel(
+    a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
+    b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+    c_ptr, part_ptr, count_ptr,
+    M, N, K, KP, stride_am, stride_cm, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
+    A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
+    A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
+    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
+
+    A: bf16/fp16 [M, K] (row stride stride_am), or, when A_FORMAT is "e2m1", codes uint8
+    [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32]. B: codes and scales in
+    layout VALUES (0 plain: [N, KP/2] and [N, KP/32], row strides stride_bv, stride_bs;
+    1 hopper: layouts.HOPPER_VALUES and layouts.HOPPER, 64-row block strides stride_bv,
+    stride_bs). Macro factors fp32 [rows, NMA / NMB] of macro blocks MACRO_A / MACRO_B,
+    outliers int16 (bf16 bits) and uint8 indices [rows, KP/32, k] (gemm.py). With
+    SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero) are splitk.buffers.
+    EVEN_K: K is a multiple of BLOCK_K. DOT: "bf16", "fp16" or "fp32" (IEEE). SCALE_WORDS:
+    plain scales read as 32-bit words (KP and BLOCK_K multiples of 128)."""
+    pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        pid_k = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    else:
+        pid_k = 0
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * grid_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    NB = KP // 32
+
+    # outliers fold into their own operand's decoded tile unless that operand has macro
+    # factors (the outliers do not take them) or it would mean bf16 -> fp16
+    FOLD_A: tl.constexpr = A_OUT > 0 and not A_MACRO
+    FOLD_B: tl.constexpr = B_OUT > 0 and not B_MACRO and DOT != "fp16"
+    PROMOTE: tl.constexpr = (A_MACRO or B_MACRO) and not EPILOGUE
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    ma = tl.full((BLOCK_M,), 1.0, tl.float32)
+    mb = tl.full((BLOCK_N,), 1.0, tl.float32)
+    first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
+    for t in range(first, last):
+        k0 = t * BLOCK_K
+        w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, NB, stride_bv, stride_bs,
+                         VALUES, ASM, DOT, EVEN_K, SCALE_WORDS, BLOCK_N, BLOCK_K)
+        xt = _token_tile(a_ptr, as_ptr, rm, k0, M, K, KP, NB, stride_am, A_FORMAT, DOT, EVEN_K, SCALE_WORDS,
+                         BLOCK_M, BLOCK_K)
+        if B_OUT > 0:
+            sb = outlier_tile(bov_ptr, boi_ptr, rn, N, k0, NB, B_OUT, BLOCK_N, BLOCK_K)
+            if FOLD_B:
+                w += sb.to(w.dtype)
+        if A_OUT > 0:
+            sat = tl.trans(outlier_tile(aov_ptr, aoi_ptr, rm, M, k0, NB, A_OUT, BLOCK_M, BLOCK_K)).to(xt.dtype)
+            if FOLD_A:
+                xt += sat
+        if PROMOTE:
+            if A_MACRO:
+                ma = tl.load(am_ptr + rm * NMA + k0 // MACRO_A, mask=rm < M, other=1.0)
+            if B_MACRO:
+                mb = tl.load(bm_ptr + rn * NMB + k0 // MACRO_B, mask=rn < N, other=1.0)
+            part = _dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+            acc += part * (mb[:, None] * ma[None, :])
+        else:
+            acc = _dot(w, xt, acc, DOT)
+        if A_OUT > 0 and not FOLD_A:  # A's outliers times B (their own macro factor is 1)
+            corr = _dot(w, sat, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+            if B_MACRO:
+                corr = corr * mb[:, None]
+            acc += corr
+        if B_OUT > 0 and not FOLD_B:  # A times B's outliers
+            if DOT == "fp16":  # no fp16 x bf16 dot: both sides widened (exactly) to fp32
+                corr = tl.dot(sb.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            else:
+                corr = _dot(sb.to(w.dtype), xt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+            if A_MACRO:
+                corr = corr * ma[None, :]
+            acc += corr
+            if A_OUT > 0 and not FOLD_A:  # outliers times outliers: no macro factor
+                acc += _dot(sb.to(w.dtype), sat, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    if SPLIT_K > 1:
+        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        acc, is_last = splitk.combine(acc, offs, mask, part_ptr, count_ptr, pid_m * grid_n + pid_n, pid_k,
+                                      SPLIT_K, BLOCK_N * BLOCK_M)
+    else:
+        is_last = True
+    if is_last:
+        if EPILOGUE:  # one macro block spans K: its factors scale the whole sum
+            if A_MACRO:
+                ma = tl.load(am_ptr + rm * NMA, mask=rm < M, other=1.0)
+            if B_MACRO:
+                mb = tl.load(bm_ptr + rn * NMB, mask=rn < N, other=1.0)
+            acc = acc * (mb[:, None] * ma[None, :])
+        tl.store(c_ptr + rm[None, :] * stride_cm + rn[:, None], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class UpcastRoute:
+    """How a target runs the upcast GEMM: the weight's value layout (its scale layout
+    goes with it) and whether the sm_90 inline-PTX decoder is used (bf16 only)."""
+
+    values: ValueLayout = PLAIN_VALUES
+    asm: bool = False
+
+    def scales(self, values: ValueLayout):
+        return HOPPER if values is HOPPER_VALUES else PLAIN
+
+
+PLAIN_ROUTE = UpcastRoute()
+
+
+def block_k_of(a: Operand, b: Operand, kp: int, config: GemmConfig) -> tuple[int, bool]:
+    """(K step, whether macro factors move to the epilogue): the config's block_k,
+    lowered with macro factors to the largest power of two dividing both macro blocks
+    (every K tile inside one macro block of each operand), as gemm.Plan does."""
+    macros = [m for m in (a.macro_block, b.macro_block) if m is not None]
+    epilogue = bool(macros) and min(macros) >= kp and not (a.outliers or b.outliers)
+    block_k = config.block_k
+    if macros and not epilogue:
+        period = math.gcd(*macros)
+        block_k = min(block_k, period & -period)
+    return block_k, epilogue
+
+
+def values_for(route: UpcastRoute, config: GemmConfig, block_k: int) -> ValueLayout:
+    """The value layout a launch reads: the route's, unless the tile does not fit it (the
+    hopper layout needs BLOCK_N a multiple of 64 up to 256 and BLOCK_K 64, 128 or 256)."""
+    if route.values is HOPPER_VALUES and not (
+            config.block_n % 64 == 0 and config.block_n <= 256 and block_k in (64, 128, 256)):
+        return PLAIN_VALUES
+    return route.values
+
+
+def dot_format(a: Operand, interpreted: bool) -> str:
+    """The dtype of the dot: fp32 in the interpreter, fp16 beside an fp16 operand, else bf16."""
+    if interpreted:
+        return "fp32"
+    return "fp16" if a.format == torch.float16 else "bf16"
+
+
+def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, route: UpcastRoute,
+               interpreted: bool) -> dict:
+    """The kernel's constexprs for operands like ``a``, ``b`` (K = ``k``, padded ``kp``)."""
+    if a.format not in FORMATS:
+        raise TypeError(f"the GEMM's left operand must be MXFP4, bf16 or fp16; got {a.format}")
+    block_k, epilogue = block_k_of(a, b, kp, config)
+    values = values_for(route, config, block_k)
+    dot = dot_format(a, interpreted)
+    return {
+        "A_FORMAT": FORMATS[a.format], "A_MACRO": a.macro_block is not None, "B_MACRO": b.macro_block is not None,
+        "A_OUT": a.outliers, "B_OUT": b.outliers, "EVEN_K": k % block_k == 0, "EPILOGUE": epilogue,
+        "VALUES": values.layout_id, "ASM": bool(route.asm and dot == "bf16"), "DOT": dot,
+        "SCALE_WORDS": kp % 128 == 0 and block_k % 128 == 0,
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "GROUP_M": config.group_m,
+        "SPLIT_K": max(1, config.split_k),
+    }
+
+
+_INT_ARGS = ("M", "N", "K", "KP", "stride_am", "stride_cm", "stride_bv", "stride_bs", "NMA", "NMB",
+             "MACRO_A", "MACRO_B")
+
+
+def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route: UpcastRoute = PLAIN_ROUTE,
+                kp: int = 8192, out_dtype: torch.dtype = torch.float32) -> KernelLaunch:
+    """The launch :func:`matmul` makes for operands like ``a`` and ``b`` (K = Kp =
+    ``kp``), as data (for AOT). Not ``multiplies_mx``: this kernel upcasts by design."""
+    consts = constexprs(a, b, kp, kp, config, route, interpreted=False)
+    signature = {
+        "a_ptr": "*u8" if a.format is None else POINTER_TYPES[a.format], "as_ptr": "*u8",
+        "am_ptr": "*fp32" if a.macro_block else "*u8", "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
+        "b_ptr": "*u8", "bs_ptr": "*u8", "bm_ptr": "*fp32" if b.macro_block else "*u8",
+        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8",
+        "c_ptr": POINTER_TYPES[out_dtype], "part_ptr": "*fp32", "count_ptr": "*i32",
+        **{name: "i32" for name in _INT_ARGS},
+    }
+    signature.update({name: "constexpr" for name in consts})
+    kind = "A4W4" if a.format is None else f"W4A16-{FORMATS[a.format]}"
+    extras = [f"MBS-{m}" for m in sorted({a.macro_block, b.macro_block} - {None})]
+    extras += [f"{side}OF-{n}" for side, n in (("a:", a.outliers), ("b:", b.outliers)) if n]
+    values = PLAIN_VALUES if consts["VALUES"] == 0 else HOPPER_VALUES
+    extras.append(f"upcast:{values.name}{'+asm' if consts['ASM'] else ''}")
+    if out_dtype != torch.float32:
+        extras.append(f"out:{FORMATS.get(out_dtype, str(out_dtype))}")
+    label = " ".join([kind, *extras, config.label()])
+    return KernelLaunch("gemm-upcast", upcast_gemm_kernel, signature, consts, dict(options), label,
+                        multiplies_mx=False,
+                        divisible_by_16=("K", "KP", "stride_am", "stride_cm", "stride_bv", "stride_bs"))
+
+
+def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
+           route: UpcastRoute = PLAIN_ROUTE, out_dtype: torch.dtype = torch.float32,
+           interpreted: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
+    [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's codes and
+    scales are read in the route's layout, swizzled once per weight
+    (:func:`layouts.prepared`). ``interpreted``: the Triton interpreter runs the kernel
+    (fp32 IEEE dot). ``out``: an [M, N] tensor of ``out_dtype`` to write (row stride free,
+    unit column stride)."""
+    n, kp, k = b.qdata.shape[0], b.k_padded, b.k
+    oa, ob = Operand.of(a), Operand.of(b)
+    if isinstance(a, MXTensor):
+        if a.k_padded != kp:
+            raise ValueError(f"a and b have different padded K: {a.k_padded} and {kp}")
+        m = a.qdata.shape[0]
+        a_parts = _parts(a)
+        stride_am = kp // 2
+        nma = 1 if a.macro_scales is None else a.macro_scales.shape[-1]
+    else:
+        m = a.shape[0]
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        a_parts = (a, b.scales, b.scales, b.scales, b.scales)
+        stride_am = a.stride(0)
+        nma = 1
+    consts = constexprs(oa, ob, k, kp, config, route, interpreted)
+    values = HOPPER_VALUES if consts["VALUES"] == 1 else PLAIN_VALUES
+    codes, scales, macro, ov, oi = _parts(b)
+    if values is HOPPER_VALUES:
+        codes, scales = prepared(codes, HOPPER_VALUES), prepared(scales, HOPPER)
+        stride_bv, stride_bs = HOPPER_VALUES.row_stride(kp), HOPPER.padded(1, kp // 32)[1] * 64
+    else:
+        stride_bv, stride_bs = kp // 2, kp // 32
+    nmb = 1 if b.macro_scales is None else b.macro_scales.shape[-1]
+    c = out if out is not None else torch.empty(m, n, dtype=out_dtype, device=b.device)
+    split = consts["SPLIT_K"]
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    if split > 1:
+        part, counts = splitk.buffers(b.device, tiles * split * config.block_m * config.block_n, tiles)
+    else:
+        part, counts = c, c
+    upcast_gemm_kernel[(tiles * split,)](
+        *a_parts, codes, scales, macro, ov, oi, c, part, counts,
+        m, n, k, kp, stride_am, c.stride(0), stride_bv, stride_bs, nma, nmb, oa.macro_block or 32,
+        ob.macro_block or 32, **consts, **options,
+    )
+    return c

@@ -1,0 +1,91 @@
+"""Split-K for the GEMM kernels: several programs share one output tile, each summing a
+contiguous range of its K tiles, and the partial sums are combined on the device in the
+same launch.
+
+Each program stores its fp32 partial tile to a workspace, then bumps the tile's arrival
+counter (an atomic with release/acquire semantics at GPU scope, after a CTA barrier); the
+program that arrives last reads every partial in split order 0, 1, ..., SPLIT_K - 1 (so
+the sum does not depend on which program finished last: the result is deterministic),
+resets the counter to 0 and runs the epilogue. No second kernel, no zero-fill, no output
+atomics. The workspace and the counters are allocated once per device and reused
+(:func:`buffers`); the counters are zero between launches, so the launch can be captured
+in a CUDA graph once the buffers exist (call once before capturing). Launches on two
+streams of one device at the same time would share them: split-K launches are meant for
+one stream.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_k_range(pid_k, KP, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[first, last) K tile of split ``pid_k``: the K tiles split in contiguous ranges, the
+    first ones one tile longer."""
+    n_tiles = tl.cdiv(KP, BLOCK_K)
+    if SPLIT_K == 1:
+        first = 0
+        last = n_tiles
+    else:
+        per = n_tiles // SPLIT_K
+        extra = n_tiles % SPLIT_K
+        first = pid_k * per + tl.minimum(pid_k, extra)
+        last = first + per + (pid_k < extra).to(tl.int32)
+    return first, last
+
+
+@triton.jit
+def combine(acc, offs, mask, part_ptr, count_ptr, tile, pid_k, SPLIT_K: tl.constexpr, TILE: tl.constexpr):
+    """Split ``pid_k``'s fp32 partial ``acc`` of output tile ``tile``: store it, and
+    return (sum of every split's partial in split order, whether this program is the last
+    of the tile, which then writes the output). ``offs`` are the elements' offsets inside
+    a TILE-element workspace tile (any layout, the same in every split), ``mask`` the
+    elements that are written (those inside the output)."""
+    base = part_ptr + tile.to(tl.int64) * (SPLIT_K * TILE)
+    tl.store(base + pid_k * TILE + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = acc
+    if last:
+        total = tl.zeros_like(acc)
+        for s in tl.static_range(SPLIT_K):
+            # .cg: from L2, never a stale L1 line of a previous launch
+            total += tl.load(base + s * TILE + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return total, last
+
+
+# ----------------------------------------------------------------------------- host side
+
+_LOCK = threading.Lock()
+_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def buffers(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 workspace of at least ``part_elems`` elements, int32 counters, zero, at least
+    ``tiles`` of them) of ``device``; grown when a launch needs more, else reused."""
+    device = torch.device(device)
+    have = _BUFFERS.get(device)
+    if have is not None and have[0].numel() >= part_elems and have[1].numel() >= tiles:
+        return have
+    with _LOCK:
+        have = _BUFFERS.get(device)
+        part_n = max(part_elems, 0 if have is None else have[0].numel(), 1 << 16)
+        count_n = max(tiles, 0 if have is None else have[1].numel(), 1024)
+        part = have[0] if have is not None and have[0].numel() >= part_n else torch.empty(
+            part_n, dtype=torch.float32, device=device)
+        counts = have[1] if have is not None and have[1].numel() >= count_n else torch.zeros(
+            count_n, dtype=torch.int32, device=device)
+        _BUFFERS[device] = (part, counts)
+        return part, counts
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The counters of ``device`` (for tests: they must be all zero between launches)."""
+    return _BUFFERS[torch.device(device)][1]

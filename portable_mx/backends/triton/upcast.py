@@ -1,0 +1,155 @@
+"""MXFP4 -> bf16 (fp32 in the interpreter) in registers: the decode the upcast GEMM
+(gemm_upcast.py) runs on targets without a native block-scaled MMA (sm_90, gfx942) and in
+the interpreter.
+
+Every function here is exact: an E2M1 code times a power of two is representable in bf16
+over the whole E8M0 range (bf16 has fp32's exponent range; the smallest value,
+0.5 * 2**-127 = 2**-128, is a bf16 subnormal), so the decoded operand equals the reference
+backend's fp32 dequantization bit for bit, overflow to inf and NaN scales included. The
+caller converts to the dot's dtype: fp32 (the interpreter) exactly, fp16 (beside an fp16
+activation) exactly while the values lie in fp16's range (scales 2**-14 .. 2**13).
+
+The codes are decoded 8 at a time from 32-bit words. Each code's sign and its exponent
+and mantissa bits are moved to bits 15 and 8..6 of a 16-bit half (31 and 24..22 of the
+word), which are the bf16 bits of code_value * 2**-126 (a subnormal for code 1, 0.5), and
+one multiply by 2**126 gives the value; every target keeps the subnormal (NVIDIA's
+``mul.bf16x2``/``mul.f32`` do not flush, Triton's AMD backend compiles with IEEE
+denormals). The interpreter's bf16 arithmetic is not IEEE (it flushes bf16 subnormals and
+its bf16 products are wrong), so with ``DT = tl.float32`` each half becomes the top of an
+fp32 and the multiply is fp32 (numpy keeps fp32 subnormals): the same values. Two word
+layouts:
+
+- :func:`decode_words`: the canonical layout (two codes per byte, the low nibble first):
+  a byte's two codes become one bf16 pair (elements 2j, 2j + 1), ~4 integer ops per pair;
+- the sm_90 layout (layouts.HOPPER_VALUES): the 8 codes of a word bit-interleaved so that
+  each bf16 pair is one AND with a shifted copy of the word (10 integer ops per 8 codes).
+  :func:`hopper_asm` decodes it with one inline-PTX block per word; :func:`hopper_twin` is
+  its pure-Triton twin (the interpreter, other targets), equal bit for bit
+  (``tests/test_triton_gemm_upcast.py`` holds them to each other on a GPU).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_BIAS: tl.constexpr = tl.constexpr(8.507059173023462e37)  # 2**126, exact in bf16
+
+
+@triton.jit
+def e8m0_scale(s, DT: tl.constexpr):
+    """2**(s - 127) in DT (tl.bfloat16 or tl.float32) for E8M0 bytes ``s`` (uint8
+    tensor): exact (byte 0 is the subnormal 2**-127), 255 is NaN."""
+    b = s.to(tl.int32)
+    bits = tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7))
+    if DT == tl.float32:
+        out = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return out
+
+
+@triton.jit
+def _halves(pair, DT: tl.constexpr):
+    """int32 bf16x2 bits (value * 2**-126 in each half) -> (low, high) values in DT."""
+    if DT == tl.float32:
+        lo = (pair << 16).to(tl.float32, bitcast=True) * _BIAS
+        hi = (pair & -0x10000).to(tl.float32, bitcast=True) * _BIAS
+    else:
+        lo = (pair & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * _BIAS
+        hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * _BIAS
+    return lo, hi
+
+
+@triton.jit
+def _byte_pair(words, T: tl.constexpr):
+    """The two codes of byte T of each word as bf16x2 bits (value * 2**-126)."""
+    y = words >> (8 * T)
+    return ((y & 0x08) << 12) | ((y & 0x07) << 6) | ((y & 0x80) << 24) | ((y & 0x70) << 18)
+
+
+@triton.jit
+def decode_words(words, scales, DT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_R, BLOCK_K] values in DT (bf16, or fp32 in the interpreter) of MXFP4 rows in
+    the canonical layout, read as int32 little-endian words [BLOCK_R, BLOCK_K // 8] (code
+    2j in the low nibble of byte j), with uint8 scales [BLOCK_R, BLOCK_K // 32]."""
+    l0, h0 = _halves(_byte_pair(words, 0), DT)
+    l1, h1 = _halves(_byte_pair(words, 1), DT)
+    l2, h2 = _halves(_byte_pair(words, 2), DT)
+    l3, h3 = _halves(_byte_pair(words, 3), DT)
+    # tl.join appends the new axis last: [R, word, half, byte % 2, byte // 2], permuted to
+    # [R, word, byte // 2, byte % 2, half], which flattens to element 8 word + 2 byte + half
+    v = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)), tl.join(tl.join(l2, h2), tl.join(l3, h3)))
+    v = tl.permute(v, (0, 1, 4, 3, 2))
+    v = tl.reshape(v, (BLOCK_R, BLOCK_K // 32, 32)) * e8m0_scale(scales, DT)[:, :, None]
+    return tl.reshape(v, (BLOCK_R, BLOCK_K))
+
+
+# ----------------------------------------------------------------------------- sm_90 words
+#
+# One 32-bit word holds 8 codes as 4 bf16 pairs (low half, high half):
+#   pair j = 0, 1, 2: (word << 3j) & 0x81C081C0
+#   pair 3:           ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+# each the bits of code_value * 2**-126. Pair j is elements 2 (j % 2) and 2 (j % 2) + 1 of
+# output j // 2 (the inline-asm ``pack=4`` order: 4 bytes in, 2 outputs of 4 elements).
+
+
+@triton.jit
+def _hopper_pair(words, J: tl.constexpr):
+    if J == 3:
+        p = ((words << 1) & -0x7FFF8000) | ((words >> 3) & 0x01800180) | ((words >> 7) & 0x00400040)
+    else:
+        p = (words << (3 * J)) & -0x7E3F7E40  # 0x81C081C0 as an int32
+    return p
+
+
+@triton.jit
+def _hopper_output(words, J: tl.constexpr, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Pairs J and J + 1 of each word as 4 elements: 2 * (pair - J) + half."""
+    l0, h0 = _halves(_hopper_pair(words, J), DT)
+    l1, h1 = _halves(_hopper_pair(words, J + 1), DT)
+    # [R, word, pair, half] flattens to element 4 word + 2 pair + half
+    return tl.reshape(tl.join(tl.join(l0, l1), tl.join(h0, h1)), (R, C))
+
+
+@triton.jit
+def hopper_twin(words, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """Pure-Triton twin of :func:`hopper_asm`: int32 words [R, C // 4] of the sm_90 layout
+    -> its two outputs [R, C] in DT (element 4 w + t of an output: word w, its byte t)."""
+    return _hopper_output(words, 0, DT, R, C), _hopper_output(words, 2, DT, R, C)
+
+
+@triton.jit
+def hopper_asm(b):
+    """Inline PTX (sm_90): bytes ``b`` uint8 [R, C] of the sm_90 layout -> two bf16 [R, C];
+    one instance per 32-bit word (``pack=4``: 4 consecutive bytes of a thread's
+    registers, which the layout makes the 4 bytes of one word), 10 integer ops and 4
+    ``mul.bf16x2`` per 8 values."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, t2, t3, bias;
+        mov.b32 bias, 0x7E807E80;
+        and.b32 $0, $4, 0x81C081C0;
+        mul.bf16x2 $0, $0, bias;
+        shl.b32 t0, $4, 3;
+        and.b32 $1, t0, 0x81C081C0;
+        mul.bf16x2 $1, $1, bias;
+        shl.b32 t0, $4, 6;
+        and.b32 $2, t0, 0x81C081C0;
+        mul.bf16x2 $2, $2, bias;
+        shl.b32 t1, $4, 1;
+        and.b32 t1, t1, 0x80008000;
+        shr.b32 t2, $4, 3;
+        and.b32 t2, t2, 0x01800180;
+        shr.b32 t3, $4, 7;
+        and.b32 t3, t3, 0x00400040;
+        or.b32 t1, t1, t2;
+        or.b32 $3, t1, t3;
+        mul.bf16x2 $3, $3, bias;
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[b],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )

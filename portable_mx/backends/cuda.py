@@ -18,42 +18,56 @@ TILES = {
     "decompose": TileConfig(4, 256, num_warps=8),
 }
 
-# GEMM defaults per target until a tuned config is found (issue 5). The native
-# block-scaled MMA of sm_100 (tcgen05 ... block_scale) needs an M tile of at least 128 and
-# 4 or 8 warps; sm_120's mma.sync ... block_scale has ~100 KB of shared memory per SM;
-# sm_90 upcasts MXFP4 to bf16 in registers and runs wgmma, where W4A16 is the fast path.
-# Small M (decode): narrow N tiles and deep K steps keep every SM streaming the weight.
-# "-heavy" (MBS or OF operands) tiles are the largest of the sweep that spill no
-# registers with outliers on both sides (compile matrix, ptxas -v).
+# GEMM defaults per target until a tuned config is found (issue 5); block_m counts tokens
+# (the left operand's rows), block_n weight rows. sm_100's native block-scaled MMA
+# (tcgen05 ... block_scale) needs an M tile of at least 128 and 4 or 8 warps; sm_120's
+# mma.sync ... block_scale has ~100 KB of shared memory per SM. split_k=0 ("-small",
+# "-mid"): as many programs per output tile as fill the GPU (backend.resolve_split_k), the
+# decode path; prefill tiles do not split (M > 128 gives enough tiles).
+#
+# sm_90 runs the upcast kernel (gemm_upcast.py) on the hopper value layout: the decoded
+# weight is wgmma's register operand, the tokens its N (16 at decode). Prefill 128 tokens
+# x 256 weight rows x 128 K on 8 warps, 3 stages (triton_kernels' Hopper choice, 246
+# registers, 147 KB of shared memory; no split-K: the combine would spill), M <= 128
+# 64 x 256 x 128 with split-K (M = 128: 64 tiles x 2 splits); decode 16 x 128 x 128 on 4
+# warps, 4 stages, a tile shape whose wgmma chain ptxas (CUDA 12.8, the one Triton 3.6
+# ships) does not serialize (C7515 in `ptxas -v`; benchmarks/NOTES-gemm.md). "-heavy"
+# (MBS, OF) tiles are the largest that spill no registers with outliers and macro factors on
+# both sides under Triton 3.6 and 3.9 (compile matrix). benchmarks/NOTES-gemm.md has the
+# derivation. Other "-heavy" tiles, and sm_100's decode tile (16 x 64 x 128), are sized
+# the same way.
 GEMM_TILES = {
     "sm_100": {
         "a4w4": GemmConfig(128, 128, 256, num_warps=8, num_stages=3),
         "a4w4-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
-        "a4w4-small": GemmConfig(128, 64, 256, num_warps=4, num_stages=4),
+        "a4w4-small": GemmConfig(128, 64, 256, num_warps=4, num_stages=4, split_k=0),
         "a4w4-small-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
         "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
         "w4a16-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=2),
-        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=4),
+        "w4a16-small": GemmConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=0),
         "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
     },
     "sm_120": {
         "a4w4": GemmConfig(128, 64, 128, num_warps=4, num_stages=2),
         "a4w4-heavy": GemmConfig(64, 32, 64, num_warps=4, num_stages=2),
-        "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
-        "a4w4-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=2),
+        "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3, split_k=0),
+        "a4w4-small-heavy": GemmConfig(16, 64, 64, num_warps=4, num_stages=2),
         "w4a16": GemmConfig(128, 64, 128, num_warps=8, num_stages=2),
         "w4a16-heavy": GemmConfig(64, 64, 64, num_warps=4, num_stages=2),
-        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3, split_k=0),
         "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=2),
     },
     "sm_90": {
-        "a4w4": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
-        "a4w4-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
-        "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=4),
-        "a4w4-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
-        "w4a16": GemmConfig(128, 64, 128, num_warps=8, num_stages=3),
-        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=4),
-        "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
+        "a4w4": GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
+        "a4w4-mid": GemmConfig(64, 256, 128, num_warps=8, num_stages=3, split_k=0),
+        "a4w4-heavy": GemmConfig(64, 64, 64, num_warps=4, num_stages=2),
+        "a4w4-small": GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=0),
+        "a4w4-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=0),
+        "w4a16": GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
+        "w4a16-mid": GemmConfig(64, 256, 128, num_warps=8, num_stages=3, split_k=0),
+        "w4a16-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=3),
+        "w4a16-small": GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=0),
+        "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=0),
     },
 }
 
@@ -64,4 +78,7 @@ class CudaBackend(CompiledTritonBackend):
     tiles = TILES
     gemm_tiles = GEMM_TILES
     scale_layouts = {"sm_100": "blackwell"}
+    upcast_layouts = {"sm_90": "hopper"}
+    upcast_asm = ("sm_90",)
+    gemm_sms = {"sm_90": 132, "sm_100": 148, "sm_120": 84}
     targets = ("sm_90", "sm_100", "sm_120")

@@ -123,22 +123,27 @@ class TritonBackend(Backend):
 
         return LAYOUTS[self.scale_layouts.get(target.name, "plain") if target is not None else "plain"]
 
-    MID_M = 64
+    MID_M = 128
 
     def default_gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype],
                             heavy: bool) -> GemmConfig:
         """The heuristic GEMM config for an M-row left operand of ``a_format`` (None:
-        MXFP4), ``heavy`` when an operand has macro factors or outliers: the first of
-        "<kind>-small" (M <= SMALL_M) or "<kind>-mid" (M <= MID_M), then "<kind>", each
-        "-heavy" first when heavy, that ``gemm_tiles`` has."""
+        MXFP4), ``heavy`` when an operand has macro factors or outliers: the first that
+        ``gemm_tiles`` has of "<kind>-small" (M <= SMALL_M; "-small-heavy" first when
+        heavy) or "<kind>-mid" (M <= MID_M; "-mid-heavy" and "-heavy" first when heavy),
+        then "<kind>" ("-heavy" first when heavy)."""
         base = "a4w4" if a_format is None else "w4a16"
-        keys = [base + "-small"] if m <= self.SMALL_M else [base + "-mid"] if m <= self.MID_M else []
-        keys.append(base)
+        if m <= self.SMALL_M:
+            keys = [base + "-small-heavy", base + "-small"] if heavy else [base + "-small"]
+        elif m <= self.MID_M:
+            keys = [base + "-mid-heavy", base + "-heavy", base + "-mid"] if heavy else [base + "-mid"]
+        else:
+            keys = []
+        keys += [base + "-heavy", base] if heavy else [base]
         tiles = self.gemm_tiles[target.name if target is not None else "interpret"]
         for key in keys:
-            for candidate in ((key + "-heavy", key) if heavy else (key,)):
-                if candidate in tiles:
-                    return tiles[candidate]
+            if key in tiles:
+                return tiles[key]
         raise KeyError(f"no GEMM config for {base} at M={m} in gemm_tiles")
 
     def gemm_route(self, target: Optional[Target], a, b) -> GemmRoute:
@@ -300,9 +305,9 @@ class TritonBackend(Backend):
         seen = set()
         for a, b in _aot_gemms():
             heavy = a.heavy or b.heavy
-            # decode (M = 1), the largest small M, the smallest prefill M and a large one:
-            # every tile config, split and output dtype the defaults launch at N = K = 8192
-            for m in (1, self.SMALL_M, self.SMALL_M + 1, 4096):
+            # decode (M = 1), the edges of the small and mid classes and a large M: every
+            # tile config, split and output dtype the defaults launch at N = K = 8192
+            for m in (1, self.SMALL_M, self.SMALL_M + 1, self.MID_M, self.MID_M + 1, 4096):
                 config = self.default_gemm_config(target, m, a.format, heavy)
                 out_dtype = torch.float32 if a.format is None else a.format
                 launch = self.gemm_launch_spec(target, a, b, config, m=m, out_dtype=out_dtype)

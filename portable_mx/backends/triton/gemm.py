@@ -81,6 +81,7 @@ def _tile_product(
     """One K tile [k0, k0 + BLOCK_K): the block-scaled product accumulates into ``part``;
     the outlier corrections into ``part`` too without macro factors, else into ``acc``,
     scaled by the other operand's macro factor."""
+    PROMOTE: tl.constexpr = A_MACRO or B_MACRO
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     m_in = rm[:, None] < M
@@ -107,7 +108,6 @@ def _tile_product(
         part = tl.dot_scaled(a, None, A_FORMAT, b, b_s, "e2m1", part)
     # the outlier corrections: into part when no operand has macro factors (all factors
     # are 1), else into acc, scaled by the other operand's factor
-    PROMOTE: tl.constexpr = A_MACRO or B_MACRO
     if A_OUT > 0:
         sa = outlier_tile(aov_ptr, aoi_ptr, rm, M, k0, NB, A_OUT, BLOCK_M, BLOCK_K)
         if PROMOTE:
@@ -185,10 +185,13 @@ def gemm_kernel(
             if B_MACRO:
                 mb = tl.load(bm_ptr + rn * NMB + k0 // MACRO_B, mask=rn < N, other=1.0)
             part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            part, acc = _tile_product(
-                a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
-                rm, rn, k0, M, N, K, KP, NB, stride_am, ma, mb, part, acc,
-                A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
+            # one trip: the tile's product accumulates into a loop-carried part (Triton 3.6
+            # cannot lower a fresh per-tile tcgen05 accumulator on sm_100: tmem_alloc)
+            for t_in in range(t, t + 1):
+                part, acc = _tile_product(
+                    a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
+                    rm, rn, t_in * BLOCK_K, M, N, K, KP, NB, stride_am, ma, mb, part, acc,
+                    A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
             acc += part * (ma[:, None] * mb[None, :])
     else:
         for t in range(first, last):

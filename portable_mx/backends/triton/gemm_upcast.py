@@ -57,15 +57,6 @@ def _dot(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
-def _cast(v, DOT: tl.constexpr):
-    """A decoded tile (bf16, fp32 in the interpreter) -> the dot's dtype (fp16 exactly
-    inside its range)."""
-    if DOT == "fp16":
-        v = v.to(tl.float16)
-    return v
-
-
-@triton.jit
 def _bytes_of(words, R: tl.constexpr, C: tl.constexpr):
     """int32 words [R, C // 4] -> their bytes [R, C] (uint8, little-endian order)."""
     b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, (words >> 24) & 0xFF))
@@ -102,7 +93,7 @@ def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
                  VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
                  SCALE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The decoded weight tile [BLOCK_N, BLOCK_K] (rows rn, K from k0) in the dot's dtype."""
-    DT: tl.constexpr = tl.float32 if DOT == "fp32" else tl.bfloat16  # the decode's dtype
+    DT: tl.constexpr = tl.bfloat16 if DOT == "bf16" else (tl.float16 if DOT == "fp16" else tl.float32)
     if VALUES == 1:
         # hopper layout (layouts.HopperValues): the tile as bytes [BLOCK_N/2, BLOCK_K]:
         # row rr = (64-row block, n5 n4 n2 n1 n0), column cc = (64-column block, k2 k1 k5
@@ -145,7 +136,7 @@ def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
             words = tl.load(wp, mask=n_in & (kw[None, :] < KP // 8), other=0)
         scales = _row_scales(ws_ptr, rn, rn < N, k0, NB, stride_ws, SCALE_WORDS, EVEN_K, BLOCK_N, BLOCK_K)
         w = decode_words(words, scales, DT, BLOCK_N, BLOCK_K)
-    return _cast(w, DOT)
+    return w
 
 
 @triton.jit
@@ -153,7 +144,7 @@ def _token_tile(x_ptr, xs_ptr, rm, k0, M, K, KP, NB, stride_xm,
                 X_FORMAT: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """A^T's tile [BLOCK_K, BLOCK_M] (tokens rm, K from k0) in the dot's dtype."""
-    DT: tl.constexpr = tl.float32 if DOT == "fp32" else tl.bfloat16  # the decode's dtype
+    DT: tl.constexpr = tl.bfloat16 if DOT == "bf16" else (tl.float16 if DOT == "fp16" else tl.float32)
     if X_FORMAT == "e2m1":
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         m_in = rm[:, None] < M
@@ -163,7 +154,7 @@ def _token_tile(x_ptr, xs_ptr, rm, k0, M, K, KP, NB, stride_xm,
         else:
             words = tl.load(xp, mask=m_in & (kw[None, :] < KP // 8), other=0)
         scales = _row_scales(xs_ptr, rm, rm < M, k0, NB, NB, SCALE_WORDS, EVEN_K, BLOCK_M, BLOCK_K)
-        xt = _cast(tl.trans(decode_words(words, scales, DT, BLOCK_M, BLOCK_K)), DOT)
+        xt = tl.trans(decode_words(words, scales, DT, BLOCK_M, BLOCK_K))
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -281,6 +272,22 @@ def upcast_gemm_kernel(
         tl.store(c_ptr + rm[None, :] * stride_cm + rn[:, None], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def decode_tiles_kernel(b_ptr, bs_ptr, out_ptr, N, KP, stride_bv, stride_bs,
+                        VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
+                        SCALE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, KP] (the dot's dtype) = the weight decoded tile by tile exactly as the GEMM
+    decodes it (for tests: the decode against the reference, the inline PTX against its
+    twin). Grid (cdiv(N, BLOCK_N), cdiv(KP, BLOCK_K)); KP a multiple of BLOCK_K."""
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
+                     VALUES, ASM, DOT, True, SCALE_WORDS, BLOCK_N, BLOCK_K)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rn[:, None] * KP + kk[None, :], w, mask=rn[:, None] < N)
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -329,13 +336,14 @@ def dot_format(a: Operand, interpreted: bool) -> str:
 
 
 def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, route: UpcastRoute,
-               interpreted: bool) -> dict:
-    """The kernel's constexprs for operands like ``a``, ``b`` (K = ``k``, padded ``kp``)."""
+               interpreted: bool, dot: Optional[str] = None) -> dict:
+    """The kernel's constexprs for operands like ``a``, ``b`` (K = ``k``, padded ``kp``);
+    ``dot`` overrides :func:`dot_format` (tests)."""
     if a.format not in FORMATS:
         raise TypeError(f"the GEMM's left operand must be MXFP4, bf16 or fp16; got {a.format}")
     block_k, epilogue = block_k_of(a, b, kp, config)
     values = values_for(route, config, block_k)
-    dot = dot_format(a, interpreted)
+    dot = dot or dot_format(a, interpreted)
     return {
         "A_FORMAT": FORMATS[a.format], "A_MACRO": a.macro_block is not None, "B_MACRO": b.macro_block is not None,
         "A_OUT": a.outliers, "B_OUT": b.outliers, "EVEN_K": k % block_k == 0, "EPILOGUE": epilogue,
@@ -377,15 +385,43 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route
                         divisible_by_16=("K", "KP", "stride_am", "stride_cm", "stride_bv", "stride_bs"))
 
 
+def _weight_storage(b: MXTensor, values: ValueLayout):
+    """(codes, scales, value stride, scale stride) of b as the kernel reads them."""
+    kp = b.k_padded
+    codes, scales = b.qdata.contiguous(), b.scales.contiguous()
+    if values is HOPPER_VALUES:
+        return (prepared(codes, HOPPER_VALUES), prepared(scales, HOPPER), HOPPER_VALUES.row_stride(kp),
+                HOPPER.padded(1, kp // 32)[1] * 64)
+    return codes, scales, kp // 2, kp // 32
+
+
+def decode_tiles(b: MXTensor, block_n: int, block_k: int, route: UpcastRoute = PLAIN_ROUTE, dot: str = "fp32",
+                 options: Optional[dict] = None) -> torch.Tensor:
+    """b's values [N, Kp] (Kp a multiple of ``block_k``) as the GEMM's weight tiles decode
+    them (``dot``: "fp32", "bf16" or "fp16"; the route's layout and inline-PTX choice)."""
+    n, kp = b.qdata.shape[0], b.k_padded
+    if kp % block_k:
+        raise ValueError(f"padded K {kp} is not a multiple of block_k {block_k}")
+    values = values_for(route, GemmConfig(16, block_n, block_k), block_k)
+    codes, scales, stride_bv, stride_bs = _weight_storage(b, values)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dot]
+    out = torch.empty(n, kp, dtype=dtype, device=b.device)
+    decode_tiles_kernel[(triton.cdiv(n, block_n), kp // block_k)](
+        codes, scales, out, n, kp, stride_bv, stride_bs, VALUES=values.layout_id, ASM=bool(route.asm and dot == "bf16"),
+        DOT=dot, SCALE_WORDS=kp % 128 == 0 and block_k % 128 == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        **(options or {}))
+    return out
+
+
 def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
            route: UpcastRoute = PLAIN_ROUTE, out_dtype: torch.dtype = torch.float32,
-           interpreted: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+           interpreted: bool = False, out: Optional[torch.Tensor] = None, dot: Optional[str] = None) -> torch.Tensor:
     """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
     [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's codes and
     scales are read in the route's layout, swizzled once per weight
     (:func:`layouts.prepared`). ``interpreted``: the Triton interpreter runs the kernel
     (fp32 IEEE dot). ``out``: an [M, N] tensor of ``out_dtype`` to write (row stride free,
-    unit column stride)."""
+    unit column stride). ``dot``: the dot's dtype instead of :func:`dot_format`'s (tests)."""
     n, kp, k = b.qdata.shape[0], b.k_padded, b.k
     oa, ob = Operand.of(a), Operand.of(b)
     if isinstance(a, MXTensor):
@@ -401,14 +437,10 @@ def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, op
         a_parts = (a, b.scales, b.scales, b.scales, b.scales)
         stride_am = a.stride(0)
         nma = 1
-    consts = constexprs(oa, ob, k, kp, config, route, interpreted)
+    consts = constexprs(oa, ob, k, kp, config, route, interpreted, dot)
     values = HOPPER_VALUES if consts["VALUES"] == 1 else PLAIN_VALUES
-    codes, scales, macro, ov, oi = _parts(b)
-    if values is HOPPER_VALUES:
-        codes, scales = prepared(codes, HOPPER_VALUES), prepared(scales, HOPPER)
-        stride_bv, stride_bs = HOPPER_VALUES.row_stride(kp), HOPPER.padded(1, kp // 32)[1] * 64
-    else:
-        stride_bv, stride_bs = kp // 2, kp // 32
+    _, _, macro, ov, oi = _parts(b)
+    codes, scales, stride_bv, stride_bs = _weight_storage(b, values)
     nmb = 1 if b.macro_scales is None else b.macro_scales.shape[-1]
     c = out if out is not None else torch.empty(m, n, dtype=out_dtype, device=b.device)
     split = consts["SPLIT_K"]

@@ -43,22 +43,22 @@ def tile_k_range(pid_k, KP, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 def combine(acc, offs, mask, part_ptr, count_ptr, tile, pid_k, SPLIT_K: tl.constexpr, TILE: tl.constexpr):
     """Split ``pid_k``'s fp32 partial ``acc`` of output tile ``tile``: store it, and
     return (sum of every split's partial in split order, whether this program is the last
-    of the tile, which then writes the output). ``offs`` are the elements' offsets inside
-    a TILE-element workspace tile (any layout, the same in every split), ``mask`` the
-    elements that are written (those inside the output)."""
+    of the tile, which then writes the output; the sum is meaningless in the others).
+    ``offs`` are the elements' offsets inside a TILE-element workspace tile (any layout,
+    the same in every split), ``mask`` the elements that are written (those inside the
+    output). The sum is built in ``acc``'s registers: no second tile stays live."""
     base = part_ptr + tile.to(tl.int64) * (SPLIT_K * TILE)
     tl.store(base + pid_k * TILE + offs, acc, mask=mask)
     tl.debug_barrier()  # every thread's partial is written before the release below
     arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
     last = arrived == SPLIT_K - 1
-    total = acc
     if last:
-        total = tl.zeros_like(acc)
-        for s in tl.static_range(SPLIT_K):
-            # .cg: from L2, never a stale L1 line of a previous launch
-            total += tl.load(base + s * TILE + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        # .cg: from L2, never a stale L1 line of a previous launch
+        acc = tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLIT_K):  # a loop, not unrolled: one partial in registers at a time
+            acc += tl.load(base + s * TILE + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-    return total, last
+    return acc, last
 
 
 # ----------------------------------------------------------------------------- host side

@@ -1,13 +1,13 @@
-"""MXFP4 -> bf16 (fp32 in the interpreter) in registers: the decode the upcast GEMM
-(gemm_upcast.py) runs on targets without a native block-scaled MMA (sm_90, gfx942) and in
-the interpreter.
+"""MXFP4 -> bf16, fp16 or fp32 in registers: the decode the upcast GEMM (gemm_upcast.py)
+runs on targets without a native block-scaled MMA (sm_90, gfx942) and in the interpreter.
 
-Every function here is exact: an E2M1 code times a power of two is representable in bf16
+Decoding to bf16 or fp32 is exact: an E2M1 code times a power of two is representable
 over the whole E8M0 range (bf16 has fp32's exponent range; the smallest value,
 0.5 * 2**-127 = 2**-128, is a bf16 subnormal), so the decoded operand equals the reference
-backend's fp32 dequantization bit for bit, overflow to inf and NaN scales included. The
-caller converts to the dot's dtype: fp32 (the interpreter) exactly, fp16 (beside an fp16
-activation) exactly while the values lie in fp16's range (scales 2**-14 .. 2**13).
+backend's fp32 dequantization bit for bit, overflow to inf and NaN scales included. fp16
+(the W4A16 path beside fp16 activations) is exact while the block's scale lies in
+2**-14 .. 2**12 (the values then lie in fp16's normal range); outside it the scale itself,
+or the product, leaves fp16's range (0 below 2**-24, inf above 2**15).
 
 The codes are decoded 8 at a time from 32-bit words. Each code's sign and its exponent
 and mantissa bits are moved to bits 15 and 8..6 of a 16-bit half (31 and 24..22 of the
@@ -16,8 +16,8 @@ one multiply by 2**126 gives the value; every target keeps the subnormal (NVIDIA
 ``mul.bf16x2``/``mul.f32`` do not flush, Triton's AMD backend compiles with IEEE
 denormals). The interpreter's bf16 arithmetic is not IEEE (it flushes bf16 subnormals and
 its bf16 products are wrong), so with ``DT = tl.float32`` each half becomes the top of an
-fp32 and the multiply is fp32 (numpy keeps fp32 subnormals): the same values. Two word
-layouts:
+fp32 and the multiply is fp32 (numpy keeps fp32 subnormals): the same values. fp16 moves
+the 3 exponent and mantissa bits up by 3 and multiplies by 2**14. Two word layouts:
 
 - :func:`decode_words`: the canonical layout (two codes per byte, the low nibble first):
   a byte's two codes become one bf16 pair (elements 2j, 2j + 1), ~4 integer ops per pair;
@@ -34,18 +34,26 @@ import triton
 import triton.language as tl
 
 _BIAS: tl.constexpr = tl.constexpr(8.507059173023462e37)  # 2**126, exact in bf16
+_BIAS16: tl.constexpr = tl.constexpr(16384.0)  # 2**14
 
 
 @triton.jit
 def e8m0_scale(s, DT: tl.constexpr):
-    """2**(s - 127) in DT (tl.bfloat16 or tl.float32) for E8M0 bytes ``s`` (uint8
-    tensor): exact (byte 0 is the subnormal 2**-127), 255 is NaN."""
+    """2**(s - 127) in DT (tl.bfloat16, tl.float16 or tl.float32) for E8M0 bytes ``s``
+    (uint8 tensor); 255 is NaN. Exact in bf16 and fp32 (byte 0 is the subnormal
+    2**-127); in fp16 bytes below 103 give 0 and above 142 inf."""
     b = s.to(tl.int32)
-    bits = tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7))
-    if DT == tl.float32:
-        out = (bits << 16).to(tl.float32, bitcast=True)
+    if DT == tl.float16:
+        normal = tl.minimum(tl.maximum(b - 112, 0), 31) << 10
+        sub = 1 << tl.minimum(tl.maximum(b - 103, 0), 15)
+        bits = tl.where(b > 142, 0x7C00, tl.where(b >= 113, normal, tl.where(b >= 103, sub, 0)))
+        out = tl.where(b == 255, 0x7E00, bits).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        bits = tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7))
+        if DT == tl.float32:
+            out = (bits << 16).to(tl.float32, bitcast=True)
+        else:
+            out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return out
 
 
@@ -55,6 +63,11 @@ def _halves(pair, DT: tl.constexpr):
     if DT == tl.float32:
         lo = (pair << 16).to(tl.float32, bitcast=True) * _BIAS
         hi = (pair & -0x10000).to(tl.float32, bitcast=True) * _BIAS
+    elif DT == tl.float16:
+        # the fp16 bits of value * 2**-14: exponent and mantissa 3 bits up
+        pair = ((pair & 0x01C001C0) << 3) | (pair & -0x7FFF8000)
+        lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) * _BIAS16
+        hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) * _BIAS16
     else:
         lo = (pair & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * _BIAS
         hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * _BIAS
@@ -70,7 +83,7 @@ def _byte_pair(words, T: tl.constexpr):
 
 @triton.jit
 def decode_words(words, scales, DT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_R, BLOCK_K] values in DT (bf16, or fp32 in the interpreter) of MXFP4 rows in
+    """[BLOCK_R, BLOCK_K] values in DT (bf16, fp16, or fp32 in the interpreter) of MXFP4 rows in
     the canonical layout, read as int32 little-endian words [BLOCK_R, BLOCK_K // 8] (code
     2j in the low nibble of byte j), with uint8 scales [BLOCK_R, BLOCK_K // 32]."""
     l0, h0 = _halves(_byte_pair(words, 0), DT)

@@ -1,0 +1,377 @@
+"""The upcast GEMM (gemm_upcast.py), the weight layouts it reads (layouts.py), split-K
+(splitk.py) in both GEMM kernels, the output dtypes, and the backends' GEMM routing.
+
+Expected values are the reference backend's (bit for bit for the decode) or float64
+products of the dequantized operands, within the fp32 accumulation bound of
+test_triton_gemm.py. Without a GPU the kernels run in the Triton interpreter (its dot in
+fp32: numerics.md section 5); with one, compiled, and the GPU-only tests hold the sm_90
+inline-PTX decode to its pure-Triton twin.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx import ops, registry
+from portable_mx.backends.reference import ReferenceBackend
+from portable_mx.backends.targets import TARGETS
+from portable_mx.recipe import QuantRecipe as QR
+from portable_mx.tensor import MXTensor
+
+from conftest import kernel_backends
+from test_triton_gemm import assert_accumulation_close, randn, rows_mx
+
+REF = ReferenceBackend()
+needs_kernels = pytest.mark.skipif(not kernel_backends(), reason="no backend runs the Triton kernels here")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _routes():
+    from portable_mx.backends.triton.gemm_upcast import UpcastRoute
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES, PLAIN_VALUES
+
+    return {"plain": UpcastRoute(PLAIN_VALUES), "hopper": UpcastRoute(HOPPER_VALUES)}
+
+
+def upcast(kernel, a, b, config, route, **kw):
+    """The upcast GEMM on the kernel backend's device (interpreted on the CPU)."""
+    from portable_mx.backends.triton import gemm_upcast
+
+    backend, device = kernel
+    a = a.to(device)
+    b = b.to(device)
+    with backend.running():
+        return gemm_upcast.matmul(a, b, config, backend.options(config), route, interpreted=device == "cpu", **kw)
+
+
+def any_bytes(rows, k, seed):
+    """An MXTensor (rows, k) whose codes and scales are every byte value at random: ±0, NaN
+    scales (255), the subnormal scale 2**-127 (0), overflow to inf (254 with code 6)."""
+    g = torch.Generator().manual_seed(seed)
+    mx = rows_mx(randn(rows, k, seed=seed), QR())
+    qdata = torch.randint(0, 256, mx.qdata.shape, dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 256, mx.scales.shape, dtype=torch.uint8, generator=g)
+    scales[0, :4] = torch.tensor([0, 254, 255, 1], dtype=torch.uint8)
+    return MXTensor(qdata=qdata, scales=scales, shape=mx.shape, dtype=mx.dtype, axis=1, recipe=mx.recipe)
+
+
+def bitwise_equal(got, want):
+    """Same values bit for bit (sign of zero included), any NaN for NaN."""
+    got, want = got.float().cpu(), want.float().cpu()
+    return bool(((got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())).all())
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("rows,k", [(1, 32), (70, 96), (256, 512), (300, 1056)])
+def test_hopper_value_layout_roundtrips(rows, k):
+    """swizzle then unswizzle is the identity; the storage is padded to 256 x 256 values."""
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES
+
+    codes = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
+    storage = HOPPER_VALUES.swizzle(codes)
+    rows_p, k_p = HOPPER_VALUES.padded(rows, k)
+    assert (rows_p % 256, k_p % 256) == (0, 0) and storage.numel() == rows_p * k_p // 2
+    assert torch.equal(HOPPER_VALUES.unswizzle(storage, rows, k), codes)
+    assert HOPPER_VALUES.row_stride(k) == k_p * 32  # bytes per 64-row block
+
+
+def test_hopper_value_layout_golden_word():
+    """The first word of a tile holds rows 0 and 8, columns 0, 1, 8, 9 (thread 0's first
+    k16 wgmma fragment) in the bit positions upcast.py's pair masks read."""
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES
+
+    nib = torch.zeros(64, 64, dtype=torch.uint8)
+    # (row, col) -> code: pair j = 2 n3 + k3 (n3 = row // 8, k3 = col // 8), half = col % 2
+    nib[0, 0], nib[0, 1], nib[0, 8], nib[0, 9] = 1, 2, 3, 4
+    nib[8, 0], nib[8, 1], nib[8, 8], nib[8, 9] = 5, 6, 7, 15
+    codes = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    word = int(HOPPER_VALUES.swizzle(codes)[:4].view(torch.int32)) & 0xFFFFFFFF
+    want = (1 << 6) | (2 << 22)  # pair 0: code & 7 at 6..8 (+16 for the high half)
+    want |= (3 << 3) | (4 << 19)  # pair 1: 3..5
+    want |= (5 << 0) | (6 << 16)  # pair 2: 0..2
+    want |= (1 << 13) | ((7 >> 1) << 10)  # pair 3, code 7: mantissa 13, exponent 11..10
+    want |= (1 << 30) | (1 << 29) | ((15 >> 1 & 3) << 26)  # code 15: sign 30, mantissa 29, exponent 27..26
+    assert word == want
+
+
+def test_hopper_scale_layout():
+    """Round trip, padding, and rows r and r + 8 of a K block side by side."""
+    from portable_mx.backends.triton.layouts import HOPPER
+
+    for rows, cols in ((1, 1), (130, 9), (256, 16), (70, 33)):
+        s = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+        flat = HOPPER.swizzle(s)
+        assert flat.numel() == (-(-rows // 256) * 256) * (-(-cols // 8) * 8)
+        assert torch.equal(HOPPER.unswizzle(flat, rows, cols), s)
+    r, c = torch.tensor([[0], [8], [1], [16], [64]]), torch.tensor([[0, 1, 8]])
+    assert torch.equal(HOPPER.offsets(r, c, 16), torch.tensor([[0, 2, 512], [1, 3, 513], [16, 18, 528],
+                                                                [128, 130, 640], [1024, 1026, 1536]]))
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["plain", "hopper"])
+def test_decoded_tiles_equal_the_reference_bit_for_bit(kernel, layout):
+    """Every code and scale byte (NaN, 2**-127, overflow, ±0): the GEMM's weight tiles
+    decode to the reference's values exactly (fp32 dot dtype; bf16 on a GPU too)."""
+    from portable_mx.backends.triton.gemm_upcast import decode_tiles
+
+    backend, device = kernel
+    b = any_bytes(130, 512, seed=4)
+    want = REF.dequantize(b)
+    for block_n, block_k in ((64, 64), (128, 256)):
+        with backend.running():
+            got = decode_tiles(b.to(device), block_n, block_k, _routes()[layout], "fp32")
+            assert bitwise_equal(got, want)
+            if device != "cpu":
+                assert bitwise_equal(decode_tiles(b.to(device), block_n, block_k, _routes()[layout], "bf16"), want)
+
+
+@needs_gpu
+def test_inline_ptx_decode_equals_its_twin_on_sm90():
+    """sm_90: the inline-PTX word decode gives the pure-Triton twin's bits."""
+    from portable_mx.backends.targets import probe
+    from portable_mx.backends.triton.gemm_upcast import UpcastRoute, decode_tiles
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES
+
+    target, why = probe("cuda")
+    if target is None or target.name != "sm_90":
+        pytest.skip(f"needs sm_90 ({why or target.name})")
+    b = any_bytes(256, 1024, seed=5).to("cuda")
+    for block_n, block_k, warps in ((64, 64, 4), (128, 128, 4), (256, 128, 8)):
+        options = {"num_warps": warps}
+        asm = decode_tiles(b, block_n, block_k, UpcastRoute(HOPPER_VALUES, asm=True), "bf16", options)
+        twin = decode_tiles(b, block_n, block_k, UpcastRoute(HOPPER_VALUES, asm=False), "bf16", options)
+        assert torch.equal(asm.view(torch.int16), twin.view(torch.int16))
+        assert bitwise_equal(asm, REF.dequantize(b.to("cpu")))
+
+
+# ----------------------------------------------------------------------------- the GEMM
+
+# M, N, K off every tile (K not a multiple of 32 in two), one or many K tiles
+SHAPES = [(1, 7, 70), (17, 65, 300), (33, 130, 250)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["plain", "hopper"])
+@pytest.mark.parametrize("pair", [
+    (QR(), QR()),
+    (QR(macro_block=64), QR(macro_block=128)),
+    (QR(macro_block=4096), QR(macro_block=4096)),
+    (QR(outliers_per_block=1), QR(outliers_per_block=2)),
+    (QR(outliers_per_block=2, macro_block=64), QR(macro_block=128, outliers_per_block=1)),
+    (QR(outliers_per_block=1), QR(macro_block=64)),
+], ids=lambda p: f"{p[0].describe()}x{p[1].describe()}")
+def test_a4w4_equals_dequantized_product(kernel, layout, pair):
+    """Both operands decoded in registers (exact), with MBS promotion, MBS in the
+    epilogue, outliers folded into their tile or as correction dots, split-K."""
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    ra, rb = pair
+    for i, (m, n, k) in enumerate(SHAPES):
+        a = rows_mx(randn(m, k, seed=i), ra)
+        b = rows_mx(randn(n, k, seed=100 + i, scale=3.0), rb)
+        config = GemmConfig(16, 64, 128, split_k=1 + i)
+        assert_accumulation_close(upcast(kernel, a, b, config, _routes()[layout]), a, b, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["plain", "hopper"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rb", [QR(), QR(macro_block=128), QR(outliers_per_block=2),
+                                QR(outliers_per_block=1, macro_block=64)], ids=lambda r: r.describe())
+def test_w4a16_equals_dequantized_product(kernel, layout, dtype, rb):
+    """bf16 and fp16 activations (the fp16 dot decodes the weight to fp16; in the
+    interpreter both the fp32 and the fp16 dot are checked), weight MBS and OF, split-K."""
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    backend, device = kernel
+    for i, (m, n, k) in enumerate(SHAPES):
+        a = randn(m, k, seed=i).to(dtype)
+        b = rows_mx(randn(n, k, seed=100 + i, scale=3.0), rb)
+        config = GemmConfig(16, 64, 64, split_k=3 - i)
+        assert_accumulation_close(upcast(kernel, a, b, config, _routes()[layout]), a, b, k)
+        if device == "cpu" and dtype == torch.float16 and i == 1:
+            assert_accumulation_close(upcast(kernel, a, b, config, _routes()[layout], dot="fp16"), a, b, k)
+
+
+@needs_kernels
+def test_split_k_is_deterministic_and_leaves_counters_at_zero(kernel):
+    """Several split counts, including more splits than K tiles (empty splits), give
+    results within the bound, the same bits on a second call, and counters back at 0."""
+    from portable_mx.backends.triton import splitk
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    backend, device = kernel
+    a = randn(5, 1000, seed=1).bfloat16()
+    b = rows_mx(randn(70, 1000, seed=2), QR())
+    for split in (2, 5, 8, 12):
+        config = GemmConfig(16, 64, 128, split_k=split)
+        got = upcast(kernel, a, b, config, _routes()["hopper"])
+        assert_accumulation_close(got, a, b, 1000)
+        assert torch.equal(got, upcast(kernel, a, b, config, _routes()["hopper"]))
+        assert int(splitk.counters(device).abs().sum()) == 0
+
+
+@needs_kernels
+def test_output_dtypes(kernel):
+    """fp32, bf16 and fp16 outputs: the fp32 result rounded to nearest (the kernel's store
+    on a GPU, the host cast in the interpreter, whose casts truncate)."""
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    backend, device = kernel
+    a = rows_mx(randn(17, 300, seed=3), QR())
+    b = rows_mx(randn(65, 300, seed=4), QR())
+    for config in (GemmConfig(16, 64, 128), GemmConfig(16, 64, 128, split_k=2)):
+        with backend.running():
+            full = backend.run_gemm(a.to(device), b.to(device), config, backend.target(b.to(device).device))
+        assert_accumulation_close(full, a, b, 300)
+        for dtype in (torch.bfloat16, torch.float16):
+            with backend.running():
+                got = backend.run_gemm(a.to(device), b.to(device), config, backend.target(b.to(device).device), dtype)
+            assert got.dtype == dtype and torch.equal(got.cpu(), full.cpu().to(dtype))
+
+
+@needs_kernels
+def test_scaled_kernel_split_k(kernel):
+    """The tl.dot_scaled kernel (native targets' decode path) with split-K: A4W4 with MBS
+    and OF, W4A16."""
+    from portable_mx.backends.triton import gemm, splitk
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    backend, device = kernel
+    for ra, rb in ((QR(), QR()), (QR(outliers_per_block=1, macro_block=64), QR(macro_block=128))):
+        a = rows_mx(randn(3, 500, seed=5), ra)
+        b = rows_mx(randn(40, 500, seed=6), rb)
+        config = GemmConfig(16, 32, 64, split_k=3)
+        with backend.running():
+            got = gemm.matmul(a.to(device), b.to(device), config, backend.options(config))
+        assert_accumulation_close(got, a, b, 500)
+    x = randn(3, 500, seed=7).bfloat16()
+    with backend.running():
+        got = gemm.matmul(x.to(device), b.to(device), config, backend.options(config))
+    assert_accumulation_close(got, x, b, 500)
+    assert int(splitk.counters(device).abs().sum()) == 0
+
+
+@needs_kernels
+def test_public_matmul_through_the_upcast_route(kernel, monkeypatch):
+    """pmx.matmul with the backend routed to the upcast kernel (as on sm_90 and gfx942)
+    and a split-K decode config: W4A16 and A4W4, a prequantized weight."""
+    from portable_mx.backends.triton.backend import GemmRoute
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    backend, device = kernel
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    monkeypatch.setattr(type(backend), "gemm_route",
+                        lambda self, target, a, b: GemmRoute("upcast", upcast=_routes()["hopper"]))
+    monkeypatch.setattr(type(backend), "default_gemm_config",
+                        lambda self, target, m, a_format, heavy: GemmConfig(16, 64, 128, split_k=2))
+    x, w = randn(2, 9, 100, seed=3), randn(100, 70, seed=4)
+    for recipe in (QR(), QR(activations="bf16")):
+        w_mx = pmx.quantize(w.to(device), recipe, axis=0)
+        out = pmx.matmul(x.to(device), w_mx, recipe)
+        left = ops.left_operand(x.reshape(-1, 100), recipe)
+        left = left if isinstance(left, torch.Tensor) else ops._mx_rows(left)
+        assert_accumulation_close(out.reshape(-1, 70), left, ops._mx_rows(w_mx.to("cpu")), 100)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def test_routes_and_default_configs():
+    """sm_90: the upcast kernel on the hopper layout with the inline-PTX decode; gfx942:
+    the upcast kernel on the plain layout (no tl.dot_scaled there with Triton 3.6); native
+    targets: tl.dot_scaled with their scale swizzle. Small M splits K, prefill does not."""
+    from portable_mx.backends.triton.gemm import Operand
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES, PLAIN_VALUES
+
+    cuda, rocm = registry.get("cuda"), registry.get("rocm")
+    mx, bf16, heavy = Operand(None, None, 0), Operand(torch.bfloat16, None, 0), Operand(None, 128, 2)
+    r = cuda.gemm_route(TARGETS["sm_90"], bf16, mx)
+    assert r.kernel == "upcast" and r.upcast.values is HOPPER_VALUES and r.upcast.asm
+    assert cuda.gemm_route(TARGETS["sm_90"], mx, heavy).kernel == "upcast"
+    for a, b in ((mx, mx), (bf16, heavy), (heavy, heavy)):
+        r = rocm.gemm_route(TARGETS["gfx942"], a, b)
+        assert r.kernel == "upcast" and r.upcast.values is PLAIN_VALUES and not r.upcast.asm
+    assert cuda.gemm_route(TARGETS["sm_100"], mx, mx).scales.name == "blackwell"
+    assert rocm.gemm_route(TARGETS["gfx950"], bf16, heavy).scales.name == "cdna4"
+    for backend, target in ((cuda, "sm_90"), (cuda, "sm_100"), (rocm, "gfx942")):
+        t = TARGETS[target]
+        decode = backend.resolve_split_k(backend.default_gemm_config(t, 1, torch.bfloat16, False), 1, 8192, 8192,
+                                         backend.gemm_sms[target])
+        prefill = backend.resolve_split_k(backend.default_gemm_config(t, 4096, torch.bfloat16, False), 4096, 8192,
+                                          8192, backend.gemm_sms[target])
+        assert decode.split_k > 1 and prefill.split_k == 1
+        ctas = -(-8192 // decode.block_n) * decode.split_k
+        assert backend.gemm_sms[target] <= ctas <= 2 * backend.gemm_sms[target]
+
+
+def test_resolve_split_k():
+    """split_k = 0 fills one wave (2 programs per SM for small M tiles, 1 otherwise), at
+    most 16 splits and at least 2 K tiles each; explicit splits are kept."""
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    cuda = registry.get("cuda")
+    assert cuda.resolve_split_k(GemmConfig(16, 128, 128, split_k=0), 1, 8192, 8192, 132).split_k == 4
+    assert cuda.resolve_split_k(GemmConfig(64, 256, 128, split_k=0), 128, 8192, 8192, 132).split_k == 2
+    assert cuda.resolve_split_k(GemmConfig(16, 128, 128, split_k=0), 1, 1024, 8192, 132).split_k == 16
+    assert cuda.resolve_split_k(GemmConfig(16, 128, 128, split_k=0), 1, 1024, 256, 132).split_k == 1
+    assert cuda.resolve_split_k(GemmConfig(16, 128, 128, split_k=3), 1, 8192, 8192, 132).split_k == 3
+    assert GemmConfig(16, 128, 128, split_k=4).label().endswith("sk4")
+
+
+# ----------------------------------------------------------------------------- assembly
+
+
+_SM90_PROBE = textwrap.dedent("""
+    import json, re, sys, torch, triton
+    from triton.compiler import ASTSource
+    from portable_mx import registry
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton.gemm import Operand
+    target, cuda = TARGETS["sm_90"], registry.get("cuda")
+    out = {}
+    for name, m in (("decode", 1), ("prefill", 4096)):
+        a = Operand(torch.bfloat16, None, 0)
+        config = cuda.default_gemm_config(target, m, torch.bfloat16, False)
+        launch = cuda.gemm_launch_spec(target, a, Operand(None, None, 0), config, m=m, out_dtype=torch.bfloat16)
+        k = triton.compile(ASTSource(launch.fn, dict(launch.signature), constexprs=dict(launch.constexprs),
+                                     attrs=launch.attrs()), target=target.gpu_target(), options=dict(launch.options))
+        ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        asm_line = next(line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line)
+        layout = re.search(r"tensor<\\d+x\\d+xi8, (#\\w+)>", asm_line).group(1)
+        regs = re.search(re.escape(layout) + r" = #ttg.linear<\\{register = (\\[\\[.*?\\]\\])", ttgir).group(1)
+        wgmma = re.search(r"wgmma\\.mma_async\\S* \\{[^}]*\\}, (\\{|%rd)", ptx)
+        out[name] = {"asm_registers": json.loads(regs), "wgmma_a_in_registers": wgmma.group(1) == "{",
+                     "cp_async_16": ptx.count("cp.async.cg.shared.global"), "local": "ld.local" in ptx,
+                     "global_loads_in_loop": len(re.findall(r"ld\\.global\\.(?:b8|b16)", ptx))}
+    print(json.dumps(out))
+""")
+
+
+def test_sm90_assembly():
+    """Compiled for sm_90 (no GPU needed): wgmma takes the decoded weight from registers;
+    the inline PTX gets 4 consecutive bytes of one 32-bit word (the first two register
+    bases of its operand's layout are the byte's two low column bits: what the hopper
+    layout and the twin assume); codes arrive by 16-byte cp.async; nothing spills to local
+    memory and no narrow global load is left in the loop (everything is pipelined)."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM90_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("no ptxas")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    for name, facts in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert facts["asm_registers"][:2] == [[0, 1], [0, 2]], (name, facts)
+        assert facts["wgmma_a_in_registers"] and facts["cp_async_16"] > 0, (name, facts)
+        assert not facts["local"] and facts["global_loads_in_loop"] == 0, (name, facts)

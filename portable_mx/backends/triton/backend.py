@@ -331,7 +331,9 @@ class TritonBackend(Backend):
         """The launch ``gemm.matmul`` makes, decided once: relies on ``gemm.Operand``,
         ``gemm.Plan.make(a, b, kp, config, layout)`` (constexprs) and ``gemm_kernel(a, as,
         am, aov, aoi, b, bs, bm, bov, boi, c, M, N, K, KP, stride_am, NMA, NMB, MACRO_A,
-        MACRO_B, **constexprs)``."""
+        MACRO_B, **constexprs)`` storing c's dtype. Another GEMM kernel (split-K for
+        decode, ...) is another ``Launch`` chosen here, behind the same ``matmul``
+        contract; its per-call arguments must then come with the plan."""
         from . import gemm
 
         oa = gemm.Operand(a.dtype, None, 0) if isinstance(a, torch.Tensor) else gemm.Operand(*_Operand(a).kind)

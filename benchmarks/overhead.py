@@ -337,7 +337,7 @@ def check_direct_equals_jit(device: Any) -> dict:
             a = [direct.qdata, direct.scales] if isinstance(direct, pmx.MXTensor) else [direct]
             b = [jit.qdata, jit.scales] if isinstance(jit, pmx.MXTensor) else [jit]
             same = all(torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a, b))
-            took_direct = all(bool(plan.direct) for plan in seen)
+            took_direct = bool(seen) and all(bool(plan.direct) for plan in seen)  # (no plan: not a Triton backend)
             expected = triton.__version__.startswith(L.DIRECT_LAUNCH_TRITON)
             out[name] = {"ok": same and took_direct == expected, "bits_equal": same, "direct_path": took_direct,
                          "direct_expected": expected}

@@ -594,34 +594,37 @@ def test_overhead_benchmark_cpu_smoke(tmp_path):
 # ----------------------------------------------------------------------------- on a GPU
 
 
-def _overhead():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+@pytest.fixture
+def overhead(monkeypatch):
+    """benchmarks/overhead.py, with the registry choosing the GPU's own backend (the
+    suite's default is the reference)."""
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import overhead
 
     return overhead
 
 
 @needs_gpu
-def test_gpu_no_host_synchronisation():
-    results = _overhead().check_no_host_sync(torch.device("cuda", torch.cuda.current_device()))
+def test_gpu_no_host_synchronisation(overhead):
+    results = overhead.check_no_host_sync(torch.device("cuda", torch.cuda.current_device()))
     assert all(r["ok"] for r in results.values()), results
 
 
 @needs_gpu
-def test_gpu_direct_launches_equal_jit_launches():
-    results = _overhead().check_direct_equals_jit(torch.device("cuda", torch.cuda.current_device()))
+def test_gpu_direct_launches_equal_jit_launches(overhead):
+    results = overhead.check_direct_equals_jit(torch.device("cuda", torch.cuda.current_device()))
     assert all(r["ok"] for r in results.values()), results
 
 
 @needs_gpu
-def test_gpu_cuda_graph_of_an_mxlinear_mlp_replays():
-    results = _overhead().check_cuda_graph_mlp(torch.device("cuda", torch.cuda.current_device()))
+def test_gpu_cuda_graph_of_an_mxlinear_mlp_replays(overhead):
+    results = overhead.check_cuda_graph_mlp(torch.device("cuda", torch.cuda.current_device()))
     assert all(r["ok"] for r in results.values()), results
 
 
 @needs_gpu
-def test_gpu_kernels_per_call():
-    overhead = _overhead()
+def test_gpu_kernels_per_call(overhead):
     device = torch.device("cuda", torch.cuda.current_device())
     calls = overhead.portable_calls(overhead.decode_problem(device, n=1024, k=1024))
     want = {"pmx.quantize": 1, "pmx.matmul W4A16": 1, "pmx.matmul A4W4": 2, "MXLinear W4A16": 1}

@@ -27,9 +27,9 @@ class Recording(ReferenceBackend):
         self.calls.append("quantize")
         return super().quantize(x, recipe)
 
-    def matmul(self, a, b):
+    def matmul(self, a, b, out_dtype=torch.float32):
         self.calls.append("matmul")
-        return super().matmul(a, b)
+        return super().matmul(a, b, out_dtype)
 
 
 @pytest.fixture

@@ -139,7 +139,8 @@ def gemm_kernel(
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     B_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """c: fp32 [M, N] = A [M, K] @ B [N, K]^T.
+    """c [M, N] = A [M, K] @ B [N, K]^T, accumulated in fp32 and stored in c's dtype
+    (fp32, bf16 or fp16: one rounding).
 
     A: codes uint8 [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32] when
     A_FORMAT is "e2m1", else bf16/fp16 [M, K] (row stride stride_am); B: codes uint8
@@ -190,7 +191,7 @@ def gemm_kernel(
             acc = acc * (ma[:, None] * mb[None, :])
 
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=mask)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -256,18 +257,18 @@ _INT_ARGS = ("M", "N", "K", "KP", "stride_am", "NMA", "NMB", "MACRO_A", "MACRO_B
 
 
 def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, b_layout: ScaleLayout = PLAIN,
-                kp: int = 8192) -> KernelLaunch:
+                kp: int = 8192, out_dtype: torch.dtype = torch.float32) -> KernelLaunch:
     """The launch :func:`matmul` makes for operands like ``a`` and ``b`` (K padded to
-    ``kp``, b's scales in ``b_layout``), as data (for AOT). A4W4 launches are marked
-    ``multiplies_mx``: on a target with a native block-scaled instruction the compile
-    matrix requires it."""
+    ``kp``, b's scales in ``b_layout``, the output stored in ``out_dtype``), as data (for
+    AOT). A4W4 launches are marked ``multiplies_mx``: on a target with a native
+    block-scaled instruction the compile matrix requires it."""
     plan = Plan.make(a, b, kp, config, b_layout)
     a_ptr = "*u8" if a.format is None else POINTER_TYPES[a.format]
     signature = {
         "a_ptr": a_ptr, "as_ptr": "*u8", "am_ptr": "*fp32" if a.macro_block else "*u8",
         "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
         "b_ptr": "*u8", "bs_ptr": "*u8", "bm_ptr": "*fp32" if b.macro_block else "*u8",
-        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", "c_ptr": "*fp32",
+        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", "c_ptr": POINTER_TYPES[out_dtype],
         **{name: "i32" for name in _INT_ARGS},
     }
     signature.update({name: "constexpr" for name in plan.constexprs})
@@ -276,6 +277,8 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, b_lay
     extras += [f"{side}OF-{n}" for side, n in (("a:", a.outliers), ("b:", b.outliers)) if n]
     if b_layout is not PLAIN:
         extras.append(f"scales:{b_layout.name}")
+    if out_dtype != torch.float32:
+        extras.append(f"out:{str(out_dtype).removeprefix('torch.')}")
     label = " ".join([kind, *extras, config.label()])
     return KernelLaunch("gemm", gemm_kernel, signature, dict(plan.constexprs), dict(options), label,
                         multiplies_mx=a.format is None, divisible_by_16=("K", "KP", "stride_am"))
@@ -292,9 +295,10 @@ def _parts(t: MXTensor) -> tuple[torch.Tensor, ...]:
 
 
 def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
-           b_layout: ScaleLayout = PLAIN) -> torch.Tensor:
-    """fp32 [M, N] = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16 [M, K], and
-    b: MXTensor (N, K) axis 1, all on the kernel's device. b's scales are read in
+           b_layout: ScaleLayout = PLAIN, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[M, N] = a @ b^T in ``out_dtype`` (fp32, bf16 or fp16; the kernel rounds its fp32
+    accumulator once when it stores) for a: MXTensor (M, K) axis 1 or bf16/fp16 [M, K],
+    and b: MXTensor (N, K) axis 1, all on the kernel's device. b's scales are read in
     ``b_layout``, swizzled once per scales tensor (:func:`layouts.prepared`)."""
     n, kp = b.qdata.shape[0], b.k_padded
     oa, ob = Operand.of(a), Operand.of(b)
@@ -315,7 +319,7 @@ def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, op
     b_parts = (b_parts[0], prepared(b_parts[1], b_layout), *b_parts[2:])
     nmb = 1 if b.macro_scales is None else b.macro_scales.shape[-1]
     plan = Plan.make(oa, ob, kp, config, b_layout)
-    c = torch.empty(m, n, dtype=torch.float32, device=b.device)
+    c = torch.empty(m, n, dtype=out_dtype, device=b.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     gemm_kernel[grid](
         *a_parts, *b_parts, c,

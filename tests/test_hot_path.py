@@ -36,7 +36,12 @@ TOOLING = {"portable_mx.cli", "portable_mx.aot", "portable_mx.parity", "portable
 
 KERNELS = kernel_backends()
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no backend runs the Triton kernels here")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+_no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+
+
+def needs_gpu(test):
+    """Marks a test ``gpu`` and skips it on a machine without one."""
+    return pytest.mark.gpu(_no_gpu(test))
 
 
 def randn(*shape, seed, scale=1.0, dtype=torch.float32):

@@ -7,9 +7,9 @@ training module :mod:`portable_mx.nn` (:class:`~portable_mx.nn.MXLinear`,
 """
 
 from . import backends as _backends  # noqa: F401  (registers the shipped backends)
-from . import nn  # registers the portable_mx:: torch custom ops
+from . import nn
 from .decompose import Decomposition
-from .ops import backends, decompose, dequantize, matmul, quantize
+from .ops import backends, decompose, dequantize, matmul, quantize  # (ops registers the portable_mx:: torch ops)
 from .recipe import QuantRecipe
 from .tensor import MXTensor
 

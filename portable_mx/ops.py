@@ -1,23 +1,32 @@
-"""The public ops: validate inputs once, move the quantized axis last, flatten to rows,
-and hand the canonical 2-D problem to the backend the registry selects."""
+"""The public ops: validate inputs once, then hand the problem down.
+
+Eager calls that need no gradient go straight to :mod:`portable_mx._dispatch` (the rows
+view and the selected backend). ``matmul`` with an input that requires a gradient goes
+through the ``portable_mx::mm`` custom op and its autograd rule
+(:mod:`portable_mx._custom_ops`), and under ``torch.compile`` every op is expressed as
+its custom op, so that a compiled graph holds one node per call (no graph break).
+"""
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
 
-from . import registry
-from .decompose import DEFINITIONS, Decomposition, decompose_blocks
-from .format import BLOCK_SIZE
+from . import _custom_ops, _dispatch, registry
+from .decompose import DEFINITIONS, Decomposition
 from .recipe import DEFAULT_RECIPE, QuantRecipe
-from .tensor import MXTensor
+from .tensor import FLOAT_DTYPES, MXTensor
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 Operand = Union[torch.Tensor, MXTensor]
+
+# compatibility names for code written against the old ops module (the tuner, tests)
+left_operand = _dispatch.left_operand
+_mx_rows = MXTensor.rows
+
+_is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
 
 
 # ----------------------------------------------------------------------------- validation
@@ -34,7 +43,7 @@ def _recipe(recipe: Any) -> QuantRecipe:
 
 
 def _check_float_tensor(x: Any, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, _Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or an MXTensor; got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
@@ -44,8 +53,9 @@ def _check_float_tensor(x: Any, name: str) -> torch.Tensor:
 
 
 def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
-    if not isinstance(axis, int) or isinstance(axis, bool):
-        raise TypeError(f"{name} must be an int; got {type(axis).__name__}")
+    if axis.__class__ is not int:
+        if not isinstance(axis, int) or isinstance(axis, bool):
+            raise TypeError(f"{name} must be an int; got {type(axis).__name__}")
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}={axis} is out of range for a tensor with {ndim} dims")
     return axis % ndim
@@ -55,92 +65,10 @@ def _prepare(op: str, x: Any, recipe: Any, axis: Any) -> tuple[torch.Tensor, Qua
     """Validate the (x, recipe, axis) of quantize/decompose; return x, the recipe, axis >= 0."""
     recipe = _recipe(recipe)
     x = _check_float_tensor(x, "x")
-    if x.dim() == 0:
+    nd = x.dim()
+    if nd == 0:
         raise ValueError(f"{op} needs a tensor with at least one dimension; got a 0-d tensor")
-    return x, recipe, _normalize_axis(axis, x.dim())
-
-
-def _padded(k: int) -> int:
-    return -(-k // BLOCK_SIZE) * BLOCK_SIZE
-
-
-# ----------------------------------------------------------------------------- layouts
-
-
-def _to_rows(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """x with ``axis`` moved last, flattened to [R, K] (a copy only when needed)."""
-    xm = x.movedim(axis, -1)
-    return xm.reshape(math.prod(xm.shape[:-1]), xm.shape[-1])
-
-
-def _from_rows(t: torch.Tensor, lead: torch.Size, k: int, axis: int) -> torch.Tensor:
-    """[R, Kp] rows -> crop to K, restore the lead dims and move the axis back."""
-    return t[:, :k].reshape(*lead, k).movedim(-1, axis)
-
-
-def _mx_rows(mx: MXTensor) -> MXTensor:
-    """The (R, K), axis 1 view of an MXTensor that backends work on."""
-    r = math.prod(mx.lead_shape)
-
-    def flat(t: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
-        return None if t is None else t.reshape(r, *t.shape[t.dim() - extra :])
-
-    return MXTensor(
-        qdata=flat(mx.qdata, 1),
-        scales=flat(mx.scales, 1),
-        shape=torch.Size((r, mx.k)),
-        dtype=mx.dtype,
-        axis=1,
-        recipe=mx.recipe,
-        macro_scales=flat(mx.macro_scales, 1),
-        outlier_values=flat(mx.outlier_values, 2),
-        outlier_indices=flat(mx.outlier_indices, 2),
-    )
-
-
-def _mx_from_rows(rows: MXTensor, shape: torch.Size, axis: int) -> MXTensor:
-    lead = torch.Size(shape[:axis] + shape[axis + 1 :])
-
-    def unflat(t: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
-        return None if t is None else t.reshape(*lead, *t.shape[t.dim() - extra :])
-
-    return MXTensor(
-        qdata=unflat(rows.qdata, 1),
-        scales=unflat(rows.scales, 1),
-        shape=torch.Size(shape),
-        dtype=rows.dtype,
-        axis=axis,
-        recipe=rows.recipe,
-        macro_scales=unflat(rows.macro_scales, 1),
-        outlier_values=unflat(rows.outlier_values, 2),
-        outlier_indices=unflat(rows.outlier_indices, 2),
-    )
-
-
-def _empty_mx(x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
-    """The rows-layout MXTensor of an empty x [R, K] (R = 0 or K = 0)."""
-    r, k = x.shape
-    kp = _padded(k)
-    nb = kp // BLOCK_SIZE
-    u8 = dict(dtype=torch.uint8, device=x.device)
-    macro = None
-    if recipe.macro_block is not None:
-        macro = torch.ones(r, -(-kp // recipe.macro_block), dtype=torch.float32, device=x.device)
-    ov = oi = None
-    if recipe.outliers_per_block:
-        ov = torch.zeros(r, nb, recipe.outliers_per_block, dtype=torch.bfloat16, device=x.device)
-        oi = torch.zeros(r, nb, recipe.outliers_per_block, **u8)
-    return MXTensor(
-        qdata=torch.zeros(r, kp // 2, **u8),
-        scales=torch.zeros(r, nb, **u8),
-        shape=torch.Size((r, k)),
-        dtype=x.dtype,
-        axis=1,
-        recipe=recipe,
-        macro_scales=macro,
-        outlier_values=ov,
-        outlier_indices=oi,
-    )
+    return x, recipe, _normalize_axis(axis, nd)
 
 
 # ----------------------------------------------------------------------------- ops
@@ -154,12 +82,11 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     NaN scale. Returns an :class:`MXTensor`; its bytes are identical on every backend.
     """
     x, recipe, axis = _prepare("quantize", x, recipe, axis)
-    rows = _to_rows(x, axis)
-    if rows.numel() == 0:
-        out = _empty_mx(rows, recipe)
-    else:
-        out = registry.select("quantize", x.device).quantize(rows, recipe)
-    return _mx_from_rows(out, x.shape, axis)
+    if not x.numel():
+        return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
+    if _is_compiling():
+        return _custom_ops.quantize(x, recipe, axis)
+    return _dispatch.quantize(x, recipe, axis)
 
 
 def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -172,14 +99,14 @@ def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Te
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"dequantize expects an MXTensor; got {type(mx).__name__}")
-    dtype = mx.dtype if dtype is None else dtype
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of {FLOAT_DTYPES}; got {dtype}")
-    rows = _mx_rows(mx)
-    if rows.qdata.numel() == 0:
-        return torch.zeros(mx.shape, dtype=dtype, device=mx.device)
-    q = registry.select("dequantize", mx.device).dequantize(rows)
-    return _from_rows(q, mx.lead_shape, mx.k, mx.axis).to(dtype)
+    if _is_compiling():
+        dtype = mx.dtype if dtype is None else dtype
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES}; got {dtype}")
+        if mx.qdata.numel() == 0:
+            return torch.zeros(mx.shape, dtype=dtype, device=mx.device)
+        return _custom_ops.dequantize(mx, dtype)
+    return mx.dequantize(dtype)
 
 
 def decompose(
@@ -204,29 +131,11 @@ def decompose(
     bad = int((~torch.isfinite(x)).sum()) if x.numel() else 0
     if bad:
         raise ValueError(f"decompose needs finite input; x holds {bad} NaN/Inf value(s)")
-    rows = _to_rows(x, axis)
-    lead = torch.Size(x.shape[:axis] + x.shape[axis + 1 :])
-    if rows.numel() == 0:
-        r, k = rows.shape
-        blocks = torch.zeros(r, _padded(k) // BLOCK_SIZE, BLOCK_SIZE, device=x.device)
-        stats = blocks.sum(-1)
-        dec = decompose_blocks(
-            blocks, blocks, definition=definition, recipe=recipe, clip_count=stats,
-            rest_amax=stats, outlier_mask=None, full=full,
-        )
-    else:
-        dec = registry.select("decompose", x.device).decompose(rows, recipe, definition, full)
-    nb = _padded(x.shape[axis]) // BLOCK_SIZE
-    dec = dec.map_tensors(
-        block_fn=lambda t: t.reshape(*lead, nb),
-        element_fn=lambda t: _from_rows(t, lead, x.shape[axis], axis),
-    )
-    return replace(dec, axis=axis, num_elements=x.numel())
+    return _dispatch.decompose(x, recipe, axis, definition, full)
 
 
-def _operand_info(t: Operand, name: str) -> tuple[torch.dtype, torch.device, torch.Size]:
-    if isinstance(t, MXTensor):
-        return t.dtype, t.device, t.shape
+def _operand_info(t: Any, name: str) -> tuple[torch.dtype, torch.device, torch.Size]:
+    """dtype, device and shape of a float tensor operand (checked)."""
     t = _check_float_tensor(t, name)
     return t.dtype, t.device, t.shape
 
@@ -242,11 +151,13 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
 
     Exact up to accumulation order: the result is the fp32-accumulated product of the
     dequantized operands, rounded once to a's dtype. Under autograd the backward GEMMs
-    follow ``recipe.grad_input`` / ``recipe.grad_weight`` (see :mod:`portable_mx.nn`).
+    follow ``recipe.grad_input`` / ``recipe.grad_weight`` (see :mod:`portable_mx._custom_ops`).
     """
-    recipe = _recipe(recipe)
-    a_dtype, a_dev, a_shape = _operand_info(a, "a")
-    b_dtype, b_dev, b_shape = _operand_info(b, "b")
+    if recipe.__class__ is not QuantRecipe:
+        recipe = _recipe(recipe)
+    a_mx, b_mx = isinstance(a, MXTensor), isinstance(b, MXTensor)
+    a_dtype, a_dev, a_shape = (a.dtype, a.device, a.shape) if a_mx else _operand_info(a, "a")
+    b_dtype, b_dev, b_shape = (b.dtype, b.device, b.shape) if b_mx else _operand_info(b, "b")
     if len(a_shape) < 2:
         raise ValueError(f"a must have at least 2 dims [..., M, K]; got shape {tuple(a_shape)}")
     if len(b_shape) != 2:
@@ -259,54 +170,15 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
         raise TypeError(f"a and b must have the same dtype; got {a_dtype} and {b_dtype}")
     if a_dev != b_dev:
         raise ValueError(f"a and b must be on the same device; got {a_dev} and {b_dev}")
-    if isinstance(a, MXTensor) and a.axis != len(a_shape) - 1:
+    if a_mx and a.axis != len(a_shape) - 1:
         raise ValueError(f"an MXTensor a must be quantized along its last axis (K); it is along axis {a.axis}")
-    if isinstance(b, MXTensor) and b.axis != 0:
+    if b_mx and b.axis != 0:
         raise ValueError(f"an MXTensor b must be quantized along axis 0 (K); it is along axis {b.axis}")
 
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b)
-    )
-    if needs_grad:
-        from .nn import mx_matmul
-
-        return mx_matmul(a, b, recipe)
-    out_shape = (*a_shape[:-1], b_shape[1])
-    return gemm(_flatten_batch(a), b, recipe).to(a_dtype).reshape(out_shape)
-
-
-def _flatten_batch(a: Operand) -> Operand:
-    """a [..., M, K] (tensor or MXTensor along its last axis) -> [M', K]."""
-    if isinstance(a, MXTensor):
-        return a if len(a.shape) == 2 else _mx_rows(a)
-    return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
-
-
-def _as_mx(t: Operand, recipe: QuantRecipe, axis: int) -> MXTensor:
-    return t if isinstance(t, MXTensor) else quantize(t, recipe, axis=axis)
-
-
-def left_operand(a: Operand, recipe: QuantRecipe) -> Union[MXTensor, torch.Tensor]:
-    """The left GEMM operand as a backend takes it: an MXTensor quantized along the last
-    axis, or, for a float ``a`` with 16-bit ``recipe.activations``, ``a`` rounded to
-    that format (round to nearest even)."""
-    if isinstance(a, MXTensor) or recipe.quantizes_activations:
-        return _as_mx(a, recipe, -1)
-    return a.to(torch.bfloat16 if recipe.activations == "bf16" else torch.float16)
-
-
-def gemm(a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:
-    """The forward GEMM without autograd: fp32 ``[M, N]`` for a ``[M, K]`` (float or
-    MXTensor along axis 1) and b ``[K, N]`` (float or MXTensor along axis 0), quantized
-    per ``recipe`` (see :func:`matmul`). Inputs must already be validated."""
-    m, k, n = a.shape[0], a.shape[-1], b.shape[1]
-    if m == 0 or k == 0 or n == 0:
-        return torch.zeros(m, n, dtype=torch.float32, device=b.device)
-    a_op = left_operand(a, recipe)
-    b_rows = _mx_rows(_as_mx(b, recipe, 0))
-    if isinstance(a_op, MXTensor):
-        a_op = _mx_rows(a_op)
-    return registry.select("matmul", b_rows.device).matmul(a_op, b_rows)
+    if _is_compiling() or (torch.is_grad_enabled() and (
+            (not a_mx and a.requires_grad) or (not b_mx and b.requires_grad))):
+        return _custom_ops.mx_matmul(a, b, recipe)
+    return _dispatch.matmul(a, b, recipe)
 
 
 # ----------------------------------------------------------------------------- discovery

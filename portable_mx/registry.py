@@ -8,14 +8,24 @@ cannot serve the device; ops it does not implement fall back to normal selection
 
 Backends work on a canonical 2-D view: rows of a tensor whose quantized axis is last
 (an :class:`~portable_mx.tensor.MXTensor` of shape ``(R, K)`` and axis 1). The public
-ops in :mod:`portable_mx.ops` do the reshaping and all input validation, once.
+ops in :mod:`portable_mx.ops` validate the input, once; :mod:`portable_mx._dispatch`
+makes the rows view and calls the selected backend.
+
+Selection is memoised per (op, device, ``PORTABLE_MX_BACKEND``): the first call decides,
+later calls are one dict lookup. :func:`register` and :func:`unregister` forget the
+memo; :func:`routes` (``portable-mx info``) always decides afresh.
+
+One verb per layer: ``matmul`` is the public op (:mod:`portable_mx.ops`), ``mm`` /
+``grad_mm`` the torch custom ops with the autograd rule (:mod:`portable_mx._custom_ops`),
+``gemm`` the rows-level problem (:mod:`portable_mx._dispatch`, :meth:`Backend.matmul`),
+``launch`` one kernel launch (``backends/triton/launch.py``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -52,8 +62,9 @@ class Backend:
         """x: float [R, K] (fp32, bf16, fp16) -> MXTensor of shape (R, K), axis 1."""
         raise NotImplementedError
 
-    def dequantize(self, mx: "MXTensor") -> torch.Tensor:
-        """MXTensor of shape (R, K), axis 1 -> fp32 [R, Kp] (padding included)."""
+    def dequantize(self, mx: "MXTensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """MXTensor of shape (R, K), axis 1 -> [R, Kp] in ``dtype`` (padding included):
+        every value is exact in fp32 (numerics.md section 1) and rounded once to ``dtype``."""
         raise NotImplementedError
 
     def decompose(
@@ -62,14 +73,45 @@ class Backend:
         """x: finite float [R, K] -> Decomposition in rows layout ([R, Kp] / [R, Kp/32])."""
         raise NotImplementedError
 
-    def matmul(self, a: "MXTensor | torch.Tensor", b: "MXTensor") -> torch.Tensor:
+    def matmul(
+        self, a: "MXTensor | torch.Tensor", b: "MXTensor", out_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """a: MXTensor (M, K) axis 1, or a bf16/fp16 tensor [M, K] (W4A16); b: MXTensor
-        (N, K) axis 1 (b transposed) -> fp32 [M, N], the product of the dequantized
-        operands up to fp32 accumulation order."""
+        (N, K) axis 1 (b transposed); M, N, K > 0 -> [M, N] in ``out_dtype`` (fp32, bf16,
+        fp16 or fp64): the product of the dequantized operands accumulated in fp32 (up to
+        accumulation order) and rounded once to ``out_dtype``. A backend writes
+        ``out_dtype`` directly where it can: a separate cast is one more kernel and one more
+        M x N round trip."""
         raise NotImplementedError
 
 
 _REGISTRY: dict[str, Backend] = {}
+
+
+# select()'s memo: (op, device, PORTABLE_MX_BACKEND value) -> backend, valid while
+# _REGISTRY is the dict it was made for (a test may swap the dict wholesale)
+_memo: dict[tuple, Backend] = {}
+_memo_owner: Optional[dict] = None
+
+
+def _env_reader(name: str) -> Callable[[], Any]:
+    """A reader of one environment variable for the memo key: CPython's ``os.environ``
+    keeps its ``_data`` mapping in step with every set and unset, and reading it costs
+    ~30 ns where ``os.environ.get`` costs ~400 ns (it encodes and decodes)."""
+    try:
+        data, key = os.environ._data, os.environ.encodekey(name)  # type: ignore[attr-defined]
+    except AttributeError:  # not CPython's os.environ
+        return lambda: os.environ.get(name)
+    return lambda: data.get(key)
+
+
+_forced_backend = _env_reader(ENV_BACKEND)
+
+
+def _forget() -> None:
+    global _memo_owner
+    _memo.clear()
+    _memo_owner = _REGISTRY
 
 
 def register(backend: Backend, *, replace: bool = False) -> Backend:
@@ -82,11 +124,13 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     _REGISTRY[backend.name] = backend
+    _forget()
     return backend
 
 
 def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
+    _forget()
 
 
 def registered() -> list[Backend]:
@@ -109,10 +153,24 @@ def _check_op(op: str) -> None:
 
 
 def select(op: str, device: torch.device | str) -> Backend:
-    """The backend that serves ``op`` on ``device`` (see the module doc for the rules)."""
+    """The backend that serves ``op`` on ``device`` (see the module doc for the rules),
+    memoised per (op, device, ``PORTABLE_MX_BACKEND``); a failed selection is not
+    memoised (it raises again)."""
+    key = (op, device, _forced_backend())
+    if _memo_owner is _REGISTRY:
+        backend = _memo.get(key)
+        if backend is not None:
+            return backend
+    else:
+        _forget()
+    backend = _decide(op, torch.device(device), os.environ.get(ENV_BACKEND, "").strip())
+    _memo[key] = backend
+    return backend
+
+
+def _decide(op: str, device: torch.device, forced: str) -> Backend:
+    """:func:`select` without the memo: asks every candidate whether it serves ``device``."""
     _check_op(op)
-    device = torch.device(device)
-    forced = os.environ.get(ENV_BACKEND, "").strip()
     if forced:
         backend = get(forced)
         if op in backend.ops:
@@ -151,7 +209,7 @@ def routes(devices: list[torch.device]) -> list[Route]:
     for device in devices:
         for op in OPS:
             try:
-                chosen = select(op, device)
+                chosen = _decide(op, device, forced)
             except BackendUnavailableError as err:
                 rows.append(Route(str(device), op, "-", "-", str(err)))
                 continue

@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment and install portable_mx into it.
 #   scripts/setup_venv.sh VENV [EXTRAS]
-# torch: a torch that the host python already has (a GPU build, say) is kept: the venv
-# then sees the system site-packages. Otherwise a GPU machine gets the registry's default
-# torch and a machine with no GPU gets $TORCH_SPEC (default torch==2.13.0, which resolves
-# to the CPU build offered on the project's machines instead of gigabytes of CUDA wheels).
+# torch and triton: the ones the host python already has (a CUDA or ROCm build of torch,
+# with the triton it was built with) are kept and never reinstalled: the venv sees them
+# (through --system-site-packages, and a .pth file when the host python is itself a
+# virtual environment), and portable_mx does not list triton as a requirement. A machine
+# with no torch gets $TORCH_SPEC (default torch==2.13.0, the CPU build on the project's
+# machines; a GPU machine gets the registry's default build). A machine with no triton
+# gets $TRITON_SPEC (default: the latest triton), whose interpreter runs the kernels on
+# the CPU in the tests.
 set -euo pipefail
 venv=${1:-.venv}
 extras=${2:-}
 py=${PYTHON:-python3}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
+triton_spec=${TRITON_SPEC:-triton}
 
 if [ ! -x "$venv/bin/python" ]; then
   if "$py" -c "import torch" >/dev/null 2>&1; then
     echo "setup: keeping the torch that $py already has ($("$py" -c 'import torch; print(torch.__version__)'))"
     "$py" -m venv --system-site-packages "$venv"
+    # a host python inside a virtual environment: --system-site-packages reaches only its
+    # base interpreter, so the environment's own site-packages are added by a .pth file
+    "$py" - "$venv" <<'EOF'
+import site, sys, pathlib, subprocess
+if sys.prefix != sys.base_prefix:
+    venv = pathlib.Path(sys.argv[1])
+    target = subprocess.check_output(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        text=True).strip()
+    paths = [p for p in site.getsitepackages() if pathlib.Path(p).is_dir()]
+    pathlib.Path(target, "_host_site_packages.pth").write_text("\n".join(paths) + "\n")
+EOF
   else
     "$py" -m venv "$venv"
   fi
@@ -29,4 +46,9 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
     "${pip[@]}" "$torch_spec"
   fi
 fi
+if ! "$venv/bin/python" -c "import triton" >/dev/null 2>&1; then
+  echo "setup: no triton: installing $triton_spec"
+  "${pip[@]}" "$triton_spec"
+fi
+echo "setup: $("$venv/bin/python" -c 'import torch, triton; print("torch", torch.__version__, "| triton", triton.__version__)')"
 "${pip[@]}" -e ".${extras:+[$extras]}"

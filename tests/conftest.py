@@ -2,10 +2,15 @@
 
 On a machine without a GPU the Triton kernels run under the interpreter:
 TRITON_INTERPRET=1 must be set before any kernel is defined, so it is set here, before
-portable_mx is imported. The suite's default backend is the reference (the oracle);
-modules that use the ``mx_backend`` fixture run once per backend that can serve CPU
-tensors in this process: the reference and, when interpreting, ``triton-interpret``,
-so that the kernels meet every edge case the reference is held to.
+portable_mx is imported. On a machine with a GPU they run compiled, on the GPU. The
+suite's default backend is the reference (the oracle); modules that use the
+``mx_backend`` fixture run once per backend that can serve CPU tensors in this process:
+the reference and, when interpreting, ``triton-interpret``, so that the kernels meet
+every edge case the reference is held to.
+
+The same suite passes with and without a GPU: tests that simulate a device do so
+whatever the machine has, and tests that need a GPU are marked ``gpu`` (``pytest -m
+gpu`` runs them alone; the ``kernel`` fixture marks its GPU parameters so).
 """
 
 import os
@@ -49,7 +54,12 @@ def kernel_backends() -> list[tuple[str, str]]:
     return out
 
 
-@pytest.fixture(params=kernel_backends(), ids=[n for n, _ in kernel_backends()])
+def _kernel_params() -> list:
+    return [pytest.param((name, device), id=name, marks=[pytest.mark.gpu] if device != "cpu" else [])
+            for name, device in kernel_backends()]
+
+
+@pytest.fixture(params=_kernel_params())
 def kernel(request):
     """(backend, device) of each backend that runs the Triton kernels here."""
     name, device = request.param

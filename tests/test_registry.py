@@ -27,9 +27,9 @@ class Recording(ReferenceBackend):
         self.calls.append("quantize")
         return super().quantize(x, recipe)
 
-    def matmul(self, a, b):
+    def matmul(self, a, b, out_dtype=torch.float32):
         self.calls.append("matmul")
-        return super().matmul(a, b)
+        return super().matmul(a, b, out_dtype)
 
 
 @pytest.fixture
@@ -119,6 +119,7 @@ def test_info_command_prints_table_and_json():
     assert report["devices"][0].startswith("cpu")
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "interpreting"])
 @pytest.mark.parametrize(
     "hip, props, backend, reason",
     [
@@ -129,22 +130,24 @@ def test_info_command_prints_table_and_json():
         ("6.4", dict(major=9, minor=0, gcnArchName="gfx90a:sramecc+:xnack-"), "reference", "gfx90a: no portable_mx target"),
     ],
 )
-def test_gpu_probe_routes_to_the_vendor_backend_or_says_why(monkeypatch, hip, props, backend, reason):
-    """The cuda/rocm backends probe the device (simulated here: this machine has no GPU).
-    When Triton is interpreting, compiled kernels cannot run and both say so."""
+def test_gpu_probe_routes_to_the_vendor_backend_or_says_why(monkeypatch, hip, props, backend, reason, compiled):
+    """The cuda/rocm backends probe the device (simulated here, whether or not this
+    machine has a GPU) and serve every op on a target they own, when the kernels run
+    compiled; when Triton interprets them, both say so and the reference serves."""
     from types import SimpleNamespace
 
-    from portable_mx.backends.triton import mode_problem
+    from portable_mx.backends.triton import backend as triton_backend
 
     monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(**props))
     monkeypatch.setattr(torch.version, "hip", hip)
-    compiled = mode_problem(interpreted=False)
-    if backend != "reference" and compiled is not None:
+    mode = None if compiled else "TRITON_INTERPRET=1 is set: Triton interprets kernels"
+    monkeypatch.setattr(triton_backend, "mode_problem", lambda interpreted: mode)
+    if backend != "reference" and not compiled:
         backend, reason = "reference", "TRITON_INTERPRET=1"
     rows = {r.op: r for r in registry.routes([torch.device("cuda")])}
-    assert rows["quantize"].backend == backend
-    assert rows["matmul"].backend == "reference"
-    if reason:
-        assert reason in rows["quantize"].why
+    for op in registry.OPS:
+        assert rows[op].backend == backend, (op, rows[op])
+        if reason:
+            assert reason in rows[op].why

@@ -335,14 +335,15 @@ def test_cache_lookup_and_the_backend_config(cache_env):
 SPY = textwrap.dedent("""
     import dataclasses, json, torch
     import portable_mx as pmx
-    from portable_mx.backends.triton import gemm
+    from portable_mx.backends.triton import launch
 
     launched = []
-    real = gemm.matmul
-    def spy(a, b, config, *args, **kwargs):
-        launched.append(dataclasses.asdict(config))
-        return real(a, b, config, *args, **kwargs)
-    gemm.matmul = spy
+    real = launch.launch
+    def spy(plan, args):  # every planned kernel launch goes through launch.launch
+        if plan.kernel == "gemm":
+            launched.append(dataclasses.asdict(plan.config))
+        return real(plan, args)
+    launch.launch = spy
     x, w = torch.randn(16, 128), torch.randn(128, 64)
     out = pmx.matmul(x, w)
     exact = pmx.dequantize(pmx.quantize(x)).double() @ pmx.dequantize(pmx.quantize(w, axis=0)).double()

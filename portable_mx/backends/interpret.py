@@ -27,7 +27,6 @@ class InterpretBackend(TritonBackend):
     tiles = TILES
     gemm_tiles = GEMM_TILES
     targets = ()
-    casts_in_kernel = False  # the interpreter truncates fp32 -> bf16/fp16: the GEMM writes fp32, cast after
 
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         if device.type != "cpu":

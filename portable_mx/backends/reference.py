@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .. import format as fmt
+from .._precision import HighestPrecision
 from ..decompose import Decomposition, decompose_blocks
 from ..recipe import QuantRecipe
 from ..registry import Backend
@@ -147,17 +148,6 @@ def to_mxtensor(enc: Encoded, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
     )
 
 
-class HighestPrecision:
-    """Context: fp32 matmuls in full fp32 (no TF32) while inside."""
-
-    def __enter__(self) -> None:
-        self._prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-
-    def __exit__(self, *exc) -> None:
-        torch.set_float32_matmul_precision(self._prev)
-
-
 class ReferenceBackend(Backend):
     """Every op on every device, in plain torch: the oracle."""
 
@@ -168,8 +158,9 @@ class ReferenceBackend(Backend):
     def quantize(self, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
         return to_mxtensor(encode(x, recipe), x, recipe)
 
-    def dequantize(self, mx: MXTensor) -> torch.Tensor:
-        return decode_rows(mx)
+    def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = decode_rows(mx)
+        return q if dtype == torch.float32 else q.to(dtype)
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         enc = encode(x, recipe)
@@ -189,8 +180,9 @@ class ReferenceBackend(Backend):
             full=full,
         )
 
-    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor) -> torch.Tensor:
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         bq = decode_rows(b)[:, : b.k]
         aq = a.to(torch.float32) if isinstance(a, torch.Tensor) else decode_rows(a)[:, : a.k]
         with HighestPrecision():
-            return aq @ bq.T
+            c = aq @ bq.T
+        return c if out_dtype == torch.float32 else c.to(out_dtype)

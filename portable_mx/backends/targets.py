@@ -35,10 +35,19 @@ class Target:
     shared_memory: int
     native_mx_pattern: Optional[str]
     description: str
+    dot_scaled_since: tuple[int, int] = (3, 6)
+    """The oldest Triton (major, minor) that lowers ``tl.dot_scaled`` for this target
+    (gfx942: 3.8; triton 3.6 and 3.7 stop with "LLVM ERROR: Unsupported DotScaleOp").
+    Backends launch only kernels without ``tl.dot_scaled`` here on older releases."""
 
     @property
     def native_mx(self) -> bool:
         return self.native_mx_pattern is not None
+
+    def lowers_dot_scaled(self, triton_version: Optional[tuple[int, int]]) -> bool:
+        """Whether ``tl.dot_scaled`` compiles for this target with that Triton (major,
+        minor); an unknown version is taken to be new enough."""
+        return triton_version is None or triton_version >= self.dot_scaled_since
 
     def gpu_target(self):
         """The ``triton.backends.compiler.GPUTarget`` of this target."""
@@ -57,7 +66,7 @@ TARGETS: dict[str, Target] = {
         Target("sm_120", "nvidia", "cuda", 120, 32, 101376, r"mma\.sync[\w.:]*block_scale",
                "RTX 50: native mma.sync ... block_scale"),
         Target("gfx942", "amd", "hip", "gfx942", 64, 65536, None,
-               "MI300X: tl.dot_scaled upcasts to bf16, then MFMA"),
+               "MI300X: MXFP4 upcast to bf16/fp16, then MFMA", dot_scaled_since=(3, 8)),
         Target("gfx950", "amd", "hip", "gfx950", 64, 163840, r"v_mfma_scale_f32_\w+_f8f6f4",
                "MI350X/MI355X: native v_mfma_scale_f32_*_f8f6f4"),
     )

@@ -214,9 +214,22 @@ def lookup(arch: str, device_name: str, key: str) -> Optional[dict[str, Any]]:
 
 
 def clear() -> None:
-    """Forget what was read (the next lookup reads the files again)."""
+    """Forget what was read (the next lookup reads the files again) and bump
+    :func:`generation`."""
+    global _generation
     with _lock:
         _index.clear()
+        _generation += 1
+
+
+_generation = 0
+
+
+def generation() -> int:
+    """A counter bumped by every :func:`clear` (and so by every :func:`record`): whoever
+    memoises a lookup (the GEMM launch plans) keeps the generation it read and looks up
+    again when it has moved."""
+    return _generation
 
 
 # ----------------------------------------------------------------------------- writing

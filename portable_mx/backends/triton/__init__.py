@@ -15,13 +15,41 @@ from typing import Optional
 
 _KERNEL_MODULE = __name__ + ".quantize"
 
+MIN_TRITON = (3, 6)
+"""The oldest Triton the compiled kernels are proven on: 3.6.0, the release torch 2.11's
+CUDA wheels pin, on which the whole suite and the parity corpus ran on an H100
+(2026-11-23). Older releases are not refused for a known bug, only for being untested."""
 
-def triton_problem() -> Optional[str]:
-    """None when triton imports, else why not (one line)."""
+MIN_TRITON_INTERPRET = (3, 8)
+"""The oldest Triton whose interpreter (TRITON_INTERPRET=1) runs every kernel here: the
+interpreter runs ``tl.dot_scaled`` from 3.8 on."""
+
+
+def triton_version() -> Optional[tuple[int, int]]:
+    """(major, minor) of the importable triton, or None when it does not import."""
     try:
-        import triton  # noqa: F401
+        import triton
+    except Exception:  # noqa: BLE001  (reported by triton_problem)
+        return None
+    parts = triton.__version__.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def triton_problem(minimum: tuple[int, int] = MIN_TRITON,
+                   why: str = "the oldest release the compiled kernels are proven on") -> Optional[str]:
+    """None when triton imports and is at least ``minimum``, else why not (one line;
+    ``why`` says what the minimum stands for)."""
+    try:
+        import triton
     except Exception as err:  # a missing or broken triton must not break portable_mx
         return f"triton is not importable ({type(err).__name__}: {err})"
+    version = triton_version()
+    if version is not None and version < minimum:
+        need = ".".join(map(str, minimum))
+        return f"triton {triton.__version__} is older than {need}, {why}"
     return None
 
 
@@ -35,7 +63,10 @@ def interpreting() -> bool:
 def mode_problem(interpreted: bool) -> Optional[str]:
     """None when this process runs (or, once imported, will run) the kernels compiled
     (``interpreted=False``) or interpreted (``interpreted=True``), else why not."""
-    problem = triton_problem()
+    if interpreted:
+        problem = triton_problem(MIN_TRITON_INTERPRET, "the oldest whose interpreter runs every kernel here")
+    else:
+        problem = triton_problem()
     if problem:
         return problem
     module = sys.modules.get(_KERNEL_MODULE)

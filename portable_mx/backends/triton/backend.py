@@ -2,7 +2,23 @@
 rows problems into kernel launches. A vendor backend (cuda.py, rocm.py) or the
 interpreter backend (interpret.py) says which devices it serves, which targets it
 compiles for, and which tile configs and launch options it uses; nothing vendor-specific
-lives here."""
+lives here.
+
+The hot ops (quantize and the GEMM) are a plan and an execution. Everything decided by
+(device, op, dtypes, recipe or operand kinds, shapes) is decided on the first call and
+kept per device (:class:`_Device`): the target, the tile config (the tuned one from the
+config cache, else the backend's default), the grid, the constexprs and, after the
+first launch, the compiled kernel (:class:`~.launch.Launch`). A later call with the same
+key allocates its outputs (``torch.empty``: torch's caching allocator, so CUDA-graph
+capture records them) and makes one launch (:func:`~.launch.launch`). A weight's
+prepared GEMM operand (contiguous parts, operand kind, alignment) is kept with its
+MXTensor (:meth:`MXTensor.memo`). Nothing on these paths reads device memory from the
+host or depends on tensor values: they can be captured in a CUDA graph.
+
+A plan key holds every integer argument of its launch and the 16-byte alignment of every
+pointer, which is everything Triton's JIT specialises on beyond dtypes, so the kernel a
+plan keeps is the one the JIT would pick for the same call.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +34,11 @@ from ...decompose import Decomposition
 from ...recipe import QuantRecipe
 from ...registry import Backend
 from ...tensor import MXTensor
+from ...tuning import cache as config_cache
 from ..targets import Target, probe
+from . import launch as _launch
 from . import mode_problem
-from .launch import GemmConfig, KernelLaunch, TileConfig
+from .launch import GemmConfig, KernelLaunch, Launch, TileConfig
 
 # Recipes the compile matrix compiles for each target: every kernel specialization that
 # changes the generated code in kind (rules differ by a few integer ops; the heaviest
@@ -38,16 +56,19 @@ _AOT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
 def _aot_gemms():
-    """The operand kinds the compile matrix compiles the GEMM for: A4W4 plain, MBS (per
-    tile and in the epilogue) and OF on both sides; W4A16 in bf16 and fp16, with MBS and
-    with weight outliers."""
+    """The operand kinds the compile matrix compiles the GEMM for, with the dtype each
+    stores: A4W4 plain (fp32), MBS (per tile and in the epilogue) and OF on both sides
+    (bf16); W4A16 in bf16 and fp16, with MBS and with weight outliers (the activations'
+    dtype)."""
     from .gemm import Operand
 
     mx, bf16 = Operand(None, None, 0), Operand(torch.bfloat16, None, 0)
+    f32, b16, f16 = torch.float32, torch.bfloat16, torch.float16
     return (
-        (mx, mx), (Operand(None, 128, 0), Operand(None, 128, 0)), (Operand(None, 8192, 0), Operand(None, 8192, 0)),
-        (Operand(None, None, 1), Operand(None, 128, 2)),
-        (bf16, mx), (Operand(torch.float16, None, 0), mx), (bf16, Operand(None, 128, 0)), (bf16, Operand(None, None, 2)),
+        (mx, mx, f32), (Operand(None, 128, 0), Operand(None, 128, 0), b16),
+        (Operand(None, 8192, 0), Operand(None, 8192, 0), b16), (Operand(None, None, 1), Operand(None, 128, 2), b16),
+        (bf16, mx, b16), (Operand(torch.float16, None, 0), mx, f16), (bf16, Operand(None, 128, 0), b16),
+        (bf16, Operand(None, None, 2), b16),
     )
 
 
@@ -61,6 +82,91 @@ class GemmRoute:
     kernel: str
     scales: Any = None
     upcast: Any = None
+
+
+STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Output dtypes the GEMM kernel stores itself (any other is stored fp32, then cast)."""
+_MAX_PLANS = 4096  # per device and op: past it the plans are dropped and rebuilt on demand
+
+
+class _Device:
+    """What a Triton backend decided for one device, once: its target, the weight's
+    scale layout, whether the GEMM stores fp32 and casts afterwards (the interpreter,
+    whose fp32 -> bf16 conversion truncates), the context launches run in, and the launch
+    plans (quantize per recipe and shapes, the GEMM per operand kinds and shapes)."""
+
+    __slots__ = ("device", "target", "layout", "cast_output", "running", "quantize_plans", "quantize_by_value",
+                 "gemm_plans", "cache_generation")
+
+    def __init__(self, backend: "TritonBackend", device: torch.device) -> None:
+        self.device = device
+        self.target = backend.target(device)
+        self.layout = backend.scale_layout(self.target)
+        self.cast_output = self.target is None
+        overridden = type(backend).running is not TritonBackend.running
+        self.running = backend.running if overridden else None
+        self.quantize_plans: dict[tuple, tuple[QuantRecipe, _QuantizePlan]] = {}  # by recipe object
+        self.quantize_by_value: dict[tuple, _QuantizePlan] = {}  # by recipe value
+        self.gemm_plans: dict[tuple, _GemmPlan] = {}
+        self.cache_generation = config_cache.generation()
+
+
+class _QuantizePlan:
+    """One quantize launch: x [R, K] of one dtype, row stride and alignment, one recipe;
+    the output shapes and the integer arguments."""
+
+    __slots__ = ("launch", "qdata", "scales", "macro", "outliers", "ints")
+
+    def __init__(self, launch, qdata, scales, macro, outliers, ints) -> None:
+        self.launch, self.qdata, self.scales = launch, qdata, scales
+        self.macro, self.outliers, self.ints = macro, outliers, ints
+
+
+class _GemmPlan:
+    """One GEMM launch: operand kinds, M, N, K, strides and alignment, output dtype; the
+    weight's storage layouts (``weight``: None for the MXTensor's own parts, else a memo
+    key of its swizzled copy), the split-K workspace and counters (None without split-K,
+    kept with the plan: a captured graph replays the same buffers) and the integer
+    arguments."""
+
+    __slots__ = ("launch", "store", "ints", "weight", "part", "counts")
+
+    def __init__(self, launch, store, ints, weight=None, part=None, counts=None) -> None:
+        self.launch, self.store, self.ints = launch, store, ints
+        self.weight, self.part, self.counts = weight, part, counts
+
+
+def _weight_parts(values, scales):
+    """A memo builder: an MXTensor's GEMM parts with its codes in value layout ``values``
+    and its scales in ``scales`` (layouts.py), swizzled once."""
+    from .layouts import prepared
+
+    def build(mx: MXTensor):
+        parts = mx.memo("gemm-operand", _Operand).parts
+        return (prepared(parts[0], values), prepared(parts[1], scales), *parts[2:])
+
+    return build
+
+
+class _Operand:
+    """An MXTensor in the rows layout as the GEMM kernel takes it: its five part pointers
+    (codes, scales, macro factors, outlier bits as int16, outlier indices; absent parts
+    stood in for by the scales, never read), its kind (format None, macro block,
+    outliers per block), and ``key``: the kind, K, padded K, rows and the alignment."""
+
+    __slots__ = ("parts", "kind", "key")
+
+    def __init__(self, mx: MXTensor) -> None:
+        s = mx.scales.contiguous()
+        ov = mx.outlier_values
+        self.parts = (mx.qdata.contiguous(), s,
+                      s if mx.macro_scales is None else mx.macro_scales.contiguous(),
+                      s if ov is None else ov.contiguous().view(torch.int16),
+                      s if mx.outlier_indices is None else mx.outlier_indices.contiguous())
+        self.kind = (None, mx.recipe.macro_block if mx.macro_scales is not None else None,
+                     0 if ov is None else ov.shape[-1])
+        aligned = all(p.data_ptr() % 16 == 0 for p in self.parts)
+        self.key = (self.kind, mx.shape[1], mx.k_padded, mx.qdata.shape[0], aligned)
 
 
 class TritonBackend(Backend):
@@ -114,9 +220,6 @@ class TritonBackend(Backend):
     gemm_sms: dict[str, int] = {}
     """Nominal SM / CU count per target name: what ``split_k = 0`` assumes for the
     ahead-of-time compile (a live device reports its own)."""
-
-    casts_in_kernel = True
-    """Whether the GEMM kernel's store writes the output dtype (else fp32, cast after)."""
 
     def scale_layout(self, target: Optional[Target]):
         from .layouts import LAYOUTS
@@ -188,34 +291,178 @@ class TritonBackend(Backend):
         """Context every kernel launch runs in (nothing by default)."""
         return contextlib.nullcontext()
 
-    def _config(self, op: str, device: torch.device, recipe: Optional[QuantRecipe]) -> tuple[TileConfig, dict]:
-        config = self.tile_config(op, self.target(device), recipe)
-        return config, self.options(config)
+    def __init__(self) -> None:
+        self._devices: dict[torch.device, _Device] = {}
+
+    def _device(self, device: torch.device) -> _Device:
+        """The per-device decisions (made on the first call on ``device``)."""
+        found = self._devices.get(device)
+        if found is None:
+            found = self._devices[device] = _Device(self, device)
+        return found
+
+    def _launch(self, st: _Device, plan: Launch, args: tuple) -> None:
+        if st.running is None:
+            _launch.launch(plan, args)
+        else:
+            with st.running():
+                _launch.launch(plan, args)
 
     # ------------------------------------------------------------------- the ops
 
     def quantize(self, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
-        from .quantize import quantize
+        """x [R, K] (R, K > 0; unit stride along K, else copied) -> MXTensor (R, K), axis 1."""
+        st = self._devices.get(x.device) or self._device(x.device)
+        if not x.is_contiguous() and x.stride(-1) != 1:
+            x = x.contiguous()
+        r, k = x.shape
+        key = (id(recipe), x.dtype, r, k, x.stride(0), x.data_ptr() % 16 == 0)
+        hit = st.quantize_plans.get(key)  # (a recipe's hash and == cost more than its id)
+        plan = hit[1] if hit is not None and hit[0] is recipe else self._plan_quantize(st, key, x, recipe)
+        dev = x.device
+        qdata = torch.empty(*plan.qdata, dtype=torch.uint8, device=dev)  # (*shape: faster to parse)
+        scales = torch.empty(*plan.scales, dtype=torch.uint8, device=dev)
+        macro = ov = oi = None
+        if plan.macro is None and plan.outliers is None:
+            self._launch(st, plan.launch, (x, qdata, scales, scales, scales, scales, *plan.ints))
+        else:
+            if plan.macro is not None:
+                macro = torch.empty(*plan.macro, dtype=torch.float32, device=dev)
+            if plan.outliers is not None:
+                ov = torch.empty(*plan.outliers, dtype=torch.bfloat16, device=dev)
+                oi = torch.empty(*plan.outliers, dtype=torch.uint8, device=dev)
+            args = (x, qdata, scales, scales if macro is None else macro,
+                    scales if ov is None else ov.view(torch.int16), scales if oi is None else oi, *plan.ints)
+            self._launch(st, plan.launch, args)
+        return MXTensor._make(qdata, scales, x.shape, x.dtype, 1, recipe, macro, ov, oi)
 
-        config, options = self._config("quantize", x.device, recipe)
-        with self.running():
-            qdata, scales, macro, ov, oi = quantize(_rows_contiguous(x), recipe, config, options)
-        return MXTensor(qdata=qdata, scales=scales, shape=torch.Size(x.shape), dtype=x.dtype, axis=1,
-                        recipe=recipe, macro_scales=macro, outlier_values=ov, outlier_indices=oi)
+    def _plan_quantize(self, st: _Device, key: tuple, x: torch.Tensor, recipe: QuantRecipe) -> _QuantizePlan:
+        """The launch ``quantize.quantize`` makes, decided once per recipe value (a new
+        recipe object equal to a known one finds its plan): relies on
+        ``quantize.Plan.make(recipe, config)`` (block_r, span, constexprs) and
+        ``quantize_kernel(x, q, s, m, ov, oi, R, K, KP, KP2, NM, stride_r, seed, **constexprs)``."""
+        from . import quantize as kernels
 
-    def dequantize(self, mx: MXTensor) -> torch.Tensor:
+        if len(st.quantize_plans) >= _MAX_PLANS:
+            st.quantize_plans.clear()
+        by_value = (recipe, *key[1:])
+        out = st.quantize_by_value.get(by_value)
+        if out is not None:
+            st.quantize_plans[key] = (recipe, out)
+            return out
+
+        config = self.tile_config("quantize", st.target, recipe)
+        plan = kernels.Plan.make(recipe, config)
+        r, k = x.shape
+        kp = -(-k // 32) * 32
+        nb = kp // 32
+        mb = recipe.macro_block
+        nm = -(-kp // mb) if mb else 1
+        n_out = recipe.outliers_per_block
+        grid = (-(-r // plan.block_r), -(-kp // plan.span))
+        launch = Launch("quantize", kernels.quantize_kernel, grid, dict(plan.constexprs), self.options(config), config)
+        out = _QuantizePlan(launch, (r, kp // 2), (r, nb), (r, nm) if mb else None,
+                            (r, nb, n_out) if n_out else None, (r, k, kp, kp // 2, nm, x.stride(0), recipe.seed))
+        if len(st.quantize_by_value) >= _MAX_PLANS:
+            st.quantize_by_value.clear()
+        st.quantize_by_value[by_value] = out
+        st.quantize_plans[key] = (recipe, out)
+        return out
+
+    def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from .dequantize import dequantize
 
-        config, options = self._config("dequantize", mx.device, mx.recipe)
+        config = self.tile_config("dequantize", self._device(mx.device).target, mx.recipe)
         with self.running():
-            return dequantize(mx, config, options)
+            out = dequantize(mx, config, self.options(config))
+        return out if dtype == torch.float32 else out.to(dtype)
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         from .decompose import decompose
 
-        config, options = self._config("decompose", x.device, recipe)
+        config = self.tile_config("decompose", self._device(x.device).target, recipe)
         with self.running():
-            return decompose(_rows_contiguous(x), recipe, definition, full, config, options)
+            return decompose(_rows_contiguous(x), recipe, definition, full, config, self.options(config))
+
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """a: MXTensor (M, K) axis 1 or bf16/fp16 [M, K]; b: MXTensor (N, K) axis 1 ->
+        [M, N] in ``out_dtype``, stored by the kernel (fp32, bf16, fp16; not on the
+        interpreter) or stored fp32 and cast."""
+        dev = b.qdata.device
+        st = self._devices.get(dev) or self._device(dev)
+        if st.cache_generation != config_cache.generation():  # the tuned configs changed
+            st.gemm_plans.clear()
+            st.cache_generation = config_cache.generation()
+        w = b.memo("gemm-operand", _Operand)
+        if isinstance(a, torch.Tensor):
+            if not a.is_contiguous() and a.stride(-1) != 1:
+                a = a.contiguous()
+            m, stride_am = a.shape[0], a.stride(0)
+            s = w.parts[1]
+            a_parts = (a, s, s, s, s)
+            a_key = (a.dtype, stride_am, a.data_ptr() % 16 == 0)
+        else:
+            op = _Operand(a)
+            m, stride_am = a.qdata.shape[0], a.k_padded // 2
+            a_parts = op.parts
+            a_key = (op.kind, op.key[4])
+        key = (a_key, w.key, m, out_dtype)
+        plan = st.gemm_plans.get(key)
+        if plan is None:
+            plan = self._plan_gemm(st, key, a, w, m, stride_am, out_dtype)
+        c = torch.empty(m, w.key[3], dtype=plan.store, device=dev)
+        b_parts = w.parts if plan.weight is None else b.memo(plan.weight[0], plan.weight[1])
+        part = c if plan.part is None else plan.part
+        counts = c if plan.counts is None else plan.counts
+        self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, *plan.ints))
+        return c if plan.store is out_dtype else c.to(out_dtype)
+
+    def _plan_gemm(self, st: _Device, key: tuple, a, w: _Operand, m: int, stride_am: int,
+                   out_dtype: torch.dtype) -> _GemmPlan:
+        """The launch :meth:`run_gemm` makes, decided once: the kernel of
+        :meth:`gemm_route` (``gemm.gemm_kernel`` or ``gemm_upcast.upcast_gemm_kernel``,
+        both taking ``(a, as, am, aov, aoi, b, bs, bm, bov, boi, c, part, counts, *ints,
+        **constexprs)`` and storing c's dtype), the config with ``split_k = 0`` resolved
+        for this device, the weight's layouts, and the split-K buffers."""
+        from . import gemm, gemm_upcast, splitk
+        from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES
+
+        oa = gemm.Operand(a.dtype, None, 0) if isinstance(a, torch.Tensor) else gemm.Operand(*_Operand(a).kind)
+        ob = gemm.Operand(*w.kind)
+        _, k, kp, n, _ = w.key
+        config = self._gemm_config(st.device, st.target, oa, ob, m, n, kp)
+        config = self.resolve_split_k(config, m, n, kp, self.sm_count(st.device, st.target))
+        route = self.gemm_route(st.target, oa, ob)
+        nma = -(-kp // oa.macro_block) if oa.macro_block else 1
+        nmb = -(-kp // ob.macro_block) if ob.macro_block else 1
+        macros = (oa.macro_block or 32, ob.macro_block or 32)
+        if route.kernel == "upcast":
+            consts = gemm_upcast.constexprs(oa, ob, k, kp, config, route.upcast, interpreted=st.target is None)
+            values, scales = (HOPPER_VALUES, HOPPER) if consts["VALUES"] == 1 else (PLAIN_VALUES, PLAIN)
+            strides = ((values.row_stride(kp), scales.padded(1, kp // 32)[1] * 64) if values is HOPPER_VALUES
+                       else (kp // 2, kp // 32))
+            ints = (m, n, k, kp, stride_am, n, *strides, nma, nmb, *macros)
+            fn, name = gemm_upcast.upcast_gemm_kernel, "gemm-upcast"
+        else:
+            consts = gemm.Plan.make(oa, ob, kp, config, route.scales).constexprs
+            values, scales = PLAIN_VALUES, route.scales
+            ints = (m, n, k, kp, stride_am, n, nma, nmb, *macros)
+            fn, name = gemm.gemm_kernel, "gemm"
+        weight = None
+        if values.layout_id or scales.layout_id:
+            weight = (f"gemm-weight:{values.name}:{scales.name}", _weight_parts(values, scales))
+        split = consts["SPLIT_K"]
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        part = counts = None
+        if split > 1:
+            part, counts = splitk.buffers(st.device, tiles * split * config.block_m * config.block_n, tiles)
+        store = out_dtype if not st.cast_output and out_dtype in STORE_DTYPES else torch.float32
+        launch = Launch(name, fn, (tiles * split,), dict(consts), self.options(config), config)
+        out = _GemmPlan(launch, store, ints, weight, part, counts)
+        if len(st.gemm_plans) >= _MAX_PLANS:
+            st.gemm_plans.clear()
+        st.gemm_plans[key] = out
+        return out
 
     def device_identity(self, device: torch.device) -> tuple[str, str]:
         """(arch, device name) under which tuned configs of ``device`` are cached."""
@@ -232,35 +479,24 @@ class TritonBackend(Backend):
 
     def _gemm_config(self, device: torch.device, target: Optional[Target], a, b, m: int, n: int,
                      kp: int) -> GemmConfig:
-        from ...tuning import cache
-
         arch, name = self._identity(device, target)
-        tuned = cache.lookup(arch, name, cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp))
+        tuned = config_cache.lookup(arch, name, config_cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp))
         if tuned is not None:
             return GemmConfig(**{**tuned, "extra": tuple(tuple(kv) for kv in tuned.get("extra", ()))})
         return self.default_gemm_config(target, m, a.format, a.heavy or b.heavy)
 
-    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .gemm import Operand
-
-        target = self.target(b.device)  # probed once per launch
-        config = self._gemm_config(b.device, target, Operand.of(a), Operand.of(b), a.shape[0], b.shape[0],
-                                   b.k_padded)
-        with self.running():
-            return self.run_gemm(a, b, config, target, out_dtype)
-
     def run_gemm(self, a: MXTensor | torch.Tensor, b: MXTensor, config: GemmConfig, target: Optional[Target],
                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[M, N] in ``out_dtype`` = a @ b^T with ``config``: the launch :meth:`matmul`
-        makes (and the tuner times), through :meth:`gemm_route`'s kernel. The kernel's
-        store writes ``out_dtype``, except where ``casts_in_kernel`` is False (the
-        interpreter, whose casts truncate): fp32 there, cast after."""
+        """[M, N] in ``out_dtype`` = a @ b^T with ``config`` on ``target`` (None: the
+        interpreter): the launch :meth:`matmul` plans for its own config, without the plan
+        (the tuner times configs with it). The kernel's store writes ``out_dtype``, except
+        in the interpreter (its casts truncate): fp32 there, cast after."""
         from . import gemm, gemm_upcast
         from .gemm import Operand
 
         route = self.gemm_route(target, Operand.of(a), Operand.of(b))
         config = self.resolve_split_k(config, a.shape[0], b.shape[0], b.k_padded, self.sm_count(b.device, target))
-        kernel_dtype = out_dtype if self.casts_in_kernel else torch.float32
+        kernel_dtype = out_dtype if target is not None and out_dtype in STORE_DTYPES else torch.float32
         if route.kernel == "upcast":
             c = gemm_upcast.matmul(a, b, config, self.options(config), route.upcast, kernel_dtype,
                                    interpreted=target is None)
@@ -303,14 +539,13 @@ class TritonBackend(Backend):
             config = self.tile_config("decompose", target, recipe)
             out.append(decompose.launch_spec(torch.float32, recipe, definition, full, config, self.options(config)))
         seen = set()
-        for a, b in _aot_gemms():
+        for a, b, store in _aot_gemms():
             heavy = a.heavy or b.heavy
             # decode (M = 1), the edges of the small and mid classes and a large M: every
             # tile config, split and output dtype the defaults launch at N = K = 8192
             for m in (1, self.SMALL_M, self.SMALL_M + 1, self.MID_M, self.MID_M + 1, 4096):
                 config = self.default_gemm_config(target, m, a.format, heavy)
-                out_dtype = torch.float32 if a.format is None else a.format
-                launch = self.gemm_launch_spec(target, a, b, config, m=m, out_dtype=out_dtype)
+                launch = self.gemm_launch_spec(target, a, b, config, m=m, out_dtype=store)
                 if launch.label not in seen:
                     seen.add(launch.label)
                     out.append(launch)
@@ -343,7 +578,10 @@ class CompiledTritonBackend(TritonBackend):
         return target.name, _device_name(torch.device(device))
 
     def sm_count(self, device: torch.device, target: Optional[Target]) -> int:
-        return _sm_count(torch.device(device))
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            return _sm_count(device)
+        return super().sm_count(device, target)  # a simulated device: the target's nominal count
 
 
 @functools.lru_cache(maxsize=None)

@@ -145,7 +145,8 @@ def gemm_kernel(
     B_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
+    """c [M, N] (row stride stride_cm) = A [M, K] @ B [N, K]^T, accumulated in fp32 and
+    stored in c's dtype (fp32, bf16 or fp16: one rounding).
 
     A: codes uint8 [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32] when
     A_FORMAT is "e2m1", else bf16/fp16 [M, K] (row stride stride_am); B: codes uint8

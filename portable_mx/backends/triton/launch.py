@@ -106,3 +106,118 @@ class GemmConfig(_LaunchOptions):
         split = "" if self.split_k == 1 else f" sk{self.split_k or 'auto'}"
         return (f"m{self.block_m}xn{self.block_n}xk{self.block_k} g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}{split}{self._extra_label()}")
+
+
+# ----------------------------------------------------------------------------- planned launches
+
+DIRECT_LAUNCH_TRITON = ("3.6.",)
+"""Triton releases whose ``CompiledKernel.run`` calling convention :func:`launch` uses
+directly (``run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
+launch_metadata, enter_hook, exit_hook, *every_argument)``, constexprs included, as
+``JITFunction.run`` calls it); with any other release every launch goes through
+``kernel[grid](...)``."""
+
+_direct_enabled = True
+
+
+class Launch:
+    """One planned kernel launch: the kernel, its grid, constexprs and launch options,
+    decided once per (device, op, operand kinds, shapes) by a backend; :func:`launch`
+    runs it with the per-call arguments. ``config`` is the tile config it was made
+    from, for whoever inspects the plan (tests, ``portable-mx info``)."""
+
+    __slots__ = ("kernel", "fn", "grid", "constexprs", "options", "config", "direct")
+
+    def __init__(self, kernel: str, fn: Any, grid: tuple[int, ...], constexprs: dict[str, Any],
+                 options: dict[str, Any], config: Any = None) -> None:
+        self.kernel, self.fn, self.grid = kernel, fn, tuple(grid)
+        self.constexprs, self.options, self.config = constexprs, options, config
+        self.direct: Any = None  # None: not tried yet; False: JIT launches only; else the direct form
+
+    def __repr__(self) -> str:
+        return f"Launch({self.kernel}, grid={self.grid}, {getattr(self.config, 'label', lambda: '')()})"
+
+
+def launch(plan: Launch, args: tuple) -> None:
+    """Run ``plan`` with ``args``, the kernel's non-constexpr arguments in order: the one
+    place a planned kernel is launched (a benchmark may replace it with a no-op).
+
+    The first run of a plan goes through Triton's JIT (``fn[grid](*args, **constexprs,
+    **options)``), which compiles or finds the kernel. Where the Triton release is one of
+    :data:`DIRECT_LAUNCH_TRITON`, the returned ``CompiledKernel`` is kept and later runs
+    launch it directly on the current stream (no re-specialisation, no cache-key
+    building: what ``JITFunction.run`` spends ~11 us of host time on), unless Triton's
+    launch hooks are set (a profiler listens: the JIT path calls them) or
+    :func:`direct_launches` turned it off. The backend guarantees that a plan is only
+    run with arguments that specialise like the first ones (same dtypes, same integer
+    values, every pointer 16-byte aligned or not as then), so the kept kernel is the one
+    the JIT would pick."""
+    direct = plan.direct
+    if direct and _direct_enabled and _hooks_idle():
+        run, function, packed, gx, gy, gz, tail = direct
+        run(gx, gy, gz, _current_stream(), function, packed, None, None, None, *args, *tail)
+        return
+    compiled = plan.fn[plan.grid](*args, **plan.constexprs, **plan.options)
+    if direct is None and _direct_enabled:
+        plan.direct = _direct_form(plan, compiled, len(args))
+
+
+class direct_launches:
+    """Context manager: ``with direct_launches(False):`` every planned launch goes through
+    ``kernel[grid](...)`` (to compare both paths bit for bit)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __enter__(self) -> None:
+        global _direct_enabled
+        self._prev, _direct_enabled = _direct_enabled, self.enabled
+
+    def __exit__(self, *exc) -> None:
+        global _direct_enabled
+        _direct_enabled = self._prev
+
+
+_current_stream: Any = None
+_hooks_idle: Any = None
+
+
+def _direct_form(plan: Launch, compiled: Any, n_args: int) -> Any:
+    """The direct-launch form of ``plan`` from the kernel the JIT returned, or False
+    where there is none (interpreter, another Triton release, an unexpected signature)."""
+    global _current_stream, _hooks_idle
+    try:
+        import triton
+        from triton.compiler.compiler import CompiledKernel
+        from triton.runtime import driver
+    except Exception:  # noqa: BLE001  (no compiled Triton here)
+        return False
+    if not triton.__version__.startswith(DIRECT_LAUNCH_TRITON):
+        return False
+    if hasattr(compiled, "result"):  # an asynchronous compile
+        compiled = compiled.result()
+    if not isinstance(compiled, CompiledKernel):
+        return False
+    names = list(plan.fn.arg_names)
+    if len(names) != n_args + len(plan.constexprs) or set(names[n_args:]) != set(plan.constexprs):
+        return False  # the constexprs must be the trailing parameters
+    if _current_stream is None:
+        active = driver.active
+        get_device, get_stream = active.get_current_device, active.get_current_stream
+        _current_stream = lambda: get_stream(get_device())  # noqa: E731
+        _hooks_idle = _make_hooks_idle()
+    grid = plan.grid + (1,) * (3 - len(plan.grid))
+    tail = tuple(plan.constexprs[name] for name in names[n_args:])
+    return (compiled.run, compiled.function, compiled.packed_metadata, *grid, tail)
+
+
+def _make_hooks_idle():
+    """A check that Triton's launch enter/exit hooks are unset or empty chains."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+
+    def idle(h) -> bool:
+        return h is None or (type(h).__name__ == "HookChain" and not h.calls)
+
+    return lambda: idle(runtime.launch_enter_hook) and idle(runtime.launch_exit_hook)

@@ -1,0 +1,517 @@
+"""Host overhead of eager portable_mx calls at decode size, and the checks of issue 12.
+
+Three modes (see NOTES-overhead.md for what should move and the recorded figures):
+
+- GPU (default): host time per eager call of ``pmx.quantize``, ``pmx.dequantize``,
+  W4A16 and A4W4 ``pmx.matmul`` and ``MXLinear`` forward (x bf16 [16, 8192], weight
+  8192 x 8192), beside ``torch.matmul`` and a bare Triton launch (an empty
+  ``@triton.jit`` kernel) in the same run; per call also the kernels launched and their
+  GPU time (torch profiler), and the same calls with direct launches off (Triton's JIT
+  path), for scale.
+- ``--cpu``: no GPU needed. The ``cuda`` backend's whole host path (validation, dispatch,
+  plans, output allocation, argument packing) runs on CPU tensors for a simulated sm_90
+  target, with the kernel launch replaced by a no-op: the cost of the layers above the
+  launch. ``--cpu-smoke`` is the same with few iterations (checks it runs end to end).
+- ``--gpu-checks``: the GPU checks of issue 12, in about a minute on an H100: host time
+  per eager call <= 1.5 x (kernels launched) x (bare Triton launch) for quantize and both
+  GEMMs; kernels launched per call; no host synchronisation in the hot path
+  (``torch.cuda.set_sync_debug_mode("error")``); direct launches bit-identical to
+  ``kernel[grid](...)``; a CUDA graph of a 4-layer MXLinear MLP (forward, and forward +
+  backward) replayed with new inputs equal to eager.
+
+``--out`` is a JSON file or a folder (default ``benchmarks/results/``, file
+``overhead-<mode>-<device>.json``); a short table is printed last. Exit status 2: the
+mode needs a GPU and there is none; 1: a ``--gpu-checks`` check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+# the simulated target must run the compiled (not interpreted) backend path
+if "--cpu" in sys.argv or "--cpu-smoke" in sys.argv:
+    os.environ.pop("TRITON_INTERPRET", None)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import RESULTS_DIR, no_gpu, result_header, slug, write_result  # noqa: E402
+
+M, N, K = 16, 8192, 8192
+HOST_FACTOR = 1.5
+CPU_GOAL_US = 5.0
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def host_us(fn: Callable[[], Any], calls: int, repeats: int, sync: Optional[Callable[[], None]] = None) -> dict:
+    """Host microseconds per call of ``fn`` over ``repeats`` loops of ``calls`` calls
+    (after a warm-up loop): the minimum (the least-disturbed loop) and the median."""
+    for _ in range(max(3, calls // 4)):
+        fn()
+    if sync:
+        sync()
+    loops = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - t0) / calls * 1e6)
+        if sync:
+            sync()
+    return {"min": min(loops), "median": statistics.median(loops)}
+
+
+def profile_kernels(fn: Callable[[], Any], calls: int) -> dict:
+    """Kernels launched per call and their GPU time per call (torch profiler)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    names: dict[str, int] = {}
+    for e in kernels:
+        names[e.name[:80]] = names.get(e.name[:80], 0) + 1
+    return {
+        "kernels_per_call": len(kernels) / calls,
+        "device_us_per_call": sum(e.device_time_total for e in kernels) / calls,
+        "kernel_names": {k: v / calls for k, v in names.items()},
+    }
+
+
+# ----------------------------------------------------------------------------- the calls
+
+
+def decode_problem(device: Any, *, m: int = M, n: int = N, k: int = K, bias: bool = False) -> dict:
+    """The decode-size operands: x bf16 [m, k], w [k, n] and its MXFP4 forms, an MXLinear."""
+    import torch
+
+    import portable_mx as pmx
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
+    w = torch.randn(k, n, generator=g).to(device=device, dtype=torch.bfloat16)
+    r16 = pmx.QuantRecipe(activations="bf16")
+    with torch.no_grad():
+        lin = pmx.nn.MXLinear(k, n, bias=bias, device=device, dtype=torch.bfloat16, recipe=r16)
+    return {"x": x, "w": w, "r16": r16, "w16": pmx.quantize(w, r16, axis=0), "w4": pmx.quantize(w, axis=0),
+            "x_mx": pmx.quantize(x), "lin": lin}
+
+
+def portable_calls(p: dict) -> dict[str, Callable[[], Any]]:
+    """The eager calls measured, by name (MXLinear under no_grad: inference)."""
+    import torch
+
+    import portable_mx as pmx
+
+    x, lin = p["x"], p["lin"]
+
+    def mxlinear():
+        with torch.no_grad():
+            return lin(x)
+
+    return {
+        "pmx.quantize": lambda: pmx.quantize(x),
+        "pmx.dequantize": lambda: pmx.dequantize(p["x_mx"]),
+        "pmx.matmul W4A16": lambda: pmx.matmul(x, p["w16"], p["r16"]),
+        "pmx.matmul A4W4": lambda: pmx.matmul(x, p["w4"]),
+        "MXLinear W4A16": mxlinear,
+    }
+
+
+def _empty_kernel():
+    import triton
+
+    @triton.jit
+    def empty_kernel(x_ptr):
+        pass
+
+    return empty_kernel
+
+
+# ----------------------------------------------------------------------------- GPU mode
+
+
+def run_gpu(args) -> dict:
+    import torch
+
+    from portable_mx.backends.triton import launch as L
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    p = decode_problem(device)
+    buf = torch.zeros(16, device=device)
+    empty = _empty_kernel()
+    calls, repeats = args.calls, args.repeats
+    cases: dict[str, Callable[[], Any]] = {
+        "torch.matmul bf16": lambda: torch.matmul(p["x"], p["w"]),
+        "bare triton launch": lambda: empty[(1,)](buf),
+    }
+    cases.update(portable_calls(p))
+    rows, errors = {}, {}
+    for name, fn in cases.items():
+        try:
+            row = {"host_us": host_us(fn, calls, repeats, torch.cuda.synchronize)}
+            row.update(profile_kernels(fn, 20))
+            if name.startswith(("pmx", "MXLinear")):
+                with L.direct_launches(False):
+                    row["host_us_jit_launch"] = host_us(fn, calls, repeats, torch.cuda.synchronize)
+            rows[name] = row
+        except Exception as err:  # keep going: record the failure
+            errors[name] = f"{type(err).__name__}: {err}"[:500]
+    doc = result_header("overhead-gpu", torch.cuda.get_device_name(device))
+    doc.update(mode="gpu", shape={"M": M, "N": N, "K": K}, calls=calls, repeats=repeats, rows=rows,
+               errors=errors, criterion=host_criterion(rows))
+    return doc
+
+
+def host_criterion(rows: dict) -> dict:
+    """host min <= 1.5 x kernels x bare Triton launch, for quantize and both GEMMs."""
+    out = {}
+    for name in ("pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4"):
+        if name not in rows or "bare triton launch" not in rows:
+            out[name] = {"host_us": None, "limit_us": None, "kernels": None, "met": False}
+            continue
+        bare = rows["bare triton launch"]["host_us"]["min"]
+        r = rows[name]
+        limit = HOST_FACTOR * r["kernels_per_call"] * bare
+        out[name] = {"host_us": r["host_us"]["min"], "limit_us": limit, "kernels": r["kernels_per_call"],
+                     "met": r["host_us"]["min"] <= limit}
+    return out
+
+
+# ----------------------------------------------------------------------------- CPU mode
+
+
+def simulate_sm90() -> None:
+    """Register a ``cuda`` backend that serves CPU tensors as an sm_90 target, force it,
+    and make every launch a no-op: what remains is the host path above the launch."""
+    import torch
+
+    import portable_mx  # noqa: F401  (registers the backends)
+    from portable_mx import registry
+    from portable_mx.backends.cuda import CudaBackend
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton import dequantize as dequantize_kernels
+    from portable_mx.backends.triton import launch as L
+
+    class SimulatedSm90(CudaBackend):
+        name = "cuda-simulated-sm90"
+        priority = 1000
+
+        def unavailable_reason(self, device: torch.device) -> Optional[str]:
+            return None if device.type == "cpu" else "serves CPU tensors only (a simulation)"
+
+        def target(self, device: torch.device):
+            return TARGETS["sm_90"]
+
+        def _identity(self, device, target):
+            return "sm_90", "simulated sm_90"
+
+    class NoLaunch:  # the dequantize kernel is launched through its module, not a plan
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    registry.register(SimulatedSm90(), replace=True)
+    os.environ[registry.ENV_BACKEND] = SimulatedSm90.name
+    L.launch = lambda plan, args: None
+    dequantize_kernels.dequantize_kernel = NoLaunch()
+
+
+def _machine() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "loadavg": load}
+
+
+def run_cpu(args, smoke: bool) -> dict:
+    import torch
+
+    simulate_sm90()
+    dev = torch.device("cpu")
+    p = decode_problem(dev, m=M, n=256 if smoke else N, k=256 if smoke else K)
+    calls, repeats = (20, 3) if smoke else (args.calls, args.repeats)
+    machine = _machine()
+    cases: dict[str, Callable[[], Any]] = {
+        "python call": lambda: None,
+        "torch.empty": lambda: torch.empty(16, 4096, dtype=torch.uint8, device=dev),
+    }
+    cases.update(portable_calls(p))
+    rows = {name: {"host_us": host_us(fn, calls, repeats)} for name, fn in cases.items()}
+    # outputs each call allocates with torch.empty (its cost is part of the total)
+    allocations = {"pmx.quantize": 2, "pmx.dequantize": 1, "pmx.matmul W4A16": 1, "pmx.matmul A4W4": 3,
+                   "MXLinear W4A16": 1}
+    empty_us = rows["torch.empty"]["host_us"]["min"]
+    for name, n_alloc in allocations.items():
+        rows[name]["allocations"] = n_alloc
+        rows[name]["layers_us"] = rows[name]["host_us"]["min"] - n_alloc * empty_us
+    machine["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    doc = result_header("overhead-cpu", f"simulated sm_90 on {machine['cpu']}")
+    goal = {name: {"host_us": rows[name]["host_us"]["min"], "layers_us": rows[name]["layers_us"],
+                   "goal_us": CPU_GOAL_US, "met": rows[name]["host_us"]["min"] <= CPU_GOAL_US}
+            for name in ("pmx.quantize", "pmx.matmul W4A16")}
+    doc.update(mode="cpu-smoke" if smoke else "cpu", machine=machine, shape={"M": M, "N": p["w"].shape[1],
+               "K": p["w"].shape[0]}, calls=calls, repeats=repeats, rows=rows, goal=goal)
+    return doc
+
+
+# ----------------------------------------------------------------------------- GPU checks
+
+
+def check_no_host_sync(device: Any) -> dict:
+    """Every hot-path call under ``torch.cuda.set_sync_debug_mode("error")``: nothing
+    synchronises with the host (quantize, dequantize, both GEMMs with float and
+    prequantized weights, MXLinear forward without and with autograd, and its backward)."""
+    import torch
+
+    import portable_mx as pmx
+
+    p = decode_problem(device, n=1024, k=1024, bias=True)
+    x = p["x"]
+    lin = pmx.nn.MXLinear(1024, 1024, device=device, dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    calls = dict(portable_calls(p))
+    calls["pmx.matmul float weight"] = lambda: pmx.matmul(x, p["w"])
+    calls["MXLinear forward + backward"] = lambda: lin(xg).float().sum().backward()
+    out = {}
+    for name, fn in calls.items():
+        fn()  # compile and plan outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+            out[name] = {"ok": True}
+        except RuntimeError as err:
+            out[name] = {"ok": False, "error": str(err).splitlines()[0][:300]}
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return out
+
+
+def check_direct_equals_jit(device: Any) -> dict:
+    """Direct launches (the kept CompiledKernel) and ``kernel[grid](...)`` write the same
+    bits, and the direct path was taken where the Triton release supports it."""
+    import torch
+    import triton
+
+    import portable_mx as pmx
+    from portable_mx.backends.triton import launch as L
+
+    p = decode_problem(device, n=1024, k=1024)
+    seen = []
+    real = L.launch
+
+    def spy(plan, args):
+        seen.append(plan)
+        return real(plan, args)
+
+    calls = portable_calls(p)
+    out = {}
+    L.launch = spy
+    try:
+        for name in ("pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4"):
+            fn = calls[name]
+            seen.clear()
+            fn()
+            fn()  # the second run of each plan is direct
+            direct = fn()
+            with L.direct_launches(False):
+                jit = fn()
+            a = [direct.qdata, direct.scales] if isinstance(direct, pmx.MXTensor) else [direct]
+            b = [jit.qdata, jit.scales] if isinstance(jit, pmx.MXTensor) else [jit]
+            same = all(torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a, b))
+            took_direct = bool(seen) and all(bool(plan.direct) for plan in seen)  # (no plan: not a Triton backend)
+            expected = triton.__version__.startswith(L.DIRECT_LAUNCH_TRITON)
+            out[name] = {"ok": same and took_direct == expected, "bits_equal": same, "direct_path": took_direct,
+                         "direct_expected": expected}
+    finally:
+        L.launch = real
+    return out
+
+
+def check_cuda_graph_mlp(device: Any, width: int = 1024, batch: int = 16) -> dict:
+    """A 4-layer MXLinear MLP (bf16, A4W4 and W4A16 layers, biases), captured in a CUDA
+    graph (forward under no_grad; forward + backward with the weight gradients) and
+    replayed with new inputs: outputs and gradients equal to eager. ``bitwise`` says
+    whether they are equal bit for bit (expected: the same kernels run; cuBLAS, which
+    makes the W4A16 layers' high-precision dW, may pick another algorithm inside a
+    graph), ``ok`` that they are at least within bf16 rounding (2^-7, relative to each
+    value or to the tensor's largest); stale weights or inputs would be far off."""
+    import torch
+
+    import portable_mx as pmx
+
+    torch.manual_seed(0)
+    layers = []
+    for i in range(4):
+        recipe = pmx.QuantRecipe(activations="bf16") if i % 2 else pmx.QuantRecipe()
+        layers += [pmx.nn.MXLinear(width, width, device=device, dtype=torch.bfloat16, recipe=recipe), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    static_x = torch.randn(batch, width, device=device, dtype=torch.bfloat16)
+    static_g = torch.randn(batch, width, device=device, dtype=torch.bfloat16)
+    out: dict[str, Any] = {}
+
+    def same(a, b) -> tuple[bool, bool]:
+        """(bit for bit, within bf16 rounding: 2^-7 of each value or of the largest)"""
+        scale = float(b.float().abs().max())
+        return torch.equal(a, b), torch.allclose(a.float(), b.float(), rtol=2.0**-7, atol=2.0**-7 * scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile, plan, quantize the weights
+        for _ in range(3):
+            with torch.no_grad():
+                model(static_x)
+            model.zero_grad(set_to_none=True)
+            model(static_x).backward(static_g)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    # forward, no autograd (decode)
+    fwd = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(fwd), torch.no_grad():
+        static_y = model(static_x)
+    bitwise = ok = True
+    for seed in (1, 2):
+        static_x.copy_(torch.randn(batch, width, device=device, generator=torch.Generator(device).manual_seed(seed)))
+        fwd.replay()
+        with torch.no_grad():
+            want = model(static_x)
+        bits, close = same(static_y, want)
+        bitwise, ok = bitwise and bits, ok and close
+    out["forward"] = {"ok": ok, "bitwise": bitwise}
+
+    # forward + backward (training step without the optimizer)
+    model.zero_grad(set_to_none=True)
+    step = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(step):
+        static_loss_y = model(static_x)
+        static_loss_y.backward(static_g)
+    graph_grads = [p.grad for p in model.parameters()]
+    bitwise = ok = True
+    for seed in (3, 4):
+        gen = torch.Generator(device).manual_seed(seed)
+        static_x.copy_(torch.randn(batch, width, device=device, generator=gen))
+        static_g.copy_(torch.randn(batch, width, device=device, generator=gen))
+        step.replay()
+        got_y, got = static_loss_y.clone(), [g.clone() for g in graph_grads]
+        for p in model.parameters():
+            p.grad = None
+        y = model(static_x)
+        y.backward(static_g)
+        for a, b in zip([got_y, *got], [y.detach(), *(p.grad for p in model.parameters())]):
+            bits, close = same(a, b)
+            bitwise, ok = bitwise and bits, ok and close
+        for p, g in zip(model.parameters(), graph_grads):
+            p.grad = g  # hand the graph's gradient buffers back
+    out["forward+backward"] = {"ok": ok, "bitwise": bitwise}
+    return out
+
+
+def run_gpu_checks(args) -> dict:
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.perf_counter()
+    checks: dict[str, Any] = {}
+    for name, fn in (("no_host_sync", check_no_host_sync), ("direct_equals_jit", check_direct_equals_jit),
+                     ("cuda_graph_mlp", check_cuda_graph_mlp)):
+        try:
+            checks[name] = fn(device)
+        except Exception as err:  # keep going: record the failure
+            checks[name] = {"error": {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}}
+    gpu = run_gpu(argparse.Namespace(calls=100, repeats=5))
+    checks["host_time"] = {name: {"ok": c["met"], **c} for name, c in gpu["criterion"].items()}
+    doc = result_header("overhead-gpu-checks", torch.cuda.get_device_name(device))
+    doc.update(mode="gpu-checks", seconds=time.perf_counter() - t0, checks=checks, rows=gpu["rows"])
+    doc["passed"] = all(v.get("ok", False) for group in checks.values() for v in group.values())
+    return doc
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def print_table(doc: dict) -> None:
+    print(f"\n{doc['benchmark']} on {doc['device']} ({doc['versions']['torch']}, triton {doc['versions']['triton']})")
+    if doc.get("machine"):
+        print(f"machine: {doc['machine']}")
+    for name, row in doc.get("rows", {}).items():
+        h = row["host_us"]
+        extra = ""
+        if "kernels_per_call" in row:
+            extra += f"  kernels {row['kernels_per_call']:.1f}  device {row['device_us_per_call']:7.1f} us"
+        if "host_us_jit_launch" in row:
+            extra += f"  (JIT launches: {row['host_us_jit_launch']['min']:6.1f} us)"
+        if "layers_us" in row:
+            extra += f"  without its {row['allocations']} torch.empty: {row['layers_us']:5.2f} us"
+        print(f"  {name:22s} host {h['min']:7.2f} us (median {h['median']:7.2f}){extra}")
+    for name, err in doc.get("errors", {}).items():
+        print(f"  {name:22s} FAILED: {err}")
+    for key in ("criterion", "goal"):
+        for name, c in doc.get(key, {}).items():
+            if c["host_us"] is None:
+                print(f"  {key}: {name:18s} not measured")
+                continue
+            limit = c.get("limit_us", c.get("goal_us"))
+            print(f"  {key}: {name:18s} {c['host_us']:6.2f} us <= {limit:6.2f} us: {'met' if c['met'] else 'NOT met'}")
+    for group, results in doc.get("checks", {}).items():
+        for name, r in results.items():
+            print(f"  check {group:18s} {name:28s} {'ok' if r.get('ok') else 'FAILED ' + str(r)}")
+    if doc.get("mode") == "cpu-smoke":
+        print("(a smoke run: few iterations of small shapes; the figures are not measurements)")
+    if "passed" in doc:
+        print(f"gpu checks: {'all passed' if doc['passed'] else 'FAILED'} in {doc['seconds']:.0f} s")
+
+
+def out_path(out: Optional[str], doc: dict) -> str:
+    name = f"overhead-{doc['mode']}-{slug(doc['device'])}.json"
+    if out is None:
+        return os.path.join(RESULTS_DIR, name)
+    return out if out.endswith(".json") else os.path.join(out, name)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--cpu", action="store_true", help="the host path on CPU tensors, launches a no-op")
+    mode.add_argument("--cpu-smoke", action="store_true", help="--cpu with tiny shapes and few iterations")
+    mode.add_argument("--gpu-checks", action="store_true", help="issue 12's GPU checks (about a minute)")
+    ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
+    ap.add_argument("--repeats", type=int, default=30, help="timed loops (min and median reported)")
+    ap.add_argument("--out", default=None, help="result JSON file or folder (default benchmarks/results/)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cpu or args.cpu_smoke:
+        doc = run_cpu(args, smoke=args.cpu_smoke)
+    else:
+        if no_gpu("overhead.py"):
+            return 2
+        doc = run_gpu_checks(args) if args.gpu_checks else run_gpu(args)
+    if not args.cpu_smoke or args.out:
+        write_result(doc, out_path(args.out, doc))
+    print_table(doc)
+    return 1 if doc.get("passed") is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""The ``portable_mx::`` torch custom ops: the GEMM with its autograd rule, and the
+rows-level quantize and dequantize that ``torch.compile`` traces as single ops.
+
+Registered with ``torch.library.Library.define``/``impl`` (cheaper to call than
+``@torch.library.custom_op``), each with a fake implementation, so that autograd,
+``torch.compile`` (dynamo, AOTAutograd, inductor) and ``torch.library.opcheck`` compose
+with them. Eager calls that need no gradient do not come here: the public ops and
+:class:`~portable_mx.nn.MXLinear` call :mod:`portable_mx._dispatch` directly. A recipe
+travels as its JSON (``QuantRecipe.model_dump_json()``), computed once per recipe object
+by :func:`recipe_json`, which dynamo treats as a constant.
+
+``portable_mx::mm(Tensor a, Tensor b, Tensor[] a_parts, Tensor[] b_parts, str recipe,
+str a_recipe, str b_recipe) -> Tensor``
+    The forward GEMM ``a @ b``: a float ``[M, K]``, b float ``[K, N]``, same dtype (fp32,
+    bf16, fp16 or fp64) and device; returns ``[M, N]`` in that dtype. An operand with
+    empty parts is quantized inside with ``recipe`` (a along K, its last axis, or rounded
+    to 16 bits for W4A16 recipes; b along K, axis 0). Non-empty parts are the tensors of
+    that operand's MXTensor quantized along K (:meth:`MXTensor.parts`; rows layout,
+    a: ``[M, ...]``, b: ``[N, ...]``) with ``a_recipe`` / ``b_recipe`` the JSON of its
+    recipe; the forward then uses those bytes and ignores the operand's values, which only
+    serve the backward as its high-precision copy. Exact up to fp32 accumulation order:
+    the fp32 product of the dequantized operands, rounded once to the dtype.
+    Differentiable in a and b (never in the parts).
+
+``portable_mx::grad_mm(Tensor a, Tensor b, str recipe, bool quantized) -> Tensor``
+    One backward GEMM ``a @ b`` (a ``[M, K]``, b ``[K, N]``, same dtype and device) in
+    a's dtype. ``quantized``: the GEMM of ``recipe``, a quantized along its last axis (or
+    rounded to 16 bits for W4A16) and b along axis 0, each along the reduction axis;
+    exact up to fp32 accumulation order. Otherwise high precision: on the CPU an fp32
+    matmul (fp64 for fp64 tensors) under ``float32_matmul_precision("highest")``,
+    rounded once to a's dtype; on a GPU ``a @ b`` in the tensors' dtype under torch's
+    CUDA matmul settings. No autograd formula: double backward is not supported.
+
+``portable_mx::quantize(Tensor x, str recipe) -> Tensor[]``
+    x float ``[R, K]`` quantized along K: the parts of the MXTensor (rows layout).
+
+``portable_mx::dequantize(Tensor[] parts, str recipe, SymInt k, ScalarType dtype) -> Tensor``
+    The rows-layout MXTensor of those parts (K = ``k``) -> ``[R, k]`` in ``dtype``.
+
+Backward of ``mm`` (straight-through: the quantizer's derivative is taken as 1), with
+``W`` = b ``[K, N]``, ``X`` = a ``[M, K]``, ``dY`` ``[M, N]``, and the operands' float
+values (for an MXTensor operand: its dequantized values) as the high-precision copies
+that MX training recipes re-quantize from:
+
+- ``dX = dY @ W^T``: ``recipe.grad_input == "mxfp4"``: ``grad_mm(dY, W^T, quantized)``,
+  which quantizes dY along N and W^T along N (each operand along its own reduction axis;
+  with 16-bit ``activations`` dY is rounded to that format instead of quantized);
+  ``"high"``: the high-precision matmul.
+- ``dW = X^T @ dY``: quantized (X^T and dY along M) when ``recipe.grad_weight ==
+  "mxfp4"`` and ``recipe.activations == "mxfp4"``, high precision otherwise (a W4A16
+  recipe quantizes no activation).
+
+The backward GEMMs use the call's ``recipe``, never an MXTensor operand's own recipe.
+An MXTensor operand cannot require a gradient; its values (dequantized, in its original
+dtype) are made only when the other operand needs one (dW needs a's values, dX needs
+b's), and stood in for by a zero-stride placeholder of its shape otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from . import _dispatch
+from ._precision import HighestPrecision
+from .format import BLOCK_SIZE
+from .recipe import QuantRecipe
+from .tensor import FLOAT_DTYPES, MXTensor
+
+Operand = Union[Tensor, MXTensor]
+
+# ----------------------------------------------------------------------------- recipes as strings
+
+_JSON: dict[int, tuple[QuantRecipe, str]] = {}
+
+
+@torch.compiler.assume_constant_result
+def recipe_json(recipe: QuantRecipe) -> str:
+    """``recipe.model_dump_json()``, computed once per recipe object (dynamo evaluates it
+    at trace time and keeps the string as a constant: no graph break)."""
+    hit = _JSON.get(id(recipe))
+    if hit is not None and hit[0] is recipe:
+        return hit[1]
+    if len(_JSON) > 1024:  # recipes made per call: keep the memo bounded
+        _JSON.clear()
+    text = recipe.model_dump_json()
+    _JSON[id(recipe)] = (recipe, text)
+    return text
+
+
+@functools.lru_cache(maxsize=256)
+def recipe_from_json(text: str) -> QuantRecipe:
+    if not isinstance(text, str) or not text:
+        raise ValueError("a recipe argument must be the JSON of a QuantRecipe (QuantRecipe.model_dump_json())")
+    return QuantRecipe.model_validate_json(text)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_pair(a: Tensor, b: Tensor, op: str) -> None:
+    """a [M, K] and b [K, N]: float, same dtype and device."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} must be float32, bfloat16, float16 or float64; got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D; got shape {tuple(t.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: a and b must have the same dtype; got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{op}: a and b must be on the same device; got {a.device} and {b.device}")
+
+
+def part_specs(recipe: QuantRecipe, rows, k) -> list[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) of each part of a rows-layout MXTensor (``rows`` x ``k``)."""
+    kp = -(-k // BLOCK_SIZE) * BLOCK_SIZE
+    nb = kp // BLOCK_SIZE
+    spec = [("qdata", torch.uint8, (rows, kp // 2)), ("scales", torch.uint8, (rows, nb))]
+    if recipe.macro_block is not None:
+        spec.append(("macro_scales", torch.float32, (rows, -(-kp // recipe.macro_block))))
+    if recipe.outliers_per_block:
+        o = recipe.outliers_per_block
+        spec += [("outlier_values", torch.bfloat16, (rows, nb, o)), ("outlier_indices", torch.uint8, (rows, nb, o))]
+    return spec
+
+
+def _check_parts(parts: list[Tensor], recipe_text: str, rows: int, k: int, device: torch.device, name: str) -> None:
+    """Parts of the MXTensor of operand ``name`` (``rows`` x ``k``, quantized along k)."""
+    if not parts:
+        if recipe_text:
+            raise ValueError(f"mm: {name}_recipe is set but {name}_parts is empty")
+        return
+    recipe = recipe_from_json(recipe_text)
+    spec = part_specs(recipe, rows, k)
+    if len(parts) != len(spec):
+        raise ValueError(
+            f"mm: {name}_parts must be [{', '.join(s[0] for s in spec)}] for recipe "
+            f"{recipe.describe()}; got {len(parts)} tensor(s)"
+        )
+    for p, (what, dtype, shape) in zip(parts, spec):
+        if p.dtype != dtype or tuple(p.shape) != shape or p.device != device:
+            raise ValueError(
+                f"mm: {name}_parts {what} must be {dtype} {shape} on {device}; "
+                f"got {p.dtype} {tuple(p.shape)} on {p.device}"
+            )
+
+
+def _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe) -> None:
+    _check_pair(a, b, "mm")
+    recipe_from_json(recipe)
+    _check_parts(a_parts, a_recipe, a.shape[0], a.shape[1], a.device, "a")
+    _check_parts(b_parts, b_recipe, b.shape[1], b.shape[0], b.device, "b")
+
+
+def _high_precision_mm(a: Tensor, b: Tensor) -> Tensor:
+    """CPU: fp32 (fp64 for fp64 tensors) at the highest matmul precision, rounded once to
+    a's dtype; GPU: ``a @ b`` in the tensors' dtype."""
+    if a.device.type == "cpu":
+        dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+        with HighestPrecision():
+            return (a.to(dtype) @ b.to(dtype)).to(a.dtype)
+    return a @ b
+
+
+# ----------------------------------------------------------------------------- the ops
+
+_LIB = torch.library.Library("portable_mx", "DEF")
+_LIB.define("mm(Tensor a, Tensor b, Tensor[] a_parts, Tensor[] b_parts, str recipe, str a_recipe, "
+            "str b_recipe) -> Tensor")
+_LIB.define("grad_mm(Tensor a, Tensor b, str recipe, bool quantized) -> Tensor")
+_LIB.define("quantize(Tensor x, str recipe) -> Tensor[]")
+_LIB.define("dequantize(Tensor[] parts, str recipe, SymInt k, ScalarType dtype) -> Tensor")
+
+
+def _mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe):
+    _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe)
+    (m, k), n = a.shape, b.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        return a.new_zeros(m, n)
+    a_op = MXTensor.from_parts(a_parts, (m, k), a.dtype, 1, recipe_from_json(a_recipe)) if a_parts else a
+    b_op = MXTensor.from_parts(b_parts, (k, n), b.dtype, 0, recipe_from_json(b_recipe)) if b_parts else b
+    return _dispatch.gemm(a_op, b_op, recipe_from_json(recipe), a.dtype)
+
+
+def _mm_fake(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe):
+    _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe)
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _grad_mm(a, b, recipe, quantized):
+    _check_pair(a, b, "grad_mm")
+    r = recipe_from_json(recipe)
+    (m, k), n = a.shape, b.shape[1]
+    if m == 0 or n == 0 or k == 0:
+        return a.new_zeros(m, n)
+    if quantized:
+        return _dispatch.gemm(a, b, r, a.dtype)
+    return _high_precision_mm(a, b).contiguous()
+
+
+def _grad_mm_fake(a, b, recipe, quantized):
+    _check_pair(a, b, "grad_mm")
+    recipe_from_json(recipe)
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _check_rows(x: Tensor) -> None:
+    if not isinstance(x, Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() != 2:
+        raise ValueError(f"quantize: x must be a 2-D float tensor [R, K]; got {getattr(x, 'shape', x)!r}")
+
+
+def _quantize(x, recipe):
+    _check_rows(x)
+    r = recipe_from_json(recipe)
+    if x.numel() == 0:
+        return MXTensor.zeros(x.shape, x.dtype, 1, r, x.device).parts()
+    return _dispatch.quantize_rows(x, r).parts()
+
+
+def _quantize_fake(x, recipe):
+    _check_rows(x)
+    return [x.new_empty(shape, dtype=dtype) for _, dtype, shape in part_specs(recipe_from_json(recipe), *x.shape)]
+
+
+def _dequantize(parts, recipe, k, dtype):
+    r = recipe_from_json(recipe)
+    mx = MXTensor.from_parts(parts, (parts[0].shape[0], k), torch.float32, 1, r)
+    return _dispatch.dequantize(mx, dtype).contiguous()
+
+
+def _dequantize_fake(parts, recipe, k, dtype):
+    recipe_from_json(recipe)
+    return parts[0].new_empty(parts[0].shape[0], k, dtype=dtype)
+
+
+for _name, _impl, _fake in (("mm", _mm, _mm_fake), ("grad_mm", _grad_mm, _grad_mm_fake),
+                            ("quantize", _quantize, _quantize_fake),
+                            ("dequantize", _dequantize, _dequantize_fake)):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"portable_mx::{_name}", _fake, lib=_LIB)
+
+
+def _mm_setup_context(ctx, inputs, output) -> None:
+    a, b, a_parts, b_parts, recipe, _, _ = inputs
+    ctx.save_for_backward(a, b)
+    ctx.recipe = recipe
+    ctx.num_parts = (len(a_parts), len(b_parts))
+
+
+def _mm_backward(ctx, grad: Tensor):
+    a, b = ctx.saved_tensors
+    recipe = recipe_from_json(ctx.recipe)
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.portable_mx.grad_mm(grad, b.T, ctx.recipe, recipe.grad_input == "mxfp4")
+    if ctx.needs_input_grad[1]:
+        quantized = recipe.grad_weight == "mxfp4" and recipe.quantizes_activations
+        grad_b = torch.ops.portable_mx.grad_mm(a.T, grad, ctx.recipe, quantized)
+    no_grads = [[None] * n for n in ctx.num_parts]  # the parts are never differentiated
+    return grad_a, grad_b, *no_grads, None, None, None
+
+
+torch.library.register_autograd("portable_mx::mm", _mm_backward, setup_context=_mm_setup_context, lib=_LIB)
+
+
+# ----------------------------------------------------------------------------- the op paths
+
+
+def quantize(x: Tensor, recipe: QuantRecipe, axis: int) -> MXTensor:
+    """:func:`portable_mx.quantize` as one ``portable_mx::quantize`` op (what a compiled
+    graph holds): x non-empty, validated, ``axis`` >= 0."""
+    rows = _dispatch.to_rows(x, axis)
+    parts = torch.ops.portable_mx.quantize(rows, recipe_json(recipe))
+    out = MXTensor.from_parts(parts, rows.shape, x.dtype, 1, recipe)
+    return out if rows is x else out.unrows(x.shape, axis)
+
+
+def dequantize(mx: MXTensor, dtype: torch.dtype) -> Tensor:
+    """:func:`portable_mx.dequantize` as one ``portable_mx::dequantize`` op: [*shape] in dtype."""
+    rows = mx.rows()
+    q = torch.ops.portable_mx.dequantize(rows.parts(), recipe_json(mx.recipe), mx.k, dtype)
+    return q if rows is mx else q.reshape(*mx.lead_shape, mx.k).movedim(-1, mx.axis)
+
+
+def _op_operand(t: Operand, values_needed: bool) -> tuple[Tensor, list[Tensor], str]:
+    """(values, parts, recipe JSON) of one ``mm`` operand. An MXTensor's values are its
+    dequantized ones when the backward will need them, else a placeholder of its shape
+    and dtype that nothing reads (no dequantize pass)."""
+    if isinstance(t, Tensor):
+        return t, [], ""
+    rows = t.rows()
+    parts = [p.detach() if p.requires_grad else p for p in rows.parts()]
+    if values_needed:
+        values = dequantize(t, t.dtype).detach()
+    else:
+        values = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return values, parts, recipe_json(t.recipe)
+
+
+def mx_matmul(a: Operand, b: Operand, recipe: QuantRecipe) -> Tensor:
+    """MXFP4 ``a @ b`` through the ``portable_mx::mm`` op, differentiable in the float
+    operands (see the module doc for the backward GEMMs): what :func:`portable_mx.matmul`
+    runs when a gradient is needed or when compiled. Inputs must be validated: a float
+    ``[..., M, K]`` (leading dims flattened; the gradient comes back in a's shape and
+    dtype) or an MXTensor along its last axis; b float ``[K, N]`` or an MXTensor along
+    axis 0. Returns ``[..., M, N]`` in a's dtype. An MXTensor operand is dequantized once
+    per call as the high-precision copy when the other operand needs a gradient."""
+    grad = torch.is_grad_enabled()
+    a2 = _dispatch.flatten_batch(a)
+    a_needs = grad and isinstance(a, Tensor) and a.requires_grad
+    b_needs = grad and isinstance(b, Tensor) and b.requires_grad
+    a_hp, a_parts, a_json = _op_operand(a2, b_needs)
+    b_hp, b_parts, b_json = _op_operand(b, a_needs)
+    out = torch.ops.portable_mx.mm(a_hp, b_hp, a_parts, b_parts, recipe_json(recipe), a_json, b_json)
+    return out if a2 is a else out.reshape(*a.shape[:-1], b.shape[1])

@@ -1,0 +1,154 @@
+"""The one dispatch layer: validated problems -> the rows view -> the selected backend.
+
+Everything above this module (the public ops in :mod:`portable_mx.ops`, the custom ops
+in :mod:`portable_mx._custom_ops`, :class:`~portable_mx.tensor.MXTensor`'s methods)
+validates its input once and calls down into these functions; nothing here checks
+arguments again. Each function moves the quantized axis last, flattens to the canonical
+``(R, K)`` rows problem of :mod:`portable_mx.registry`, asks the registry for the
+backend (memoised per op and device) and maps the result back to the caller's layout.
+Views are made only where the layout needs them: a 2-D tensor quantized along its last
+axis goes to the backend as it is.
+
+MXTensors are handled through their own layout methods (``rows``, ``unrows``), so this
+module needs no import of :mod:`portable_mx.tensor` (which imports it): an operand is an
+MXTensor exactly when it is not a ``torch.Tensor``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from . import registry
+from .decompose import Decomposition, decompose_blocks
+from .format import BLOCK_SIZE
+from .recipe import QuantRecipe
+
+if TYPE_CHECKING:
+    from .tensor import MXTensor
+
+Operand = Union[torch.Tensor, "MXTensor"]
+
+_select = registry.select
+_Tensor = torch.Tensor
+
+
+def _padded(k: int) -> int:
+    return -(-k // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def to_rows(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """x with ``axis`` (>= 0) moved last, flattened to [R, K]: x itself when it is 2-D
+    with ``axis`` 1, else a view (a copy only when the layout needs one)."""
+    nd = x.dim()
+    if axis == nd - 1:
+        return x if nd == 2 else x.reshape(-1, x.shape[-1])
+    xm = x.movedim(axis, -1)
+    return xm.reshape(math.prod(xm.shape[:-1]), xm.shape[-1])
+
+
+def from_rows(t: torch.Tensor, lead: torch.Size, k: int, axis: int) -> torch.Tensor:
+    """[R, Kp] rows -> crop to K, restore the lead dims and move the axis back."""
+    return t[:, :k].reshape(*lead, k).movedim(-1, axis)
+
+
+# ----------------------------------------------------------------------------- element-wise ops
+
+
+def quantize_rows(rows: torch.Tensor, recipe: QuantRecipe) -> "MXTensor":
+    """float [R, K] (R, K > 0) -> MXTensor (R, K), axis 1."""
+    return _select("quantize", rows.device).quantize(rows, recipe)
+
+
+def quantize(x: torch.Tensor, recipe: QuantRecipe, axis: int) -> "MXTensor":
+    """A non-empty float tensor quantized along ``axis`` (>= 0)."""
+    rows = to_rows(x, axis)
+    out = _select("quantize", x.device).quantize(rows, recipe)
+    return out if rows is x else out.unrows(x.shape, axis)
+
+
+def dequantize(mx: "MXTensor", dtype: torch.dtype) -> torch.Tensor:
+    """The values of ``mx`` in its original layout, in ``dtype``."""
+    rows = mx.rows()
+    if rows.qdata.numel() == 0:
+        return torch.zeros(mx.shape, dtype=dtype, device=mx.device)
+    q = _select("dequantize", mx.device).dequantize(rows, dtype)
+    if rows is mx:
+        k = mx.shape[1]
+        return q if q.shape[1] == k else q[:, :k]
+    return from_rows(q, mx.lead_shape, mx.k, mx.axis)
+
+
+def decompose(x: torch.Tensor, recipe: QuantRecipe, axis: int, definition: str, full: bool) -> Decomposition:
+    """The decomposition of quantizing ``x`` along ``axis`` (>= 0), in x's layout."""
+    rows = to_rows(x, axis)
+    lead = torch.Size(x.shape[:axis] + x.shape[axis + 1:])
+    if rows.numel() == 0:
+        r, k = rows.shape
+        blocks = torch.zeros(r, _padded(k) // BLOCK_SIZE, BLOCK_SIZE, device=x.device)
+        stats = blocks.sum(-1)
+        dec = decompose_blocks(
+            blocks, blocks, definition=definition, recipe=recipe, clip_count=stats,
+            rest_amax=stats, outlier_mask=None, full=full,
+        )
+    else:
+        dec = _select("decompose", x.device).decompose(rows, recipe, definition, full)
+    nb = _padded(x.shape[axis]) // BLOCK_SIZE
+    dec = dec.map_tensors(
+        block_fn=lambda t: t.reshape(*lead, nb),
+        element_fn=lambda t: from_rows(t, lead, x.shape[axis], axis),
+    )
+    return replace(dec, axis=axis, num_elements=x.numel())
+
+
+# ----------------------------------------------------------------------------- GEMM
+
+
+def left_operand(a: Operand, recipe: QuantRecipe) -> Operand:
+    """The left GEMM operand ``a`` [M, K] as a backend takes it: an MXTensor in the rows
+    layout (quantized along K with ``recipe`` when ``a`` is a float tensor), or, with
+    16-bit ``recipe.activations``, ``a`` rounded to that format (round to nearest even)."""
+    if not isinstance(a, _Tensor):
+        return a.rows()
+    if recipe.activations == "mxfp4":
+        return _select("quantize", a.device).quantize(a, recipe)
+    half = torch.bfloat16 if recipe.activations == "bf16" else torch.float16
+    return a if a.dtype is half else a.to(half)
+
+
+def right_operand(b: Operand, recipe: QuantRecipe) -> "MXTensor":
+    """The weight ``b`` [K, N] as a backend takes it: an MXTensor (N, K), axis 1 (b
+    quantized along K, axis 0, with ``recipe`` when it is a float tensor)."""
+    if isinstance(b, _Tensor):
+        rows = b.T
+        return _select("quantize", b.device).quantize(rows, recipe)
+    return b.rows()
+
+
+def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``out_dtype``: a [M, K] (float, or an MXTensor along axis 1), b [K, N]
+    (float, or an MXTensor along axis 0), quantized per ``recipe`` (see
+    :func:`portable_mx.matmul`); the fp32 accumulation rounded once to ``out_dtype``."""
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if m == 0 or k == 0 or n == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=b.device)
+    a_op = left_operand(a, recipe)
+    b_rows = right_operand(b, recipe)
+    return _select("matmul", b_rows.device).matmul(a_op, b_rows, out_dtype)
+
+
+def flatten_batch(a: Operand) -> Operand:
+    """a [..., M, K] (a float tensor, or an MXTensor along its last axis) -> [M', K]."""
+    if isinstance(a, _Tensor):
+        return a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+    return a.rows()
+
+
+def matmul(a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:
+    """``a @ b`` without autograd: a [..., M, K], b [K, N] -> [..., M, N] in a's dtype."""
+    a2 = flatten_batch(a)
+    out = gemm(a2, b, recipe, a.dtype)
+    return out if a2 is a else out.reshape(*a.shape[:-1], b.shape[1])

@@ -375,3 +375,33 @@ def test_sm90_assembly():
         assert facts["asm_registers"][:2] == [[0, 1], [0, 2]], (name, facts)
         assert facts["wgmma_a_in_registers"] and facts["cp_async_16"] > 0, (name, facts)
         assert not facts["local"] and facts["global_loads_in_loop"] == 0, (name, facts)
+
+
+# ----------------------------------------------------------------------------- the GPU sweep
+
+
+def _interpreter_usable() -> bool:
+    from portable_mx.backends.triton import MIN_TRITON_INTERPRET, triton_version
+
+    version = triton_version()
+    return version is not None and version >= MIN_TRITON_INTERPRET
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not _interpreter_usable(),
+                    reason="the sweep's CPU smoke run is for machines without a GPU, with triton >= 3.8")
+def test_gemm_sweep_cpu_smoke(tmp_path):
+    """benchmarks/sweeps/gemm_sweep.py --cpu-smoke runs end to end in the interpreter: every
+    candidate checked against the float64 product on both problems, one JSON written."""
+    import json
+    import os
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "gemm_sweep.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--shapes", "m16", "--kinds", "a4w4",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "gemm_sweep.json").read_text())
+    assert result["smoke"] and set(result["shapes"]) == {"m16"}
+    assert result["candidates"] and all(r["check_small"] and r["check_rows"] and "ms" in r
+                                        for r in result["candidates"])

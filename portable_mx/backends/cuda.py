@@ -39,9 +39,9 @@ TILES = {
 GEMM_TILES = {
     "sm_100": {
         "a4w4": GemmConfig(128, 128, 256, num_warps=8, num_stages=3),
-        "a4w4-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+        "a4w4-heavy": GemmConfig(128, 32, 64, num_warps=8, num_stages=2),
         "a4w4-small": GemmConfig(128, 64, 256, num_warps=4, num_stages=4, split_k=0),
-        "a4w4-small-heavy": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+        "a4w4-small-heavy": GemmConfig(128, 32, 64, num_warps=8, num_stages=2),
         "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
         "w4a16-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=2),
         "w4a16-small": GemmConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=0),

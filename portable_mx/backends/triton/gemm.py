@@ -320,13 +320,11 @@ def _parts(t: MXTensor) -> tuple[torch.Tensor, ...]:
     return t.qdata.contiguous(), s, macro, ov, oi
 
 
-def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
-           b_layout: ScaleLayout = PLAIN, out_dtype: torch.dtype = torch.float32,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
-    [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's scales are read
-    in ``b_layout``, swizzled once per scales tensor (:func:`layouts.prepared`). ``out``:
-    an [M, N] tensor of ``out_dtype`` to write (unit column stride)."""
+def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, b_layout: ScaleLayout = PLAIN,
+                out_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None):
+    """(kernel, grid, arguments, constexprs, output) of the launch :func:`matmul` makes:
+    ``kernel[grid](*arguments, **constexprs, **options)`` computes it (or
+    ``kernel.warmup(*arguments, grid=grid, **constexprs, **options)`` compiles it)."""
     n, kp = b.qdata.shape[0], b.k_padded
     oa, ob = Operand.of(a), Operand.of(b)
     if isinstance(a, MXTensor):
@@ -353,9 +351,18 @@ def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, op
         part, counts = splitk.buffers(b.device, tiles * split * config.block_m * config.block_n, tiles)
     else:
         part, counts = c, c
-    gemm_kernel[(tiles * split,)](
-        *a_parts, *b_parts, c, part, counts,
-        m, n, b.k, kp, stride_am, c.stride(0), nma, nmb, oa.macro_block or 32, ob.macro_block or 32,
-        **plan.constexprs, **options,
-    )
+    args = (*a_parts, *b_parts, c, part, counts,
+            m, n, b.k, kp, stride_am, c.stride(0), nma, nmb, oa.macro_block or 32, ob.macro_block or 32)
+    return gemm_kernel, (tiles * split,), args, dict(plan.constexprs), c
+
+
+def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
+           b_layout: ScaleLayout = PLAIN, out_dtype: torch.dtype = torch.float32,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
+    [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's scales are read
+    in ``b_layout``, swizzled once per scales tensor (:func:`layouts.prepared`). ``out``:
+    an [M, N] tensor of ``out_dtype`` to write (unit column stride)."""
+    kernel, grid, args, consts, c = launch_args(a, b, config, b_layout, out_dtype, out)
+    kernel[grid](*args, **consts, **options)
     return c

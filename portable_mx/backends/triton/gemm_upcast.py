@@ -413,15 +413,12 @@ def decode_tiles(b: MXTensor, block_n: int, block_k: int, route: UpcastRoute = P
     return out
 
 
-def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
-           route: UpcastRoute = PLAIN_ROUTE, out_dtype: torch.dtype = torch.float32,
-           interpreted: bool = False, out: Optional[torch.Tensor] = None, dot: Optional[str] = None) -> torch.Tensor:
-    """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
-    [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's codes and
-    scales are read in the route's layout, swizzled once per weight
-    (:func:`layouts.prepared`). ``interpreted``: the Triton interpreter runs the kernel
-    (fp32 IEEE dot). ``out``: an [M, N] tensor of ``out_dtype`` to write (row stride free,
-    unit column stride). ``dot``: the dot's dtype instead of :func:`dot_format`'s (tests)."""
+def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, route: UpcastRoute = PLAIN_ROUTE,
+                out_dtype: torch.dtype = torch.float32, interpreted: bool = False, out: Optional[torch.Tensor] = None,
+                dot: Optional[str] = None):
+    """(kernel, grid, arguments, constexprs, output) of the launch :func:`matmul` makes:
+    ``kernel[grid](*arguments, **constexprs, **options)`` computes it (or
+    ``kernel.warmup(*arguments, grid=grid, **constexprs, **options)`` compiles it)."""
     n, kp, k = b.qdata.shape[0], b.k_padded, b.k
     oa, ob = Operand.of(a), Operand.of(b)
     if isinstance(a, MXTensor):
@@ -449,9 +446,21 @@ def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, op
         part, counts = splitk.buffers(b.device, tiles * split * config.block_m * config.block_n, tiles)
     else:
         part, counts = c, c
-    upcast_gemm_kernel[(tiles * split,)](
-        *a_parts, codes, scales, macro, ov, oi, c, part, counts,
-        m, n, k, kp, stride_am, c.stride(0), stride_bv, stride_bs, nma, nmb, oa.macro_block or 32,
-        ob.macro_block or 32, **consts, **options,
-    )
+    args = (*a_parts, codes, scales, macro, ov, oi, c, part, counts,
+            m, n, k, kp, stride_am, c.stride(0), stride_bv, stride_bs, nma, nmb, oa.macro_block or 32,
+            ob.macro_block or 32)
+    return upcast_gemm_kernel, (tiles * split,), args, consts, c
+
+
+def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
+           route: UpcastRoute = PLAIN_ROUTE, out_dtype: torch.dtype = torch.float32,
+           interpreted: bool = False, out: Optional[torch.Tensor] = None, dot: Optional[str] = None) -> torch.Tensor:
+    """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
+    [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's codes and
+    scales are read in the route's layout, swizzled once per weight
+    (:func:`layouts.prepared`). ``interpreted``: the Triton interpreter runs the kernel
+    (fp32 IEEE dot). ``out``: an [M, N] tensor of ``out_dtype`` to write (row stride free,
+    unit column stride). ``dot``: the dot's dtype instead of :func:`dot_format`'s (tests)."""
+    kernel, grid, args, consts, c = launch_args(a, b, config, route, out_dtype, interpreted, out, dot)
+    kernel[grid](*args, **consts, **options)
     return c

@@ -1,0 +1,480 @@
+"""Sweep of the MXFP4 GEMM kernels' configs on one GPU, against torch.matmul in bf16.
+
+    python benchmarks/sweeps/gemm_sweep.py --out DIR [--budget 240] [--shapes ...] [--kinds w4a16,a4w4]
+    python benchmarks/sweeps/gemm_sweep.py --cpu-smoke --out DIR      # no GPU: tiny shapes, the interpreter
+
+Per shape M x N x K (default: M = 1, 16, 128 with N = K = 8192, and 4096^3, 8192^3) and
+kind (W4A16: bf16 activations x MXFP4 weight; A4W4: both MXFP4, the activations
+quantized beforehand: kernel-only), a handful of candidate launches (benchmarks/NOTES-gemm.md
+says why these):
+
+- ``default``: what ``Backend.matmul`` launches (its plan: route, config, split-K);
+- ``upcast ...``: gemm_upcast.py with explicit tiles, warps, stages, split-K, weight
+  layout (hopper or plain) and decode (``asm``: sm_90 inline PTX, ``twin``: pure Triton);
+- ``scaled ...``: gemm.py (tl.dot_scaled), the kernel that ran before on sm_90, as the
+  comparison point.
+
+Steps: (1) every candidate is compiled in parallel worker processes (spawn; ``Kernel.warmup``
+on a small problem whose integer arguments specialise like the timed one, so the timed
+launch loads the same binary from Triton's cache), which also reports registers,
+spills, shared memory and whether ptxas serialized the wgmma chain (C7515); (2) each
+candidate runs the small problem and is checked against the float64 product of the
+dequantized operands (|err| <= K 2^-24 |A||B| + 2^-8 |exact|: fp32 accumulation, then the
+bf16 output rounding), then the timed problem, whose output is checked on sampled rows;
+(3) kernel-only time: the launches (rotating over enough weight copies that the
+weights come from HBM, not L2) replayed in a CUDA graph, median of
+``triton.testing.do_bench_cudagraph``; the baseline torch.matmul the same way, in the
+same run. A candidate that fails is recorded with its error and the sweep goes on; past
+``--budget`` seconds the remaining timings are skipped (recorded as such).
+
+Writes ``DIR/gemm_sweep.json`` (device, versions, every candidate's figures) and prints a
+table last: time, speedup over bf16 (``bf16 time / candidate time``) and the goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SCHEMA = "portable_mx.gemm_sweep/1"
+SHAPES = {"m1": (1, 8192, 8192), "m16": (16, 8192, 8192), "m128": (128, 8192, 8192),
+          "4096^3": (4096, 4096, 4096), "8192^3": (8192, 8192, 8192)}
+SMOKE_SHAPES = {"m1": (1, 128, 256), "m16": (16, 128, 256), "m128": (128, 128, 256)}
+# the issue's goals (speedup over torch bf16, kernel-only): W4A16, A4W4
+GOALS = {"m1": (3.0, 2.5), "m16": (3.0, 2.5), "m128": (2.0, 1.5), "4096^3": (0.9, 0.8), "8192^3": (0.9, 0.8)}
+L2_BYTES = 50 << 20  # H100: copies rotate until they exceed twice this
+CHECK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One launch to time: ``kernel`` "default" (Backend.matmul), "upcast" or "scaled";
+    for the last two a GemmConfig's fields, and for "upcast" the weight layout and decode."""
+
+    kind: str  # "w4a16" | "a4w4"
+    shape: str
+    kernel: str
+    block: tuple = ()  # (block_m, block_n, block_k, warps, stages, split_k)
+    layout: str = "hopper"
+    asm: bool = True
+
+    def name(self) -> str:
+        if self.kernel == "default":
+            return "default"
+        bm, bn, bk, w, s, sk = self.block
+        tile = f"{bm}x{bn}x{bk} w{w} s{s} sk{sk}"
+        if self.kernel == "scaled":
+            return f"scaled {tile}"
+        return f"upcast {self.layout}{'+asm' if self.asm else '+twin'} {tile}"
+
+    def config(self, extra=()):
+        from portable_mx.backends.triton.launch import GemmConfig
+
+        bm, bn, bk, w, s, sk = self.block
+        return GemmConfig(bm, bn, bk, num_warps=w, num_stages=s, split_k=sk, extra=tuple(extra))
+
+
+def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
+    """The launches tried for one kind and shape (NOTES-gemm.md: what each tests)."""
+    if smoke:  # the interpreter: a few, small
+        return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 2)),
+                Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1), layout="plain", asm=False),
+                Candidate(kind, shape, "scaled", (16, 32, 64, 4, 2, 2))]
+    up = []
+    if m <= 16:
+        up += [(16, 128, 128, 4, 4, 4), (16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 3, 4), (16, 256, 128, 8, 3, 8),
+               (16, 64, 256, 8, 4, 4), (16, 128, 128, 4, 4, 1)]
+        old = [(16, 64, 256, 4, 4, 1), (16, 64, 256, 4, 4, 4)]
+    elif m <= 128:
+        up += [(64, 256, 128, 8, 3, 2), (64, 256, 128, 8, 3, 4), (128, 256, 128, 8, 3, 1), (64, 128, 128, 4, 4, 4),
+               (128, 128, 128, 8, 3, 2)]
+        old = [(128, 64, 128, 8, 3, 1)]
+    else:
+        up += [(128, 256, 128, 8, 3, 1), (128, 256, 128, 8, 4, 1), (128, 256, 64, 8, 4, 1), (128, 128, 128, 8, 3, 1),
+               (64, 256, 128, 8, 3, 1)]
+        old = [(128, 64, 128, 8, 3, 1)] if kind == "w4a16" else [(128, 128, 128, 8, 3, 1)]
+    if kind == "a4w4":  # fewer: the token decode is the same code at every tile
+        up = up[:3]
+    out = [Candidate(kind, shape, "default")]
+    out += [Candidate(kind, shape, "upcast", b) for b in up]
+    out.append(Candidate(kind, shape, "upcast", up[0], asm=False))  # the pure-Triton twin
+    out.append(Candidate(kind, shape, "upcast", up[0], layout="plain", asm=False))  # no swizzled layout
+    out += [Candidate(kind, shape, "scaled", b) for b in old]
+    return out
+
+
+# ----------------------------------------------------------------------------- operands
+
+
+def small_shape(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """A check problem whose integers specialise like (m, n, k): M kept up to 128 (1 and
+    multiples of 16 stay so), N and K multiples of 16 (as 8192 and 4096 are)."""
+    return (m if m <= 128 else 256), min(n, 512), min(k, 1024)
+
+
+def make_operands(kind: str, m: int, n: int, k: int, device, seed: int, copies: int = 1):
+    """(activations, [weights]) with the weights as MXTensors (N, K) in the rows layout and
+    the activations bf16 [M, K] (W4A16) or an MXTensor (M, K) (A4W4), quantized on
+    ``device`` by the registry's backend there."""
+    import torch
+
+    from portable_mx import ops
+    from portable_mx.recipe import QuantRecipe
+
+    backend = _backend(device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
+    weights = []
+    for i in range(copies):
+        w = (torch.randn(n, k, generator=g) * 0.05).to(device=device, dtype=torch.bfloat16)
+        weights.append(ops._mx_rows(backend.quantize(w, QuantRecipe())))
+    a = x if kind == "w4a16" else ops._mx_rows(backend.quantize(x, QuantRecipe()))
+    return a, weights
+
+
+def _backend(device):
+    import torch
+
+    from portable_mx import registry
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return registry.get("triton-interpret")
+    for name in ("cuda", "rocm"):
+        b = registry.get(name)
+        if b.unavailable_reason(device) is None:
+            return b
+    raise RuntimeError(f"no Triton backend serves {device}")
+
+
+def runner(cand: Candidate, device):
+    """A function (a, b, out_dtype) -> C for ``cand`` on ``device``, and its launch args
+    builder (for warmup) or None."""
+    import torch
+
+    backend = _backend(device)
+    target = backend.target(torch.device(device))
+    interpreted = target is None
+    if cand.kernel == "default":
+        return (lambda a, b, dt: backend.matmul(a, b, dt)), None
+    from portable_mx.backends.triton import gemm, gemm_upcast
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES, PLAIN_VALUES
+
+    extra = dict(backend.default_gemm_config(target, 4096, None, False).extra) if target is not None else {}
+    config = cand.config(tuple(extra.items()))
+    options = backend.options(config)
+    if cand.kernel == "upcast":
+        route = gemm_upcast.UpcastRoute(HOPPER_VALUES if cand.layout == "hopper" else PLAIN_VALUES, asm=cand.asm)
+
+        def run(a, b, dt):
+            with backend.running():
+                c = gemm_upcast.matmul(a, b, config, options, route, torch.float32 if interpreted else dt, interpreted)
+            return c if c.dtype == dt else c.to(dt)
+
+        def args(a, b, dt):
+            return gemm_upcast.launch_args(a, b, config, route, dt, interpreted), options
+    else:
+        layout = backend.scale_layout(target)
+
+        def run(a, b, dt):
+            with backend.running():
+                c = gemm.matmul(a, b, config, options, layout, torch.float32 if interpreted else dt)
+            return c if c.dtype == dt else c.to(dt)
+
+        def args(a, b, dt):
+            return gemm.launch_args(a, b, config, layout, dt), options
+    return run, args
+
+
+# ----------------------------------------------------------------------------- compile workers
+
+
+def _ptxas_serialized(compiled) -> Optional[bool]:
+    """Whether ptxas serialized the kernel's wgmma chain (its C7515 note), or None."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptx = compiled.asm.get("ptx")
+        if ptx is None:
+            return None
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            arch = compiled.metadata.target.arch
+            proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", src, "-o",
+                                   os.path.join(tmp, "k.o")], capture_output=True, text=True, timeout=120)
+        return "C7515" in proc.stdout + proc.stderr
+    except Exception:  # noqa: BLE001  (a fact we may not get: never fatal)
+        return None
+
+
+def compile_one(job: tuple) -> dict[str, Any]:
+    """Worker: compile ``cand`` for the small problem of (m, n, k) (same specialisation as
+    the timed one) and report the kernel's resources."""
+    cand, m, n, k, device = job
+    start = time.perf_counter()
+    try:
+        import torch
+
+        if cand.kernel == "default":
+            return {"seconds": 0.0}
+        sm, sn, sk = small_shape(m, n, k)
+        a, (b,) = make_operands(cand.kind, sm, sn, sk, device, seed=1)
+        run, args = runner(cand, device)
+        (fn, grid, launch_args, consts, _), options = args(a, b, torch.bfloat16)
+        compiled = fn.warmup(*launch_args, grid=grid, **consts, **options)
+        if hasattr(compiled, "result"):  # an asynchronous compile
+            compiled = compiled.result()
+        out = {"seconds": round(time.perf_counter() - start, 2),
+               "shared_bytes": getattr(compiled.metadata, "shared", None),
+               "wgmma_serialized": _ptxas_serialized(compiled)}
+        compiled._init_handles()  # loads the binary: the driver reports registers and spills
+        out.update(registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None))
+        return out
+    except Exception as err:  # noqa: BLE001
+        return {"seconds": round(time.perf_counter() - start, 2),
+                "compile_error": f"{type(err).__name__}: {str(err)[-600:]}"}
+
+
+def compile_all(jobs: list[tuple], workers: int) -> list[dict[str, Any]]:
+    if workers <= 1:
+        return [compile_one(j) for j in jobs]
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return pool.map(compile_one, jobs, chunksize=1)
+
+
+# ----------------------------------------------------------------------------- checks and timing
+
+
+def exact_product(a, b, k: int, rows=None):
+    """float64 [len(rows), N] of the dequantized operands (reference backend, on a's device)."""
+    import torch
+
+    from portable_mx.backends.reference import ReferenceBackend
+
+    ref = ReferenceBackend()
+    if isinstance(a, torch.Tensor):
+        aq = a if rows is None else a[rows]
+        aq = aq.double()
+    else:
+        aq = ref.dequantize(a)[:, :k].double()
+        aq = aq if rows is None else aq[rows]
+    bq = ref.dequantize(b)[:, :k].double()
+    return aq @ bq.T, aq.abs() @ bq.abs().T
+
+
+def check(got, exact, magnitude, k: int) -> tuple[bool, float]:
+    """(within K 2^-24 |A||B| + 2^-8 |exact|, the largest error over that bound)."""
+    err = (got.double() - exact).abs()
+    bound = k * 2.0**-24 * magnitude + 2.0**-8 * exact.abs()
+    nan_ok = bool((got.isnan() == exact.isnan()).all())
+    finite = ~exact.isnan()
+    ratio = (err[finite] / bound[finite].clamp_min(1e-300)).max().item() if finite.any() else 0.0
+    return nan_ok and bool((err[finite] <= bound[finite]).all()), ratio
+
+
+def kernel_time_ms(fn, copies: int, smoke: bool) -> tuple[float, str]:
+    """Median time of one call: CUDA-graph replays of ``fn`` (which makes ``copies``
+    calls), else host clock in the smoke run."""
+    import torch
+
+    if smoke:
+        fn()
+        t = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - t) / 2 / copies * 1e3, "host clock (smoke: not a measurement)"
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return ms / copies, "cuda graph"
+    except Exception:  # noqa: BLE001  (not capturable: events, launch overhead included)
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return ms / copies, "events (launch overhead included)"
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def environment(device) -> dict[str, Any]:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        info["triton"] = None
+    if torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(device=torch.cuda.get_device_name(device), sms=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda, hip=torch.version.hip)
+    else:
+        info.update(device="cpu (interpreter smoke run)")
+    return info
+
+
+def sweep(args) -> dict[str, Any]:
+    import torch
+
+    smoke = args.cpu_smoke
+    device = torch.device("cpu" if smoke else args.device)
+    t0 = time.perf_counter()
+    shapes = {name: (SMOKE_SHAPES if smoke else SHAPES)[name] for name in args.shapes
+              if name in (SMOKE_SHAPES if smoke else SHAPES)}
+    plan = [(kind, name, shape, cand) for name, shape in shapes.items() for kind in args.kinds
+            for cand in candidates(kind, name, shape[0], smoke)]
+    result = {"schema": SCHEMA, "environment": environment(device), "smoke": smoke, "budget_s": args.budget,
+              "shapes": {}, "candidates": []}
+
+    # (1) compile, in parallel
+    if not smoke:
+        jobs = [(c, *shape, str(device)) for _, _, shape, c in plan]
+        workers = args.workers or max(1, min(12, (os.cpu_count() or 2) - 2))
+        print(f"compiling {len(jobs)} candidates on {workers} workers ...", flush=True)
+        compiled = compile_all(jobs, workers)
+    else:
+        compiled = [{} for _ in plan]
+    result["compile_seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"compiled in {result['compile_seconds']} s", flush=True)
+
+    # (2, 3) per shape and kind: operands, baseline, candidates
+    groups: dict[tuple, list] = {}
+    for (kind, name, shape, cand), comp in zip(plan, compiled):
+        groups.setdefault((kind, name, shape), []).append((cand, comp))
+    baselines: dict[str, float] = {}
+    for (kind, name, shape), members in groups.items():
+        m, n, k = shape
+        print(f"{kind} {name}: {len(members)} candidates ({time.perf_counter() - t0:.0f} s)", flush=True)
+        wbytes = n * k // 2 + n * k // 32
+        copies = 1 if smoke else max(1, min(8, -(-2 * L2_BYTES // wbytes)))
+        a, weights = make_operands(kind, m, n, k, device, seed=2, copies=copies)
+        sm, sn, sk = small_shape(m, n, k)
+        a_small, (b_small,) = make_operands(kind, sm, sn, sk, device, seed=3)
+        exact_small, mag_small = exact_product(a_small, b_small, sk)
+        rows = torch.linspace(0, m - 1, min(m, CHECK_ROWS), device=device).round().long().unique()
+        exact_big, mag_big = exact_product(a, weights[0], k, rows)
+        if name not in baselines:
+            x16 = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            wts = [torch.randn(k, n, device=device, dtype=torch.bfloat16)
+                   for _ in range(1 if smoke else max(1, min(4, -(-2 * L2_BYTES // (2 * n * k)))))]
+            bf16_dt = torch.float32 if smoke else torch.bfloat16
+            x16, wts = x16.to(bf16_dt), [w.to(bf16_dt) for w in wts]
+            baselines[name], how = kernel_time_ms(lambda: [torch.matmul(x16, w) for w in wts], len(wts), smoke)
+            result["shapes"][name] = {"m": m, "n": n, "k": k, "bf16_ms": baselines[name], "bf16_timing": how,
+                                      "goal_w4a16": GOALS.get(name, (None, None))[0],
+                                      "goal_a4w4": GOALS.get(name, (None, None))[1]}
+            del x16, wts
+        for cand, comp in members:
+            rec = {"kind": kind, "shape": name, "candidate": cand.name(), **comp}
+            result["candidates"].append(rec)
+            try:  # (after a worker's compile error too: the JIT here may still compile it, or say why not)
+                run, _ = runner(cand, device)
+                small = run(a_small, b_small, torch.bfloat16).cpu()
+                rec["check_small"], rec["check_small_error_ratio"] = check(small, exact_small.cpu(), mag_small.cpu(), sk)
+                big = run(a, weights[0], torch.bfloat16)
+                rec["check_rows"], rec["check_rows_error_ratio"] = check(big[rows].cpu(), exact_big.cpu(),
+                                                                         mag_big.cpu(), k)
+                if not (rec["check_small"] and rec["check_rows"]):
+                    rec["skipped"] = "wrong result: not timed"
+                    continue
+                if time.perf_counter() - t0 > args.budget:
+                    rec["skipped"] = "budget"
+                    continue
+                ms, how = kernel_time_ms(lambda: [run(a, w, torch.bfloat16) for w in weights], len(weights), smoke)
+                rec.update(ms=ms, timing=how, speedup=baselines[name] / ms,
+                           tflops=2 * m * n * k / ms / 1e9, weight_gbs=wbytes / ms / 1e6)
+            except Exception as err:  # noqa: BLE001  (record and go on)
+                rec["error"] = f"{type(err).__name__}: {str(err)[-600:]}"
+                rec["traceback"] = traceback.format_exc()[-2000:]
+        del a, weights
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = []
+    for name, sh in result["shapes"].items():
+        lines.append(f"\n{name}: M={sh['m']} N={sh['n']} K={sh['k']}  torch bf16 {sh['bf16_ms'] * 1e3:.1f} us")
+        for rec in (r for r in result["candidates"] if r["shape"] == name):
+            goal = sh["goal_w4a16"] if rec["kind"] == "w4a16" else sh["goal_a4w4"]
+            if "ms" in rec:
+                met = "" if goal is None else ("  goal met" if rec["speedup"] >= goal else f"  goal {goal}x")
+                serial = " serialized-wgmma" if rec.get("wgmma_serialized") else ""
+                lines.append(f"  {rec['kind']:6s} {rec['candidate']:42s} {rec['ms'] * 1e3:9.1f} us  "
+                             f"{rec['speedup']:5.2f}x  regs {rec.get('registers', '-')}{serial}{met}")
+            else:
+                why = rec.get("compile_error") or rec.get("error") or rec.get("skipped") or "?"
+                lines.append(f"  {rec['kind']:6s} {rec['candidate']:42s} {why.splitlines()[0][:60]}")
+    lines.append(f"\ncompile {result['compile_seconds']} s, total {result['seconds']} s"
+                 + (" (smoke run: the times are not measurements)" if result["smoke"] else ""))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="directory for gemm_sweep.json")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds; past it remaining timings are skipped")
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help=f"comma-separated subset of {','.join(SHAPES)} (the smoke run has {','.join(SMOKE_SHAPES)})")
+    p.add_argument("--kinds", default="w4a16,a4w4", help="comma-separated subset of w4a16,a4w4")
+    p.add_argument("--workers", type=int, default=0, help="compile processes (default min(12, CPUs - 2))")
+    p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny shapes in the Triton interpreter")
+    args = p.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    args.kinds = [s for s in args.kinds.split(",") if s]
+    unknown = (set(args.shapes) - set(SHAPES)) | (set(args.kinds) - {"w4a16", "a4w4"})
+    if unknown:
+        p.error(f"unknown shapes or kinds: {sorted(unknown)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gemm_sweep: no GPU (use --cpu-smoke to check the script)", file=sys.stderr)
+        return 2
+    result = sweep(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gemm_sweep.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(table(result))
+    print(f"wrote {path}")
+    bad = [r for r in result["candidates"] if "error" in r or r.get("check_small") is False or r.get("check_rows") is False]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,8 +23,8 @@ and combines their partial sums on the device in the same launch, in a fixed ord
 Exactness: the decoded operands equal the reference's fp32 dequantization (upcast.py);
 products of two of them (A4W4: both decoded to bf16) are exact in the fp32 accumulator,
 whose rounding is the only difference from the exact product, as for gemm.py. fp16
-decoding (W4A16 beside fp16 activations) is exact while the weight's scales lie in
-2**-14 .. 2**13 (fp16's range); outside it, values round or overflow in the decode.
+decoding (W4A16 beside fp16 activations) is exact while the weight's block scales lie
+in 2**-23 .. 2**13 (fp16's range); outside it, values round or overflow in the decode.
 In the interpreter (``DOT == "fp32"``) both operands are fp32 and the dot is IEEE
 (its bf16 dot is wrong: numerics.md section 5).
 """

@@ -6,8 +6,8 @@ over the whole E8M0 range (bf16 has fp32's exponent range; the smallest value,
 0.5 * 2**-127 = 2**-128, is a bf16 subnormal), so the decoded operand equals the reference
 backend's fp32 dequantization bit for bit, overflow to inf and NaN scales included. fp16
 (the W4A16 path beside fp16 activations) is exact while the block's scale lies in
-2**-14 .. 2**12 (the values then lie in fp16's normal range); outside it the scale itself,
-or the product, leaves fp16's range (0 below 2**-24, inf above 2**15).
+2**-23 .. 2**13 (every code times it is then an fp16 number, subnormals included);
+outside it the product rounds, or overflows to inf.
 
 The codes are decoded 8 at a time from 32-bit words. Each code's sign and its exponent
 and mantissa bits are moved to bits 15 and 8..6 of a 16-bit half (31 and 24..22 of the

@@ -271,6 +271,7 @@ def test_public_matmul_through_the_upcast_route(kernel, monkeypatch):
 
     backend, device = kernel
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    monkeypatch.setattr(backend, "_devices", {})  # no plan made by another test with another route
     monkeypatch.setattr(type(backend), "gemm_route",
                         lambda self, target, a, b: GemmRoute("upcast", upcast=_routes()["hopper"]))
     monkeypatch.setattr(type(backend), "default_gemm_config",
@@ -279,6 +280,8 @@ def test_public_matmul_through_the_upcast_route(kernel, monkeypatch):
     for recipe in (QR(), QR(activations="bf16")):
         w_mx = pmx.quantize(w.to(device), recipe, axis=0)
         out = pmx.matmul(x.to(device), w_mx, recipe)
+        plans = backend._devices[torch.device(w_mx.device)].gemm_plans.values()
+        assert {p.launch.kernel for p in plans} == {"gemm-upcast"}
         left = ops.left_operand(x.reshape(-1, 100), recipe)
         left = left if isinstance(left, torch.Tensor) else ops._mx_rows(left)
         assert_accumulation_close(out.reshape(-1, 70), left, ops._mx_rows(w_mx.to("cpu")), 100)

@@ -67,10 +67,18 @@ _LOCK = threading.Lock()
 _BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _key(device) -> torch.device:
+    """``device`` with its index ("cuda" is the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def buffers(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 workspace of at least ``part_elems`` elements, int32 counters, zero, at least
     ``tiles`` of them) of ``device``; grown when a launch needs more, else reused."""
-    device = torch.device(device)
+    device = _key(device)
     have = _BUFFERS.get(device)
     if have is not None and have[0].numel() >= part_elems and have[1].numel() >= tiles:
         return have
@@ -88,4 +96,4 @@ def buffers(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Te
 
 def counters(device: torch.device) -> torch.Tensor:
     """The counters of ``device`` (for tests: they must be all zero between launches)."""
-    return _BUFFERS[torch.device(device)][1]
+    return _BUFFERS[_key(device)][1]

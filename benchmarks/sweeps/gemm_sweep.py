@@ -254,13 +254,24 @@ def compile_one(job: tuple) -> dict[str, Any]:
                 "compile_error": f"{type(err).__name__}: {str(err)[-600:]}"}
 
 
-def compile_all(jobs: list[tuple], workers: int) -> list[dict[str, Any]]:
+def compile_all(jobs: list[tuple], workers: int, timeout: float = 300.0) -> list[dict[str, Any]]:
+    """compile_one over ``jobs`` in ``workers`` spawned processes. A worker that dies (a
+    compiler abort) or a job past ``timeout`` seconds is recorded as a compile error,
+    never a hang; the main process then compiles that candidate itself when it runs it."""
     if workers <= 1:
         return [compile_one(j) for j in jobs]
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
 
-    with mp.get_context("spawn").Pool(workers) as pool:
-        return pool.map(compile_one, jobs, chunksize=1)
+    out: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(compile_one, j) for j in jobs]
+        for fut in futures:
+            try:
+                out.append(fut.result(timeout=timeout))
+            except Exception as err:  # noqa: BLE001  (BrokenProcessPool, TimeoutError)
+                out.append({"compile_error": f"worker: {type(err).__name__}: {err}"})
+    return out
 
 
 # ----------------------------------------------------------------------------- checks and timing

@@ -195,10 +195,11 @@ class TritonBackend(Backend):
 
     gemm_tiles: dict[str, dict[str, GemmConfig]] = {}
     """GEMM configs per target name ("interpret" for the interpreter), keyed "a4w4" or
-    "w4a16" (16-bit left operand), plus "-small" for M <= SMALL_M, plus "-heavy" when an
-    operand has macro factors or outliers (their extra accumulator and correction dots
-    need smaller tiles to stay in registers); a missing "-heavy" key falls back to the
-    key without it."""
+    "w4a16" (16-bit left operand), plus "-small" for M <= SMALL_M or "-mid" for M <=
+    MID_M, plus "-heavy" when an operand has macro factors or outliers (their extra
+    accumulator and correction dots need smaller tiles to stay in registers); missing keys
+    fall back as :meth:`default_gemm_config` says. ``block_m`` counts the left operand's
+    rows (tokens), ``block_n`` the weight's; ``split_k = 0``: :meth:`resolve_split_k`."""
 
     SMALL_M = 16
 

@@ -52,8 +52,9 @@ class Backend:
         """x: float [R, K] (fp32, bf16, fp16) -> MXTensor of shape (R, K), axis 1."""
         raise NotImplementedError
 
-    def dequantize(self, mx: "MXTensor") -> torch.Tensor:
-        """MXTensor of shape (R, K), axis 1 -> fp32 [R, Kp] (padding included)."""
+    def dequantize(self, mx: "MXTensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """MXTensor of shape (R, K), axis 1 -> [R, Kp] (padding included) in ``dtype``:
+        the exact fp32 values rounded once to ``dtype`` (as ``Tensor.to(dtype)``)."""
         raise NotImplementedError
 
     def decompose(

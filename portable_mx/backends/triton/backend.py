@@ -123,12 +123,14 @@ class TritonBackend(Backend):
         return MXTensor(qdata=qdata, scales=scales, shape=torch.Size(x.shape), dtype=x.dtype, axis=1,
                         recipe=recipe, macro_scales=macro, outlier_values=ov, outlier_indices=oi)
 
-    def dequantize(self, mx: MXTensor) -> torch.Tensor:
-        from .dequantize import dequantize
+    def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .dequantize import OUT_KINDS, dequantize
 
         config, options = self._config("dequantize", mx.device, mx.recipe)
+        written = dtype if dtype in OUT_KINDS else torch.float32  # float64: exact from fp32
         with self.running():
-            return dequantize(mx, config, options)
+            out = dequantize(mx, written, config, options)
+        return out if written == dtype else out.to(dtype)
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         from .decompose import decompose
@@ -181,15 +183,25 @@ class TritonBackend(Backend):
             dtypes = _AOT_DTYPES if recipe == QuantRecipe() else _AOT_DTYPES[:1]
             config = self.tile_config("quantize", target, recipe)
             out += [quantize.launch_spec(d, recipe, config, self.options(config)) for d in dtypes]
+        # the masked variant (ragged tiles) of the plainest and of the heaviest recipe
+        for recipe in (QuantRecipe(), _AOT_RECIPES[-1]):
+            config = self.tile_config("quantize", target, recipe)
+            out.append(quantize.launch_spec(torch.bfloat16, recipe, config, self.options(config), even=False))
         for has_macro, n_out in ((False, 0), (True, 0), (False, 2), (True, 2)):
             recipe = QuantRecipe(macro_block=128 if has_macro else None, outliers_per_block=n_out)
             config = self.tile_config("dequantize", target, recipe)
-            out.append(dequantize.launch_spec(has_macro, n_out, config, self.options(config)))
-        for recipe, definition, full in ((QuantRecipe(), "gain", False),
-                                         (_AOT_RECIPES[-1], "counterfactual", True),
-                                         (QuantRecipe(macro_block=4096), "gain", True)):
+            dtypes = (torch.bfloat16, torch.float32, torch.float16) if not (has_macro or n_out) else (
+                torch.bfloat16, torch.float32)
+            out += [dequantize.launch_spec(has_macro, n_out, d, config, self.options(config)) for d in dtypes]
+        out.append(dequantize.launch_spec(True, 2, torch.bfloat16, config, self.options(config), even=False))
+        for dtype, recipe, definition, full, even in (
+                (torch.bfloat16, QuantRecipe(), "gain", False, True),
+                (torch.bfloat16, QuantRecipe(), "gain", True, True),
+                (torch.float32, QuantRecipe(), "gain", False, False),
+                (torch.float32, _AOT_RECIPES[-1], "counterfactual", True, True),
+                (torch.float32, QuantRecipe(macro_block=4096), "gain", True, True)):
             config = self.tile_config("decompose", target, recipe)
-            out.append(decompose.launch_spec(torch.float32, recipe, definition, full, config, self.options(config)))
+            out.append(decompose.launch_spec(dtype, recipe, definition, full, config, self.options(config), even))
         seen = set()
         for a, b in _aot_gemms():
             heavy = a.heavy or b.heavy

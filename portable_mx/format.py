@@ -115,6 +115,25 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
     return torch.where(out >= 2**15, out - 2**16, out).to(torch.int16).view(torch.bfloat16)
 
 
+CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00,
+                      torch.float64: 0x7FF8000000000000}
+_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+           torch.float64: torch.int64}
+
+
+def cast_canonical_nan(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` (round to nearest even, overflow to +-inf) with every NaN the
+    dtype's canonical quiet NaN (``CANONICAL_NAN_BITS``): torch's casts give NaN bits
+    that depend on the device and the code path (a CPU fp32 -> bf16 cast gives 0xFFFF or
+    0x7FC0), and dequantized values must be the same bytes on every backend."""
+    out = x.to(dtype)
+    nan = out.isnan()
+    if nan.any():
+        out = out.clone() if out is x else out
+        out.view(_INT_OF[dtype]).masked_fill_(nan, CANONICAL_NAN_BITS[dtype])
+    return out
+
+
 # ----------------------------------------------------------------------------- E8M0
 
 

@@ -170,7 +170,7 @@ class ReferenceBackend(Backend):
         return to_mxtensor(encode(x, recipe), x, recipe)
 
     def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return decode_rows(mx).to(dtype)
+        return fmt.cast_canonical_nan(decode_rows(mx), dtype)
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         enc = encode(x, recipe)

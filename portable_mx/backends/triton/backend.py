@@ -66,12 +66,18 @@ class TritonBackend(Backend):
 
     tiles: dict[str, TileConfig] = {}
     """Default tile config per kernel: "quantize", "quantize-heavy" (stochastic rounding or
-    outliers), "dequantize", "decompose"."""
+    outliers), "dequantize", "decompose" (statistics only), "decompose-full" (with the
+    element tensors)."""
+
+    target_tiles: dict[str, dict[str, TileConfig]] = {}
+    """Per target name, tile configs that replace those of ``tiles`` there."""
 
     def tile_config(self, op: str, target: Optional[Target], recipe: Optional[QuantRecipe]) -> TileConfig:
         """The tile config and launch options of ``op`` on ``target`` for ``recipe``."""
         heavy = recipe is not None and (recipe.rounding == "stochastic" or recipe.outliers_per_block > 0)
-        return self.tiles["quantize-heavy" if op == "quantize" and heavy else op]
+        key = "quantize-heavy" if op == "quantize" and heavy else op
+        own = self.target_tiles.get(target.name, {}) if target is not None else {}
+        return own.get(key, self.tiles[key])
 
     gemm_tiles: dict[str, dict[str, GemmConfig]] = {}
     """GEMM configs per target name ("interpret" for the interpreter), keyed "a4w4" or
@@ -135,9 +141,11 @@ class TritonBackend(Backend):
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         from .decompose import decompose
 
-        config, options = self._config("decompose", x.device, recipe)
+        target = self.target(x.device)
+        config = self.tile_config("decompose-full" if full else "decompose", target, recipe)
         with self.running():
-            return decompose(_rows_contiguous(x), recipe, definition, full, config, options)
+            return decompose(_rows_contiguous(x), recipe, definition, full, config, self.options(config),
+                             warp_size=target.warp_size if target is not None else 32)
 
     def device_identity(self, device: torch.device) -> tuple[str, str]:
         """(arch, device name) under which tuned configs of ``device`` are cached."""
@@ -200,8 +208,9 @@ class TritonBackend(Backend):
                 (torch.float32, QuantRecipe(), "gain", False, False),
                 (torch.float32, _AOT_RECIPES[-1], "counterfactual", True, True),
                 (torch.float32, QuantRecipe(macro_block=4096), "gain", True, True)):
-            config = self.tile_config("decompose", target, recipe)
-            out.append(decompose.launch_spec(dtype, recipe, definition, full, config, self.options(config), even))
+            config = self.tile_config("decompose-full" if full else "decompose", target, recipe)
+            out.append(decompose.launch_spec(dtype, recipe, definition, full, config, self.options(config), even,
+                                             warp_size=target.warp_size))
         seen = set()
         for a, b in _aot_gemms():
             heavy = a.heavy or b.heavy

@@ -111,13 +111,16 @@ def _counterfactual(q, x, s, lane, idx1, idx2, N_OUT: tl.constexpr):
 
 
 @triton.jit
-def _store_words(ptr, rows, wcol, KW, lo, hi, mask, BLOCK_R: tl.constexpr, BW: tl.constexpr, EVEN: tl.constexpr):
-    """Store fp32 bits of the lo/hi halves [BR, NBK, 16] as int64 words [BR, BW]."""
-    word = tl.reshape(lo.to(tl.uint32).to(tl.int64) | (hi.to(tl.int64) << 32), (BLOCK_R, BW))
+def _store_pairs(ptr, rows, ecol, KP, lo, hi, mask, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN: tl.constexpr):
+    """Store the fp32 bits of the lo/hi halves [BR, NBK, 16] interleaved, as the
+    [BR, BLOCK_K] elements at columns ``ecol`` of a row of KP (a thread's two words are
+    four consecutive fp32: one 16-byte store)."""
+    val = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))
     if EVEN:
-        tl.store(ptr + rows[:, None] * KW + wcol, word)
+        tl.store(ptr + rows[:, None] * KP + ecol, val)
     else:
-        tl.store(ptr + rows[:, None] * KW + wcol, word, mask=mask)
+        tl.store(ptr + rows[:, None] * KP + ecol, val, mask=mask)
 
 
 @triton.jit
@@ -146,12 +149,13 @@ def decompose_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr,
-    COUNTERFACTUAL: tl.constexpr, FULL: tl.constexpr, FMA_DIV: tl.constexpr,
+    COUNTERFACTUAL: tl.constexpr, FULL: tl.constexpr, FMA_DIV: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
 ):
     """w: the input's words (as quantize_kernel); stats: fp32 [6, R, Kp/32] in the order
-    of STATS; counts: int32 [2, R, Kp/32] (COUNTS); full: int64 words (two fp32) [4, R,
-    KW = Kp/2] in the order of COMPONENTS (written when FULL), FULL_PLANE = R * KW; bad:
-    int64 [1], incremented by the number of NaN/Inf values."""
+    of STATS; counts: int32 [2, R, Kp/32] (COUNTS); full: the fp32 bits (int32) [4, R,
+    Kp = 2 KW] in the order of COMPONENTS (written when FULL), FULL_PLANE = R * Kp; bad:
+    int64 [1], incremented by the number of NaN/Inf values. WHOLE_BLOCKS: one thread per
+    32-block (blocks_per_thread), else VEC words a thread."""
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -164,13 +168,13 @@ def decompose_kernel(
         m_span = span_macro_factor(w_ptr, rows, col0, R, KW_IN, KW, stride_w, BLOCK_R, BW, SPAN, NUM_CHUNKS,
                                    IN_KIND, N_OUT)
     for c in range(NUM_CHUNKS):
-        wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN, EVEN)
-        if FULL:
+        wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
+        if WHOLE_BLOCKS:
+            w = load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R, NBK, SPAN, VEC, EVEN)
+        else:
             w = tl.reshape(_load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w, BLOCK_R, BW, SPAN, VEC,
                                        EVEN), (BLOCK_R, NBK, 16))
-        else:
-            w = load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R, NBK, SPAN, VEC, EVEN)
-        bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN, EVEN)
+        bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
         lo, hi = unpack_words(w, IN_KIND)
         rlo, rhi, amax, special, idx1, ob1, idx2, ob2 = split_blocks(lo, hi, IN_KIND, N_OUT)
         m = tl.full([BLOCK_R, NBK], 1.0, tl.float32)
@@ -259,18 +263,22 @@ def decompose_kernel(
                 es_lo_bits = f32_bits(tl.where(dead_lo, 0.0, (b - 1.0) * x_lo))
                 es_hi_bits = f32_bits(tl.where(dead_hi, 0.0, (b - 1.0) * x_hi))
             fp = full_ptr
-            _store_words(fp, rows, wcol, KW, tl.where(sp, F32_QNAN, q_lo), tl.where(sp, F32_QNAN, q_hi), smask,
-                         BLOCK_R, BW, EVEN)
-            _store_words(fp + FULL_PLANE, rows, wcol, KW, tl.where(sp, F32_QNAN, es_lo_bits),
-                         tl.where(sp, F32_QNAN, es_hi_bits), smask, BLOCK_R, BW, EVEN)
-            _store_words(fp + 2 * FULL_PLANE, rows, wcol, KW, tl.where(sp, F32_QNAN, ed_lo),
-                         tl.where(sp, F32_QNAN, ed_hi), smask, BLOCK_R, BW, EVEN)
-            _store_words(fp + 3 * FULL_PLANE, rows, wcol, KW, tl.where(sp, F32_QNAN, f32_bits(eg_lo)),
-                         tl.where(sp, F32_QNAN, f32_bits(eg_hi)), smask, BLOCK_R, BW, EVEN)
+            KP = 2 * KW
+            inner = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            ecol = (col0 + inner)[None, :]
+            emask = (rows[:, None] < R) & (inner < SPAN)[None, :] & (ecol < KP)  # unused (dead) when EVEN
+            _store_pairs(fp, rows, ecol, KP, tl.where(sp, F32_QNAN, q_lo), tl.where(sp, F32_QNAN, q_hi), emask,
+                         BLOCK_R, BLOCK_K, EVEN)
+            _store_pairs(fp + FULL_PLANE, rows, ecol, KP, tl.where(sp, F32_QNAN, es_lo_bits),
+                         tl.where(sp, F32_QNAN, es_hi_bits), emask, BLOCK_R, BLOCK_K, EVEN)
+            _store_pairs(fp + 2 * FULL_PLANE, rows, ecol, KP, tl.where(sp, F32_QNAN, ed_lo),
+                         tl.where(sp, F32_QNAN, ed_hi), emask, BLOCK_R, BLOCK_K, EVEN)
+            _store_pairs(fp + 3 * FULL_PLANE, rows, ecol, KP, tl.where(sp, F32_QNAN, f32_bits(eg_lo)),
+                         tl.where(sp, F32_QNAN, f32_bits(eg_hi)), emask, BLOCK_R, BLOCK_K, EVEN)
 
 
 FULL_VEC = 2
-"""Words per thread and load for ``full``: two int64 output words, one 16-byte store."""
+"""Words per thread and load for ``full``: four fp32 outputs, one 16-byte store each."""
 
 
 def _vec(dtype: torch.dtype, full: bool) -> int:
@@ -278,19 +286,28 @@ def _vec(dtype: torch.dtype, full: bool) -> int:
     return FULL_VEC if full else (2 if dtype == torch.float32 else 4)
 
 
+def blocks_per_thread(plan: Plan, config: TileConfig, warp_size: int, full: bool) -> bool:
+    """Whether the statistics-only kernel gives each thread whole 32-blocks (no shuffles,
+    but every value of a block live in one thread's registers: about 220 registers):
+    only where the tile has a block for every thread. Otherwise (and with ``full``) a
+    block is spread over threads that reduce it together."""
+    return not full and plan.block_r * plan.block_k // 32 >= warp_size * config.num_warps
+
+
 def _constexprs(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, definition: str, full: bool,
-                even: bool) -> tuple[Plan, dict]:
+                even: bool, warp_size: int) -> tuple[Plan, dict]:
     plan = Plan.make(recipe, config)
     return plan, {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "VEC": _vec(dtype, full),
+                  "WHOLE_BLOCKS": blocks_per_thread(plan, config, warp_size, full),
                   "COUNTERFACTUAL": definition == "counterfactual", "FULL": full,
                   "FMA_DIV": True}
 
 
 def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: bool, config: TileConfig,
-                options: dict, even: bool = True) -> KernelLaunch:
+                options: dict, even: bool = True, warp_size: int = 32) -> KernelLaunch:
     """The launch :func:`decompose` makes, as data (for AOT)."""
-    _, constexprs = _constexprs(dtype, recipe, config, definition, full, even)
-    signature = {"w_ptr": WORD_POINTERS[dtype], "stats_ptr": "*fp32", "counts_ptr": "*i32", "full_ptr": "*i64",
+    _, constexprs = _constexprs(dtype, recipe, config, definition, full, even, warp_size)
+    signature = {"w_ptr": WORD_POINTERS[dtype], "stats_ptr": "*fp32", "counts_ptr": "*i32", "full_ptr": "*i32",
                  "bad_ptr": "*i64", "R": "i32", "KW_IN": "i32", "KW": "i32", "stride_w": "i32", "FULL_PLANE": "i32",
                  "seed": "i64"}
     signature.update({name: "constexpr" for name in constexprs})
@@ -302,7 +319,7 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: 
 
 
 def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool, config: TileConfig,
-              options: dict) -> Decomposition:
+              options: dict, warp_size: int = 32) -> Decomposition:
     """x: float [R, K] on the kernel's device (last dim contiguous) -> a Decomposition in
     the rows layout (per-block [R, Kp/32], element tensors [R, Kp]). No synchronisation:
     NaN/Inf in x are counted on the device (``Decomposition.non_finite``)."""
@@ -314,15 +331,15 @@ def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool,
     kp = -(-k // 32) * 32
     words = as_words(x)
     plan = Plan.make(recipe, config)
-    plan, constexprs = _constexprs(x.dtype, recipe, config, definition, full, plan.even(r, k))
+    plan, constexprs = _constexprs(x.dtype, recipe, config, definition, full, plan.even(r, k), warp_size)
     dev = x.device
     stats = torch.empty(len(STATS), r, kp // 32, dtype=torch.float32, device=dev)
     counts = torch.empty(len(COUNTS), r, kp // 32, dtype=torch.int32, device=dev)
     full_out = torch.empty(len(COMPONENTS), r, kp, dtype=torch.float32, device=dev) if full else None
     bad = torch.zeros(1, dtype=torch.int64, device=dev)
     decompose_kernel[plan.grid(r, k)](
-        words, stats, counts, full_out.view(torch.int64) if full else bad, bad,
-        r, (k + 1) // 2, kp // 2, words.stride(0), r * kp // 2, recipe.seed,
+        words, stats, counts, full_out.view(torch.int32) if full else counts, bad,
+        r, (k + 1) // 2, kp // 2, words.stride(0), r * kp, recipe.seed,
         **{**constexprs, "FMA_DIV": fma_divides(interpreting())}, **options)
     per_block = {**dict(zip(STATS, stats.unbind(0))), **dict(zip(COUNTS, counts.unbind(0)))}
     elements = dict(zip(COMPONENTS, full_out.unbind(0))) if full else {}

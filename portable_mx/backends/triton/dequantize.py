@@ -1,7 +1,8 @@
 """The dequantize kernel: an MXTensor in the rows layout -> [R, Kp] in fp32, bf16 or
-fp16 in one pass, bit-identical to ``reference.decode_rows(mx).to(dtype)``: code *
-(2**(b-127) * m) in fp32 (exact), outliers written over their positions, NaN where the
-scale byte is 0xFF, then one rounding to the output dtype.
+fp16 in one pass, bit-identical to the reference backend's dequantize,
+``format.cast_canonical_nan(reference.decode_rows(mx), dtype)``: code * (2**(b-127) * m)
+in fp32 (exact), outliers written over their positions, the dtype's canonical NaN where
+the scale byte is 0xFF, then one rounding to the output dtype.
 
 Word layout (as the quantize kernel's, encode.py): packed byte j of a row becomes output
 word j, the two elements 2j and 2j+1 (an int64 of two fp32, or an int32 of two 16-bit
@@ -31,8 +32,8 @@ OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Constexpr id of each output dtype the kernel writes."""
 _OUT_WORDS = {torch.float32: (torch.int64, "*i64"), torch.bfloat16: (torch.int32, "*i32"),
               torch.float16: (torch.int32, "*i32")}
-F16_QNAN = 0x7E00
-BF16_QNAN = 0x7FC0
+F16_QNAN = tl.constexpr(0x7E00)  # format.CANONICAL_NAN_BITS
+BF16_QNAN = tl.constexpr(0x7FC0)
 
 
 def vec_bytes(dtype: torch.dtype) -> int:
@@ -65,11 +66,10 @@ def dequantize_kernel(
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     vcol = (tl.program_id(1) * BW + tl.arange(0, NV) * VEC)[None, :]  # first byte of each vector
     byte = vcol[:, :, None] + tl.arange(0, VEC)[None, None, :]  # [1, NV, VEC]
+    vmask = (rows[:, None] < R) & (vcol < KW)  # unused (dead) when EVEN
     if EVEN:
-        vmask = None
         packed = tl.load(q_ptr + rows[:, None, None] * KW + byte)
     else:
-        vmask = (rows[:, None] < R) & (vcol < KW)
         packed = tl.load(q_ptr + rows[:, None, None] * KW + byte, mask=vmask[:, :, None], other=0)
     packed = packed.to(tl.int32)
 
@@ -102,11 +102,11 @@ def dequantize_kernel(
             else:  # code * 2**k (and bf16 outliers) are bf16 values: the top half is exact
                 lo = (lo >> 16) & 0xFFFF
                 hi = hi >> 16
-            nan = 0x7FC0
+            nan = BF16_QNAN
         else:
             lo = f16_bits(lo)
             hi = f16_bits(hi)
-            nan = 0x7E00
+            nan = F16_QNAN
         word = tl.where(special, nan | (nan << 16), lo | (hi << 16))
     wcol = (tl.program_id(1) * BW + tl.arange(0, BW))[None, :]
     word = tl.reshape(word, (BLOCK_R, BW))

@@ -93,29 +93,24 @@ def flat(t, BLOCK_R: tl.constexpr, BW: tl.constexpr):
 
 
 @triton.jit
-def chunk_words(rows, col0, c, R, KW_IN, KW, BW: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr):
+def chunk_words(rows, col0, c, R, KW_IN, KW, BW: tl.constexpr, SPAN: tl.constexpr):
     """Word columns [1, BW] of chunk ``c`` of the span starting at element column
     ``col0``, the load mask (inside the input's KW_IN words) and the store mask (inside
-    the padded row's KW words), both within the span; no masks when EVEN."""
+    the padded row's KW words), both within the span. (Kernels with whole tiles skip
+    the masks; their computation is then dead code.)"""
     inner = c * BW + tl.arange(0, BW)
     wcol = (col0 // 2 + inner)[None, :]
-    if EVEN:
-        return wcol, None, None
-    else:
-        live = (rows[:, None] < R) & (inner < SPAN // 2)[None, :]
-        return wcol, live & (wcol < KW_IN), live & (wcol < KW)
+    live = (rows[:, None] < R) & (inner < SPAN // 2)[None, :]
+    return wcol, live & (wcol < KW_IN), live & (wcol < KW)
 
 
 @triton.jit
-def chunk_blocks(rows, col0, c, R, NB, NBK: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr):
+def chunk_blocks(rows, col0, c, R, NB, NBK: tl.constexpr, SPAN: tl.constexpr):
     """32-block indices [1, NBK] of chunk ``c`` and the mask [BR, NBK] of those the
-    program owns (None when EVEN)."""
+    program owns."""
     inner = c * NBK + tl.arange(0, NBK)
     bidx = (col0 // 32 + inner)[None, :]
-    if EVEN:
-        return bidx, None
-    else:
-        return bidx, (rows[:, None] < R) & (inner < SPAN // 32)[None, :] & (bidx < NB)
+    return bidx, (rows[:, None] < R) & (inner < SPAN // 32)[None, :] & (bidx < NB)
 
 
 @triton.jit
@@ -341,7 +336,7 @@ def span_macro_factor(w_ptr, rows, col0, R, KW_IN, KW, stride_w, BLOCK_R: tl.con
     span, from L2 on the second read; single-chunk spans compute it from the chunk)."""
     amax = tl.zeros([BLOCK_R], tl.int32)
     for c in range(NUM_CHUNKS):
-        wcol, lmask, _ = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN, False)
+        wcol, lmask, _ = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
         w = tl.load(w_ptr + rows[:, None] * stride_w + wcol, mask=lmask, other=0)
         lo, hi = unpack_words(blocked(w, BLOCK_R, BW), IN_KIND)
         _, _, a, _, _, _, _, _ = split_blocks(lo, hi, IN_KIND, N_OUT)

@@ -67,8 +67,8 @@ def quantize_kernel(
         m_span = span_macro_factor(w_ptr, rows, col0, R, KW_IN, KW, stride_w, BLOCK_R, BW, SPAN, NUM_CHUNKS,
                                    IN_KIND, N_OUT)
     for c in range(NUM_CHUNKS):
-        wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN, EVEN)
-        bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN, EVEN)
+        wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
+        bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
         if EVEN:
             w = tl.load(w_ptr + rows[:, None] * stride_w + wcol)
         else:
@@ -99,7 +99,10 @@ def quantize_kernel(
             code_hi, _ = encode_half(shi, inv, rhi, False)
         keep = tl.where(special, 0, 0xFF)[:, :, None]
         packed = flat((code_lo | (code_hi << 4)) & keep, BLOCK_R, BW).to(tl.uint8)
-        tl.store(q_ptr + rows[:, None] * KW + wcol, packed, mask=smask)
+        if EVEN:
+            tl.store(q_ptr + rows[:, None] * KW + wcol, packed)
+        else:
+            tl.store(q_ptr + rows[:, None] * KW + wcol, packed, mask=smask)
 
         sbyte = tl.where(special, 255, e + 127).to(tl.uint8)
         boff = rows[:, None] * NB + bidx

@@ -11,8 +11,8 @@ Per shape and input dtype, on one CUDA/ROCm device, it measures:
   dequantize (bf16 and fp32 out, the one-pass kernel), decompose (statistics only, and
   full);
 - ``torchao``: ``torchao.prototype.mx_formats`` ``to_mx`` (MXFP4, floor and rceil) under
-  ``torch.compile``, when torchao is installed, with a byte comparison of its codes and
-  scales against portable_mx's.
+  ``torch.compile``, when torchao is installed (not in ``--quick`` runs unless ``--peer``),
+  with a byte comparison of its codes and scales against portable_mx's.
 
 Two times per case:
 
@@ -105,6 +105,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--graph-calls", type=int, default=None, help="launches per captured graph")
     p.add_argument("--rotate-mib", type=int, default=512, help="input buffers rotated per timing, at least this many MiB")
     p.add_argument("--no-peer", action="store_true", help="skip torchao")
+    p.add_argument("--peer", action="store_true", help="time torchao in --quick runs too (its compiles take time)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -112,6 +113,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.shapes = args.shapes or QUICK_SHAPES
         args.dtypes = "bf16"
         args.repeats = args.repeats or 5
+        args.no_peer = args.no_peer or not args.peer
     if args.cpu_smoke:
         args.shapes = args.shapes or SMOKE_SHAPES
         args.repeats = args.repeats or 2

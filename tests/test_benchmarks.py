@@ -277,3 +277,61 @@ def test_no_gpu_exits_2(script, tmp_path):
     assert proc.returncode == common.EXIT_NO_GPU == 2, proc.stderr
     assert "no GPU" in proc.stderr and "nothing was measured or written" in proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- elementwise.py and its sweep
+
+
+def test_elementwise_args_and_bytes():
+    import elementwise
+
+    quick = elementwise.parse_args(["--quick"])
+    assert quick.shapes == elementwise.QUICK_SHAPES and quick.dtypes == "bf16"
+    assert elementwise.parse_args([]).shapes[-1] == (16384, 8192)
+    assert elementwise.parse_shapes("1024x2048,8x32") == [(1024, 2048), (8, 32)]
+    with pytest.raises(Exception):
+        elementwise.parse_shapes("1024")
+    by = {c.label: c for c in elementwise.CASES}
+    # bf16 [64, 256]: quantize reads 2 bytes an element and writes the MXTensor; bf16
+    # dequantize reads the MXTensor and writes 2 bytes; decompose statistics 8 x 4 bytes a block
+    assert elementwise.case_bytes(by["quantize floor"], 64, 256, 2, 64 * 136) == 64 * 256 * 2 + 64 * 136
+    assert elementwise.case_bytes(by["dequantize bf16"], 64, 256, 2, 64 * 136) == 64 * 136 + 64 * 256 * 2
+    assert elementwise.case_bytes(by["decompose stats"], 64, 256, 2, 0) == 64 * 256 * 2 + 64 * 8 * 32
+    assert set(elementwise.GOALS) <= set(by)
+
+
+def test_elementwise_cpu_smoke_end_to_end(tmp_path, monkeypatch):
+    """--cpu-smoke runs every op through the interpreter and writes a result file."""
+    import elementwise
+    from portable_mx import registry
+
+    if registry.get("triton-interpret").unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter does not serve this process")
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    out = tmp_path / "e.json"
+    cases = "quantize floor,quantize mbs128,dequantize bf16,decompose stats"
+    assert elementwise.main(["--cpu-smoke", "--dtypes", "bf16", "--cases", cases, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["cpu_smoke"] and result["benchmark"] == "elementwise"
+    rows = {r["case"]: r for r in result["rows"]}
+    assert set(rows) == {"copy"} | set(cases.split(","))
+    assert all("error" not in r and r["kernel_us"] > 0 for r in rows.values())
+    assert rows["quantize floor"]["backend"] == "triton-interpret"
+
+
+def test_elementwise_sweep_cpu_smoke(tmp_path):
+    """The sweep's --cpu-smoke mode: two tiles a case, each checked against the
+    reference and timed; one JSON in --out."""
+    sys.path.insert(0, os.path.join(BENCH, "sweeps"))
+    import elementwise_sweep
+    from portable_mx import registry
+
+    if registry.get("triton-interpret").unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter does not serve this process")
+    assert elementwise_sweep.main(["--cpu-smoke", "--out", str(tmp_path),
+                                   "--cases", "quantize floor,dequantize bf16,decompose stats"]) == 0
+    (path,) = list(tmp_path.glob("elementwise-sweep-*.json"))
+    result = json.loads(path.read_text())
+    assert {r["case"] for r in result["rows"]} == {"quantize floor", "dequantize bf16", "decompose stats"}
+    assert all("error" not in r for r in result["rows"]), [r.get("error") for r in result["rows"]]
+    assert set(result["best"]) == {"quantize floor", "dequantize bf16", "decompose stats"}

@@ -530,8 +530,9 @@ def run_loop(
     space, survivors, pruned, default = p.space, p.survivors, p.pruned, p.default
     survivor_set = set(survivors)
     dists = space.distributions()
-    if strategy == "ranked" and not exhaustive:
-        study.sampler = optuna.samplers.RandomSampler(seed=seed + len(study.trials))  # never consulted
+    if strategy == "ranked" or exhaustive:  # every trial is enqueued: the sampler is never consulted (and
+        # TPE would model the whole study at every ask)
+        study.sampler = optuna.samplers.RandomSampler(seed=seed + len(study.trials))
     else:
         study.sampler = make_sampler(seed, trials, len(study.trials))
     known = _known(study)

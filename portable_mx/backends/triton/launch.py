@@ -87,7 +87,8 @@ class KernelLaunch:
 class GemmConfig(_LaunchOptions):
     """Tiles and launch options of the GEMM: a ``block_m`` x ``block_n`` output tile per
     program, ``block_k`` (a power of two >= 32) columns of K per step, programs grouped
-    ``group_m`` row tiles at a time for L2 reuse, and vendor options (``kpack``,
+    ``group_m`` row tiles at a time for L2 reuse, K split ``split_k`` ways (fp32 partial
+    sums combined on the device; 1: no split), and vendor options (``kpack``,
     ``matrix_instr_nonkdim``, ``waves_per_eu`` on AMD) passed through to the launch."""
 
     block_m: int
@@ -96,11 +97,13 @@ class GemmConfig(_LaunchOptions):
     num_warps: int = 4
     num_stages: int = 2
     group_m: int = 8
+    split_k: int = 1
     extra: tuple[tuple[str, Any], ...] = ()
 
     def label(self) -> str:
+        split = f" sk{self.split_k}" if self.split_k != 1 else ""
         return (f"m{self.block_m}xn{self.block_n}xk{self.block_k} g{self.group_m} w{self.num_warps} "
-                f"s{self.num_stages}{self._extra_label()}")
+                f"s{self.num_stages}{split}{self._extra_label()}")
 
 
 # ----------------------------------------------------------------------------- planned launches

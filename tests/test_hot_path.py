@@ -31,7 +31,9 @@ EPS = 2.0**-24
 
 TOOLING = {"portable_mx.cli", "portable_mx.aot", "portable_mx.parity", "portable_mx.tune",
            "portable_mx.compile_matrix", "portable_mx.tuning.search", "portable_mx.tuning.space",
-           "portable_mx.tuning.static", "portable_mx.tuning.macro"}
+           "portable_mx.tuning.static", "portable_mx.tuning.macro", "portable_mx.tuning.cost",
+           "portable_mx.tuning.strategy", "portable_mx.tuning.replay", "portable_mx.tuning.warm",
+           "portable_mx.tuning.problem"}
 """Modules that may import the runtime but that the runtime never imports."""
 
 KERNELS = kernel_backends()

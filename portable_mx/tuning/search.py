@@ -71,6 +71,7 @@ import torch
 from ..backends.triton.launch import GemmConfig
 from ..recipe import QuantRecipe
 from . import cache, cost
+from .problem import Launcher, Problem, kernel_launcher, make_operands  # noqa: F401  (re-exported)
 from .space import GemmSpace, config_to_json, gemm_space
 from .static import STORE_NAME, Verdict, VerdictStore, prune
 from .strategy import DEFAULT_STRATEGY, STRATEGIES, Ranker, top_k
@@ -85,66 +86,10 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 Timer = Callable[[Callable[[], Any], Any], float]
 """``timer(fn, config) -> milliseconds``: the median time of ``fn()`` (a GEMM launch)."""
 
-Launcher = Callable[[Any, Any, GemmConfig], Callable[[], torch.Tensor]]
-"""``launcher(a, b, config) -> fn``: ``fn()`` runs the GEMM of rows-layout operands
-``a``, ``b`` with ``config`` and returns fp32 [M, N]."""
-
 _UNSET: Any = object()
 
 
 # ----------------------------------------------------------------------------- problems
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One GEMM to tune: ``a`` [M, K] @ ``w`` [K, N] with the operand kinds of ``recipe``
-    (A4W4 or W4A16, macro blocks, outliers; the scale rule and rounding do not change the
-    GEMM kernel)."""
-
-    m: int
-    n: int
-    k: int
-    recipe: QuantRecipe = QuantRecipe()
-    op: str = "matmul"
-
-    @property
-    def kp(self) -> int:
-        return -(-self.k // 32) * 32
-
-    def operands(self):
-        """(a, b) as ``gemm.Operand``: what the kernel sees of each side."""
-        from ..backends.triton.gemm import Operand
-
-        r = self.recipe
-        b = Operand(None, r.macro_block, r.outliers_per_block)
-        if r.quantizes_activations:
-            return b, b
-        return Operand(torch.bfloat16 if r.activations == "bf16" else torch.float16, None, 0), b
-
-    def key(self) -> str:
-        """The config-cache key (``cache.entry_key``)."""
-        a, b = self.operands()
-        return cache.entry_key(self.op, a.tag(), b.tag(), self.m, self.n, self.kp)
-
-    @property
-    def shape(self) -> str:
-        return f"{self.m}x{self.n}x{self.k}"
-
-
-def make_operands(problem: Problem, device: torch.device, seed: int = 0):
-    """Seeded standard-normal activations [M, K] and weight [K, N] on ``device``, in the
-    rows layout the backends take: (a: MXTensor (M, K) or a 16-bit tensor, b: MXTensor
-    (N, K))."""
-    from .. import ops
-    from ..tensor import MXTensor
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(problem.m, problem.k, generator=gen, device=device)
-    w = torch.randn(problem.k, problem.n, generator=gen, device=device)
-    a = ops.left_operand(x, problem.recipe)
-    if isinstance(a, MXTensor):
-        a = ops._mx_rows(a)
-    return a, ops._mx_rows(ops.quantize(w, problem.recipe, axis=0))
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -243,23 +188,6 @@ def host_timer(fn: Callable[[], Any], config: Any = None, repeats: int = 3) -> f
 
 def default_timer(device: torch.device) -> Timer:
     return do_bench_timer if torch.device(device).type == "cuda" else host_timer
-
-
-def kernel_launcher(backend: Any, target: Optional["Target"]) -> Launcher:
-    """The backend's GEMM kernel with a given config (what ``backend.matmul`` launches)."""
-
-    def launcher(a, b, config: GemmConfig) -> Callable[[], torch.Tensor]:
-        from ..backends.triton import gemm
-
-        options, layout = backend.options(config), backend.scale_layout(target)
-
-        def fn() -> torch.Tensor:
-            with backend.running():
-                return gemm.matmul(a, b, config, options, layout)
-
-        return fn
-
-    return launcher
 
 
 # ----------------------------------------------------------------------------- storage

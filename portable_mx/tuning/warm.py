@@ -4,7 +4,7 @@ Triton compiles a kernel the first time it is launched with a new specialization
 launching process, one after another: a study that times 60 configs would spend most of
 its time compiling (1-3 s each). :func:`warm` launches each (problem, config) once in
 ``jobs`` spawned workers on the same device, with the same operands the study makes
-(:func:`.search.make_operands`, same seed: the same shapes, dtypes and alignment, hence
+(:func:`.problem.make_operands`, same seed: the same shapes, dtypes and alignment, hence
 the same specialization), so that the compiled kernels land in Triton's on-disk cache and
 the timing process loads them instead of compiling. Nothing is timed here, and a config
 that fails in a worker is left for the study to record. On a CPU device the workers run
@@ -41,7 +41,7 @@ def _run(task: tuple) -> tuple[str, str]:
         import torch
 
         from .. import registry
-        from . import search
+        from . import problem as search
 
         backend = registry.get(backend_name)
         dev = torch.device(device)

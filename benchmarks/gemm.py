@@ -1,38 +1,58 @@
-"""MXFP4 GEMM against ``torch.matmul`` in bf16 (cuBLAS / hipBLASLt), in one run.
+"""MXFP4 GEMM against ``torch.matmul`` in bf16 (cuBLAS / hipBLASLt) and the gemlite peer,
+kernel-only and eager, in one run.
 
     python benchmarks/gemm.py [--shapes decode,prefill] [--variants w4a16,a4w4] [--quick] [--out PATH]
+    python benchmarks/gemm.py --cpu-smoke --out /tmp/g.json      # no GPU: a check of the script
 
-On a CUDA or ROCm device this times, per shape ``M x N x K`` (x ``[M, K]`` bf16 times a
-weight w ``[K, N]`` bf16):
+On a CUDA or ROCm device this measures, per shape ``M x N x K`` (x ``[M, K]`` bf16 times
+a weight w ``[K, N]`` bf16, the weight quantized once beforehand as a model does:
+``w_mx = portable_mx.quantize(w, recipe, axis=0)``):
 
-- ``bf16``: ``torch.matmul(x, w)``, the baseline;
-- ``w4a16``: ``portable_mx.matmul(x, w_mx, QuantRecipe(activations="bf16"))``;
-- ``a4w4``: ``portable_mx.matmul(x, w_mx, QuantRecipe())``, which quantizes x on the fly,
-  and, as the ``kernel`` column, the same GEMM on a pre-quantized ``x_mx``;
+- **kernel-only**: ``triton.testing.do_bench`` (median; it flushes the L2 before every
+  run, and the host's launch overlaps that flush) around the GEMM alone on prequantized
+  operands in the backend's rows layout: ``backend.matmul(a, w_rows)``, with ``a`` the
+  bf16 x (W4A16) or ``quantize(x)`` (A4W4). torch: ``torch.matmul(x, w)``; gemlite: its
+  layer's forward (A4W4: gemlite quantizes x inside, as its API does). The host time of
+  one call is recorded (``host_us``): where it exceeds the flush, the kernel time
+  includes host time and the row says so;
+- **eager**: the call as a user makes it, ``portable_mx.matmul(x, w_mx, recipe)`` (the
+  A4W4 recipe quantizes x on the fly), back to back: CUDA events around ``--inner`` calls,
+  median of ``--repeats`` samples, the samples of torch, portable_mx and gemlite
+  interleaved (common.py);
 
-where ``w_mx = portable_mx.quantize(w, recipe, axis=0)`` is made once before timing, as a
-model does. Everything runs under ``torch.no_grad()``; the samples of the baseline and
-of the variants of a shape are interleaved (common.py), and each function cycles through
-enough copies of its weight (``--cache-bust-mib``) that the weight is read from device
-memory, not from a cache it would fit in, as in a model whose layers are not all cached.
+every timed function cycling through copies of its weight totalling ``--cache-bust-mib``
+(default 1024 MiB) so that the weight comes from device memory, not from a cache it
+would fit in (an MXFP4 8192 x 8192 weight is 34 MiB, an H100's L2 50 MB).
 
-Before timing, each variant's result is checked against the float64 product of the
-dequantized operands on up to 256 evenly spaced rows: ``|C - C64| <= K * 2**-24 *
-(|A| @ |B|) + half a bf16 ulp of C`` (fp32 accumulation, then the rounding of the
-output to bf16) elementwise; otherwise it exits with status 3, writing nothing.
+Variants: ``w4a16`` (bf16 activations x MXFP4 weight, ``QuantRecipe(activations="bf16")``)
+and ``a4w4`` (both MXFP4, ``QuantRecipe()``). The peer is gemlite (pure Triton;
+``A16W4_MXFP`` and ``A4W4_MXFP_dynamic``, its shipped configs), imported only on a GPU
+(it probes the device at import), reported when installed.
 
-Per (shape, variant) it reports the time, ``TFLOP/s = 2*M*N*K / time``, ``speedup =
-bf16 time / variant time``, the backend the registry picked, and the goals: W4A16 decode
-(M <= 16) speedup >= 2.5, W4A16 prefill (M >= 1024) speedup >= 0.8. The result goes to
-``benchmarks/results/gemm-<device slug>.json`` (a ``--quick`` run writes only to
-``--out``). With no GPU, it prints why and exits with status 2, writing nothing.
+Before timing, each portable_mx result (kernel and eager) is checked against the float64
+product of the dequantized operands on up to 256 evenly spaced rows: ``|C - C64| <= K *
+2**-24 * (|A| @ |B|)`` elementwise (fp32 accumulation), plus half a bf16 ulp of C for the
+bf16 eager output; otherwise it exits with status 3, writing nothing. Every result (torch
+and gemlite too) also gets its relative error against the float64 product of the
+unquantized bf16 operands (``rel_err``, what a user sees).
+
+Reported per (shape, variant): both times, TFLOP/s, ``kernel_speedup = bf16 kernel /
+portable_mx kernel`` (the issue's goals are on it), ``eager_speedup``, ``eager_over_kernel``
+(goal: <= 1.2 once the host path is lean), the peer's times and ``pmx_vs_peer = peer
+kernel / portable_mx kernel`` (> 1: portable_mx faster), the byte ratio (W4A16: the
+speedup a memory-bound GEMM can reach) and the goal of issue 14 (:data:`GOALS`). The
+result goes to ``benchmarks/results/gemm-<device slug>.json`` (``--quick`` and
+``--cpu-smoke`` write only to ``--out``). With no GPU (and no ``--cpu-smoke``) it prints
+why and exits with status 2, writing nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import sys
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from common import (
@@ -52,21 +72,34 @@ from portable_mx.tune import PRESETS, Shape, parse_shapes
 
 EXIT_CHECK_FAILED = 3
 
-QUICK_SHAPES: list[Shape] = [(1, 4096, 4096), (16, 4096, 4096), (2048, 2048, 2048)]
+QUICK_SHAPES: list[Shape] = [(1, 8192, 8192), (16, 8192, 8192), (4096, 4096, 4096)]
+SMOKE_SHAPES: list[Shape] = [(1, 64, 96), (16, 64, 128), (64, 32, 64)]
 VARIANTS = ("w4a16", "a4w4")
 TIMING_DEFAULTS = {"repeats": 50, "warmup": 10, "inner": 10}
-QUICK_TIMING = {"repeats": 10, "warmup": 3, "inner": 3}
+QUICK_TIMING = {"repeats": 10, "warmup": 3, "inner": 5}
+BENCH_MS = {"warmup": 25, "rep": 100}
+QUICK_BENCH_MS = {"warmup": 10, "rep": 40}
 CACHE_BUST_MIB = 1024
 MAX_COPIES = 1024
 CHECK_ROWS = 256
 FP32_UNIT_ROUNDOFF = 2.0**-24
+FLUSH_US = 80.0
+"""About how long do_bench's L2 flush (256 MB written) runs on an H100: a launch whose
+host time is shorter is hidden behind it."""
+PEER_COPIES = 16
+"""At most this many gemlite layers of a weight are rotated (each is made by its own
+quantizer, which is slow; 16 MXFP4 8192 x 8192 weights are 0.5 GB, ten times an H100's L2)."""
+EAGER_OVER_KERNEL = 1.2
+"""Goal: the eager call within this factor of the kernel alone."""
 
-# The issue's goals: (name, variant, M range, minimum speedup over bf16). A4W4 has none.
-DECODE_MAX_M = 16
-PREFILL_MIN_M = 1024
+# Issue 14's goals: kernel-only speedup over bf16 (kernel-only) per variant and M range.
 GOALS = (
-    {"name": "W4A16 decode (M <= 16)", "variant": "w4a16", "min_m": 1, "max_m": DECODE_MAX_M, "min_speedup": 2.5},
-    {"name": "W4A16 prefill (M >= 1024)", "variant": "w4a16", "min_m": PREFILL_MIN_M, "max_m": None, "min_speedup": 0.8},
+    {"name": "W4A16 decode (M <= 16)", "variant": "w4a16", "min_m": 1, "max_m": 16, "min_speedup": 3.0},
+    {"name": "W4A16 small batch (16 < M <= 128)", "variant": "w4a16", "min_m": 17, "max_m": 128, "min_speedup": 2.0},
+    {"name": "W4A16 prefill (M >= 1024)", "variant": "w4a16", "min_m": 1024, "max_m": None, "min_speedup": 0.9},
+    {"name": "A4W4 decode (M <= 16)", "variant": "a4w4", "min_m": 1, "max_m": 16, "min_speedup": 2.5},
+    {"name": "A4W4 small batch (16 < M <= 128)", "variant": "a4w4", "min_m": 17, "max_m": 128, "min_speedup": 1.5},
+    {"name": "A4W4 prefill (M >= 1024)", "variant": "a4w4", "min_m": 1024, "max_m": None, "min_speedup": 0.8},
 )
 
 
@@ -83,20 +116,24 @@ def parse_variants(text: str) -> list[str]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="portable_mx MXFP4 GEMM vs torch.matmul in bf16")
+    p = argparse.ArgumentParser(description="portable_mx MXFP4 GEMM vs torch.matmul in bf16 and gemlite")
     p.add_argument("--shapes", type=parse_shapes, default=None,
                    help="comma-separated MxNxK shapes or presets decode (M=1,16,128, N=K=8192), "
-                        "prefill (M=N=K=4096, 8192), all (default; --quick: 1x4096x4096,16x4096x4096,2048x2048x2048)")
+                        "prefill (M=N=K=4096, 8192), all (default; --quick: 1x8192x8192,16x8192x8192,4096x4096x4096)")
     p.add_argument("--variants", type=parse_variants, default=list(VARIANTS), help="comma-separated subset of w4a16,a4w4")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: small shapes, repeats/warmup/inner 10/3/3 unless given; writes JSON only to --out")
+                   help="about 90 s on an H100: three shapes, fewer samples; writes JSON only to --out")
+    p.add_argument("--no-peer", action="store_true", help="do not import or time gemlite")
     add_timing_args(p, defaults={k: None for k in TIMING_DEFAULTS})
+    p.add_argument("--bench-ms", type=float, nargs=2, default=None, metavar=("WARMUP", "REP"),
+                   help="do_bench warm-up and timed milliseconds per kernel-only measurement (default 25 100; "
+                        "--quick 10 40)")
     p.add_argument("--cache-bust-mib", type=int, default=CACHE_BUST_MIB,
                    help=f"each timed function cycles through copies of its weight totalling at least this many "
                         f"MiB (default {CACHE_BUST_MIB}; 0: one copy, which a large cache may hold)")
     add_device_args(p, "gemm")
-    # Checks the script's logic on CPU tensors with host-clock timing; not a benchmark.
-    p.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cpu-smoke", "--cpu", dest="cpu", action="store_true",
+                   help="no GPU: tiny shapes on CPU tensors, host-clock timing (checks the script; not a benchmark)")
     args = p.parse_args(argv)
     timing = QUICK_TIMING if args.quick else TIMING_DEFAULTS
     for key, value in timing.items():
@@ -104,8 +141,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             setattr(args, key, value)
         if getattr(args, key) < (0 if key == "warmup" else 1):
             p.error(f"--{key} must be {'>= 0' if key == 'warmup' else '>= 1'}")
+    if args.bench_ms is None:
+        args.bench_ms = [*(QUICK_BENCH_MS if args.quick else BENCH_MS).values()]
     if args.shapes is None:
-        args.shapes = list(QUICK_SHAPES if args.quick else PRESETS["all"])
+        args.shapes = list(SMOKE_SHAPES if args.cpu else QUICK_SHAPES if args.quick else PRESETS["all"])
     if args.cache_bust_mib < 0:
         p.error("--cache-bust-mib must be >= 0")
     return args
@@ -118,8 +157,10 @@ def shape_name(shape: Shape) -> str:
     return "x".join(map(str, shape))
 
 
-def tflops(shape: Shape, ms: float) -> float:
+def tflops(shape: Shape, ms: Optional[float]) -> Optional[float]:
     """2*M*N*K floating-point operations in ``ms`` milliseconds, in TFLOP/s."""
+    if ms is None:
+        return None
     m, n, k = shape
     return 2 * m * n * k / (ms * 1e-3) / 1e12
 
@@ -154,6 +195,10 @@ def goal_for(shape: Shape, variant: str) -> Optional[dict[str, Any]]:
     return None
 
 
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
 def build_row(
     shape: Shape,
     variant: str,
@@ -161,18 +206,27 @@ def build_row(
     recipe: str,
     backend: str,
     path: str,
-    times: dict[str, float],
+    kernel: dict[str, Optional[float]],
+    eager: dict[str, Optional[float]],
     check: dict[str, Any],
     copies: dict[str, int],
+    peer: Optional[dict[str, Any]] = None,
+    host_us: Optional[dict[str, float]] = None,
 ) -> dict[str, Any]:
-    """One result row. ``times``: ms per call of "bf16", the variant, and for a4w4
-    "a4w4_kernel" (the GEMM on a pre-quantized x)."""
-    base = times["bf16"]
-    ms = times[variant]
-    kernel = times.get(f"{variant}_kernel")
+    """One result row. ``kernel`` and ``eager``: ms per call of "bf16", the variant and,
+    when the peer ran, ``"peer_<variant>"``; ``peer``: the peer's name, version, error and
+    relative errors (its times are taken from ``kernel`` / ``eager``)."""
+    k_ms, e_ms = kernel[variant], eager.get(variant)
+    k_base, e_base = kernel["bf16"], eager.get("bf16")
     goal = goal_for(shape, variant)
-    speedup = base / ms
+    speedup = _ratio(k_base, k_ms)
     m, n, k = shape
+    peer_row = None
+    if peer is not None:
+        pk, pe = kernel.get(f"peer_{variant}"), eager.get(f"peer_{variant}")
+        peer_row = {**peer, "kernel_ms": pk, "eager_ms": pe, "kernel_speedup": _ratio(k_base, pk),
+                    "eager_speedup": _ratio(e_base, pe), "pmx_vs_peer": _ratio(pk, k_ms)}
+    host = (host_us or {}).get(variant)
     return {
         "shape": shape_name(shape),
         "m": m,
@@ -182,32 +236,45 @@ def build_row(
         "recipe": recipe,
         "backend": backend,
         "backend_path": path,
-        "time_ms": ms,
-        "tflops": tflops(shape, ms),
-        "bf16_time_ms": base,
-        "bf16_tflops": tflops(shape, base),
-        "speedup": speedup,
-        "kernel_time_ms": kernel,
-        "kernel_tflops": None if kernel is None else tflops(shape, kernel),
-        "kernel_speedup": None if kernel is None else base / kernel,
+        "kernel_ms": k_ms,
+        "eager_ms": e_ms,
+        "kernel_tflops": tflops(shape, k_ms),
+        "bf16_kernel_ms": k_base,
+        "bf16_eager_ms": e_base,
+        "bf16_tflops": tflops(shape, k_base),
+        "kernel_speedup": speedup,
+        "eager_speedup": _ratio(e_base, e_ms),
+        "eager_over_kernel": _ratio(e_ms, k_ms),
+        "host_us": host,
+        "kernel_includes_host": None if host is None else host > FLUSH_US,
+        "peer": peer_row,
         "byte_ratio": byte_ratio(shape) if variant == "w4a16" else None,
         "weight_copies": copies,
         "check": check,
-        "goal": None if goal is None else {"name": goal["name"], "min_speedup": goal["min_speedup"],
-                                           "met": speedup >= goal["min_speedup"]},
+        "goal": None if goal is None or speedup is None else {
+            "name": goal["name"], "min_speedup": goal["min_speedup"], "met": speedup >= goal["min_speedup"]},
+        "eager_goal": None if e_ms is None or k_ms is None else {
+            "max_over_kernel": EAGER_OVER_KERNEL, "met": e_ms <= EAGER_OVER_KERNEL * k_ms},
     }
 
 
 def summarize_goals(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per goal: the rows it applies to, the worst speedup among them and whether every
-    one meets it (None when the run measured none)."""
+    """Per goal: the rows it applies to, the worst kernel speedup among them and whether
+    every one meets it (None when the run measured none); then, per variant, whether the
+    eager call is within EAGER_OVER_KERNEL of the kernel on every shape."""
     rows = list(rows)
     out = []
     for g in GOALS:
         hits = [r for r in rows if r["goal"] is not None and r["goal"]["name"] == g["name"]]
-        worst = min((r["speedup"] for r in hits), default=None)
-        out.append({**g, "shapes": [r["shape"] for r in hits], "worst_speedup": worst,
+        worst = min((r["kernel_speedup"] for r in hits), default=None)
+        out.append({**g, "measure": "kernel_speedup", "shapes": [r["shape"] for r in hits], "worst": worst,
                     "met": None if worst is None else worst >= g["min_speedup"]})
+    for v in VARIANTS:
+        hits = [r for r in rows if r["variant"] == v and r["eager_goal"] is not None]
+        worst = max((r["eager_over_kernel"] for r in hits), default=None)
+        out.append({"name": f"{v.upper()} eager within {EAGER_OVER_KERNEL}x of the kernel", "variant": v,
+                    "measure": "eager_over_kernel", "max": EAGER_OVER_KERNEL, "shapes": [r["shape"] for r in hits],
+                    "worst": worst, "met": None if worst is None else worst <= EAGER_OVER_KERNEL})
     return out
 
 
@@ -235,13 +302,13 @@ def half_bf16_ulp(v: Any) -> Any:
     return torch.ldexp(torch.ones_like(v), (e - 1 - 7 - 1).to(v.dtype))
 
 
-def spot_check(out: Any, a64: Any, b64: Any) -> dict[str, Any]:
+def spot_check(out: Any, a64: Any, b64: Any, bf16_output: bool = True) -> dict[str, Any]:
     """Compare ``out`` [M, N] with the float64 product ``a64 @ b64`` on check_rows(M).
 
-    Tolerance, elementwise: K * 2**-24 * (|a| @ |b|) (fp32 accumulation in any order) plus
-    half a bf16 ulp of the output (its rounding to bf16). Raises CheckFailed outside it.
-    Returns rows checked, the max relative error (max |err| / max |exact|) and the largest
-    error as a fraction of its bound."""
+    Tolerance, elementwise: K * 2**-24 * (|a| @ |b|) (fp32 accumulation in any order),
+    plus half a bf16 ulp of the output when it is bf16 (its rounding). Raises CheckFailed
+    outside it. Returns rows checked, the bound, the max relative error (max |err| / max
+    |exact|) and the largest error as a fraction of its bound."""
     import torch
 
     idx = torch.tensor(check_rows(out.shape[0]), device=a64.device)
@@ -249,12 +316,14 @@ def spot_check(out: Any, a64: Any, b64: Any) -> dict[str, Any]:
     exact = a @ b64
     bound = a.shape[1] * FP32_UNIT_ROUNDOFF * (a.abs() @ b64.abs())
     got = out.index_select(0, idx.to(out.device)).to(device=a64.device, dtype=torch.float64)
-    bound = bound + half_bf16_ulp(got)
+    if bf16_output:
+        bound = bound + half_bf16_ulp(got)
     err = (got - exact).abs()
     finite = bool(torch.isfinite(got).all())
     scale = float(exact.abs().max())
     result = {
         "rows_checked": int(idx.numel()),
+        "bound": "K 2^-24 (|A| @ |B|)" + (" + half a bf16 ulp of C" if bf16_output else ""),
         "max_rel_err": float(err.max()) / scale if scale > 0 else float(err.max()),
         "max_err_over_bound": float((err / bound).max()) if finite else float("inf"),
     }
@@ -266,13 +335,89 @@ def spot_check(out: Any, a64: Any, b64: Any) -> dict[str, Any]:
     return result
 
 
-# ----------------------------------------------------------------------------- measurement
+def rel_err(out: Any, exact: Any, rows: Any) -> float:
+    """||out - exact|| / ||exact|| (Frobenius) on ``rows``: what a user sees against the
+    unquantized product."""
+    import torch
+
+    got = out.index_select(0, rows.to(out.device)).to(device=exact.device, dtype=torch.float64)
+    return float((got - exact).norm() / exact.norm().clamp_min(1e-300))
 
 
-def _cycling(fn: Callable[[Any], Any], weights: list) -> Callable[[], Any]:
-    """A no-argument call of ``fn`` on the next weight copy each time."""
-    it = itertools.cycle(weights)
+# ----------------------------------------------------------------------------- timing
+
+
+def _cycling(fn: Callable[[Any], Any], items: list) -> Callable[[], Any]:
+    """A no-argument call of ``fn`` on the next item (weight copy) each time."""
+    it = itertools.cycle(items)
     return lambda: fn(next(it))
+
+
+def bench_kernels(fns: dict[str, Callable[[], Any]], warmup_ms: float, rep_ms: float) -> dict[str, float]:
+    """Median ms per call of each function by ``triton.testing.do_bench`` (GPU)."""
+    import triton.testing
+
+    return {name: float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+            for name, fn in fns.items()}
+
+
+def bench_host(fns: dict[str, Callable[[], Any]], warmup_ms: float, rep_ms: float) -> dict[str, float]:
+    """The CPU stand-in for :func:`bench_kernels`: median host ms of a few calls."""
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        out[name] = statistics.median(samples)
+    return out
+
+
+def host_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Microseconds of host time per call of ``fn`` (no synchronization: for an
+    asynchronous GPU call, its launch cost)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+# ----------------------------------------------------------------------------- the peer
+
+
+def load_peer(device: Any) -> tuple[Optional[dict[str, Any]], str]:
+    """gemlite's layer makers ({"w4a16": maker, "a4w4": maker}, with name and version),
+    or (None, why not). Imported only for a GPU device: gemlite probes the device at import."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None, "no GPU: gemlite is imported only on one"
+    try:
+        import gemlite
+        from gemlite.helper import A4W4_MXFP_dynamic, A16W4_MXFP
+    except Exception as err:  # noqa: BLE001  (not installed, or it failed to probe the device)
+        return None, f"gemlite not available: {type(err).__name__}: {err}"[:300]
+    import torch
+
+    return {"name": "gemlite", "version": getattr(gemlite, "__version__", "?"),
+            "w4a16": lambda: A16W4_MXFP(device=device, dtype=torch.bfloat16),
+            "a4w4": lambda: A4W4_MXFP_dynamic(device=device, dtype=torch.bfloat16)}, ""
+
+
+def peer_layers(peer: dict[str, Any], variant: str, w: Any, copies: int) -> list:
+    """``copies`` gemlite layers of the weight w [K, N] (a Linear's weight is [N, K])."""
+    import torch
+
+    layers = []
+    for _ in range(copies):
+        lin = torch.nn.Linear(w.shape[0], w.shape[1], bias=False, device=w.device, dtype=torch.bfloat16)
+        lin.weight.data.copy_(w.t())
+        layers.append(peer[variant]().from_linear(lin))
+    return layers
+
+
+# ----------------------------------------------------------------------------- one shape
 
 
 def measure_shape(
@@ -280,60 +425,78 @@ def measure_shape(
     variants: Sequence[str],
     device: Any,
     args: argparse.Namespace,
-    timer: Callable[..., dict[str, float]],
+    kernel_timer: Callable[..., dict[str, float]],
+    eager_timer: Callable[..., dict[str, float]],
+    peer: Optional[dict[str, Any]] = None,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Check, then time (interleaved) the bf16 baseline and each variant on one shape."""
+    """Check, then time kernel-only and eager, the bf16 baseline, each variant and the peer."""
     import torch
 
     import portable_mx as pmx
-    from portable_mx import QuantRecipe, registry
+    from portable_mx import QuantRecipe, ops, registry
 
     recipes = {"w4a16": QuantRecipe(activations="bf16"), "a4w4": QuantRecipe()}
+    backend = registry.select("matmul", device)
     m, n, k = shape
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
-    w = torch.randn(k, n, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+    w = (torch.randn(k, n, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+    rows = torch.tensor(check_rows(m), device=device)
+    exact = x.index_select(0, rows).double() @ w.double()  # the unquantized product, for rel_err
     copies = {"bf16": copies_for(2 * k * n, args.cache_bust_mib)}
     w_bf16 = [w] + [w.clone() for _ in range(copies["bf16"] - 1)]
-    fns: dict[str, Callable[[], Any]] = {"bf16": _cycling(lambda wi: torch.matmul(x, wi), w_bf16)}
+    kernel_fns: dict[str, Callable[[], Any]] = {"bf16": _cycling(lambda wi: torch.matmul(x, wi), w_bf16)}
+    eager_fns: dict[str, Callable[[], Any]] = {"bf16": kernel_fns["bf16"]}
     checks: dict[str, dict[str, Any]] = {}
+    errors: dict[str, float] = {"bf16": rel_err(torch.matmul(x, w), exact, rows)}
+    peer_info: dict[str, dict[str, Any]] = {}
     for variant in variants:
         recipe = recipes[variant]
-        w_mx = [pmx.quantize(w, recipe, axis=0)]
-        copies[variant] = copies_for(w_mx[0].nbytes(), args.cache_bust_mib)
-        w_mx += [pmx.quantize(w, recipe, axis=0) for _ in range(copies[variant] - 1)]
+        w_mx = [pmx.quantize(w, recipe, axis=0) for _ in range(copies_for(mx_bytes(n, k), args.cache_bust_mib))]
+        copies[variant] = len(w_mx)
+        w_rows = [ops._mx_rows(wi) for wi in w_mx]
+        a = ops.left_operand(x, recipe)
+        a = a if isinstance(a, torch.Tensor) else ops._mx_rows(a)
         w64 = pmx.dequantize(w_mx[0], dtype=torch.float64)
+        a64 = x.double() if variant == "w4a16" else pmx.dequantize(pmx.quantize(x, recipe), dtype=torch.float64)
         label = f"{shape_name(shape)} {variant}"
-        fns[variant] = _cycling(lambda wi, r=recipe: pmx.matmul(x, wi, r), w_mx)
         try:
-            if variant == "a4w4":
-                x_mx = pmx.quantize(x, recipe)
-                x64 = pmx.dequantize(x_mx, dtype=torch.float64)
-                checks[variant] = spot_check(pmx.matmul(x, w_mx[0], recipe), x64, w64)
-                checks[f"{variant}_kernel"] = spot_check(pmx.matmul(x_mx, w_mx[0], recipe), x64, w64)
-                fns[f"{variant}_kernel"] = _cycling(lambda wi, xq=x_mx, r=recipe: pmx.matmul(xq, wi, r), w_mx)
-            else:
-                checks[variant] = spot_check(pmx.matmul(x, w_mx[0], recipe), x.to(torch.float64), w64)
+            checks[variant] = {"kernel": spot_check(backend.matmul(a, w_rows[0]), a64, w64, bf16_output=False),
+                               "eager": spot_check(pmx.matmul(x, w_mx[0], recipe), a64, w64)}
         except CheckFailed as err:
             raise CheckFailed(f"{label}: {err}") from None
-        for name in (variant, f"{variant}_kernel"):
-            if name in checks:
-                c = checks[name]
-                log(f"check {label + (' kernel' if name != variant else ''):<31} max rel err {c['max_rel_err']:.2e}  "
-                    f"({c['max_err_over_bound']:.2f} of the bound, {c['rows_checked']} rows)  ok")
-        del w64
-    times = timer(fns, args.repeats, args.warmup, args.inner)
-    backend = registry.select("matmul", device)
-    rows = []
+        errors[variant] = rel_err(pmx.matmul(x, w_mx[0], recipe), exact, rows)
+        for part, c in checks[variant].items():
+            log(f"check {label + ' ' + part:<31} max rel err {c['max_rel_err']:.2e}  "
+                f"({c['max_err_over_bound']:.2f} of the bound, {c['rows_checked']} rows)  ok")
+        kernel_fns[variant] = _cycling(lambda wi, a=a: backend.matmul(a, wi), w_rows)
+        eager_fns[variant] = _cycling(lambda wi, r=recipe: pmx.matmul(x, wi, r), w_mx)
+        del w64, a64
+        if peer is not None:
+            name = f"peer_{variant}"
+            try:
+                layers = peer_layers(peer, variant, w, min(copies[variant], PEER_COPIES))
+                errors[name] = rel_err(layers[0](x), exact, rows)
+                kernel_fns[name] = eager_fns[name] = _cycling(lambda layer: layer(x), layers)
+                peer_info[variant] = {"name": peer["name"], "version": peer["version"], "rel_err": errors[name]}
+            except Exception as err:  # noqa: BLE001  (record and go on)
+                peer_info[variant] = {"name": peer["name"], "version": peer["version"],
+                                      "error": f"{type(err).__name__}: {err}"[:300]}
+                log(f"peer {peer['name']} {label}: failed: {peer_info[variant]['error']}")
+    hosts = {name: host_us(fn) for name, fn in kernel_fns.items()} if device.type == "cuda" else {}
+    kernel = kernel_timer(kernel_fns, *args.bench_ms)
+    eager = eager_timer(eager_fns, args.repeats, args.warmup, args.inner)
+    out = []
     for v in variants:
-        check = {"gemm": checks[v]}
-        if f"{v}_kernel" in checks:
-            check["kernel"] = checks[f"{v}_kernel"]
-        rows.append(build_row(shape, v, recipe=recipes[v].describe(), backend=backend.name,
-                              path=backend.path(device, "matmul"), times=times, check=check,
-                              copies={"bf16": copies["bf16"], v: copies[v]}))
-    return rows
+        check = {**checks[v], "rel_err": errors[v], "bf16_rel_err": errors["bf16"]}
+        out.append(build_row(shape, v, recipe=recipes[v].describe(), backend=backend.name,
+                             path=backend.path(device, "matmul"), kernel=kernel, eager=eager, check=check,
+                             copies={"bf16": copies["bf16"], v: copies[v]}, peer=peer_info.get(v), host_us=hosts))
+    return out
+
+
+# ----------------------------------------------------------------------------- output
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -341,16 +504,18 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The plain-text table of result rows."""
-    head = (f"{'shape MxNxK':<18}{'variant':<8}{'backend':<18}{'ms':>10}{'TFLOP/s':>9}{'bf16 ms':>10}"
-            f"{'TFLOP/s':>9}{'speedup':>9}{'kern ms':>10}{'kern x':>8}{'bytes x':>8}  goal")
+    """The plain-text table of result rows (times in ms; x = speedup over bf16 kernel-only)."""
+    head = (f"{'shape MxNxK':<17}{'variant':<7}{'bf16 ms':>9}{'kern ms':>9}{'kern x':>8}{'eager ms':>10}"
+            f"{'eager x':>8}{'e/k':>6}{'peer ms':>9}{'peer x':>8}{'vs peer':>8}{'bytes x':>8}  goal")
     lines = [head]
     for r in rows:
+        p = r["peer"] or {}
         goal = "-" if r["goal"] is None else f">= {r['goal']['min_speedup']}: {'met' if r['goal']['met'] else 'NOT met'}"
         lines.append(
-            f"{r['shape']:<18}{r['variant']:<8}{r['backend']:<18}{r['time_ms']:>10.4f}{r['tflops']:>9.1f}"
-            f"{r['bf16_time_ms']:>10.4f}{r['bf16_tflops']:>9.1f}{r['speedup']:>8.2f}x"
-            f"{_fmt(r['kernel_time_ms'], '.4f'):>10}{_fmt(r['kernel_speedup'], '.2f'):>8}"
+            f"{r['shape']:<17}{r['variant']:<7}{_fmt(r['bf16_kernel_ms'], '.4f'):>9}{_fmt(r['kernel_ms'], '.4f'):>9}"
+            f"{_fmt(r['kernel_speedup'], '.2f'):>8}{_fmt(r['eager_ms'], '.4f'):>10}{_fmt(r['eager_speedup'], '.2f'):>8}"
+            f"{_fmt(r['eager_over_kernel'], '.2f'):>6}{_fmt(p.get('kernel_ms'), '.4f'):>9}"
+            f"{_fmt(p.get('kernel_speedup'), '.2f'):>8}{_fmt(p.get('pmx_vs_peer'), '.2f'):>8}"
             f"{_fmt(r['byte_ratio'], '.2f'):>8}  {goal}"
         )
     return "\n".join(lines)
@@ -370,29 +535,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
+    start = time.perf_counter()
     if args.cpu:
         device = torch.device("cpu")
         name = "cpu (host-clock timing: a check of the script, not a benchmark)"
 
-        def timer(fns: Any, repeats: int, warmup: int, inner: int) -> dict[str, float]:
+        def eager_timer(fns: Any, repeats: int, warmup: int, inner: int) -> dict[str, float]:
             return time_interleaved(fns, repeats, warmup, inner, events=False)
 
+        kernel_timer = bench_host
     else:
         if no_gpu("benchmarks/gemm.py"):
             return EXIT_NO_GPU
         device = gpu_device(args.device)
         name = torch.cuda.get_device_name(device)
-        timer = time_interleaved
+        eager_timer, kernel_timer = time_interleaved, bench_kernels
+    peer, peer_why = (None, "--no-peer") if args.no_peer else load_peer(device)
 
     header = result_header("gemm", name)
     v = header["versions"]
     print(f"{name}  torch {v['torch']}  triton {v['triton']}  portable_mx {v['portable_mx']}  "
-          f"repeats {args.repeats} warmup {args.warmup} inner {args.inner}  cache bust {args.cache_bust_mib} MiB")
+          f"peer {'gemlite ' + peer['version'] if peer else 'none (' + peer_why + ')'}  "
+          f"eager: repeats {args.repeats} warmup {args.warmup} inner {args.inner}  kernel: do_bench "
+          f"{args.bench_ms[0]:g}/{args.bench_ms[1]:g} ms  cache bust {args.cache_bust_mib} MiB", flush=True)
     rows: list[dict[str, Any]] = []
     try:
         with torch.no_grad():
             for shape in args.shapes:
-                rows += measure_shape(shape, args.variants, device, args, timer)
+                rows += measure_shape(shape, args.variants, device, args, kernel_timer, eager_timer, peer)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     except CheckFailed as err:
@@ -404,26 +574,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         **header,
         "quick": args.quick,
         "baseline": f"torch.matmul bf16 x bf16 ({baseline_library() if device.type == 'cuda' else 'cpu'})",
+        "peer": {"name": "gemlite", "version": peer["version"]} if peer else {"name": "gemlite", "available": False,
+                                                                              "why": peer_why},
+        "method": {"kernel": "triton.testing.do_bench median (L2 flushed per run), GEMM on prequantized rows-layout "
+                             "operands, weight copies rotated",
+                   "eager": "CUDA events around --inner back-to-back user calls, median of --repeats, interleaved",
+                   "bench_ms": args.bench_ms},
         "repeats": args.repeats,
         "warmup": args.warmup,
         "inner": args.inner,
         "interleaved": True,
         "cache_bust_mib": args.cache_bust_mib,
+        "seconds": None,
         "rows": rows,
         "goals": goals,
     }
     print(format_table(rows))
     for g in goals:
         status = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
-        worst = "" if g["worst_speedup"] is None else f" (worst {g['worst_speedup']:.2f}x)"
-        print(f"goal: {g['name']} speedup >= {g['min_speedup']}: {status}{worst}")
-    print("A4W4: reported against bf16, no goal; 'kern' = the GEMM on a pre-quantized x.")
+        worst = "" if g["worst"] is None else f" (worst {g['worst']:.2f}x)"
+        bound = f"kernel speedup >= {g['min_speedup']}" if "min_speedup" in g else f"eager/kernel <= {g['max']}"
+        print(f"goal: {g['name']}, {bound}: {status}{worst}")
+    print("x = bf16 time / this time; kern = the GEMM alone on prequantized operands (A4W4: x quantized "
+          "beforehand); e/k = eager / kernel; vs peer = peer kernel / portable_mx kernel (> 1: faster)")
+    if any(r["kernel_includes_host"] for r in rows):
+        print(f"note: some kernel-only times include host time (host_us > {FLUSH_US:g}): see the rows' host_us")
+    result["seconds"] = time.perf_counter() - start
 
     out = args.out
     if out is None and not (args.quick or args.cpu):
         out = default_out("gemm", name)
     if out is None:
-        print("not written (--quick/--cpu without --out)")
+        print("not written (--quick/--cpu-smoke without --out)")
     else:
         write_result(result, out)
     return 0

@@ -15,6 +15,13 @@ value) and e = Q - x:
 The math is written once here, on blocked fp32 tensors ``[..., n_blocks, 32]``; backends
 call it (or reproduce it in a kernel and are tested against it). Per-block statistics are
 fp32, summed over each block; whole-tensor totals are summed in float64.
+
+Non-finite input. A block holding NaN or Inf has no decomposition: its float statistics
+are NaN, its counts 0 and its element tensors NaN, and the Decomposition carries the
+number of NaN/Inf values of x as a device tensor (``non_finite``). Computing one never
+synchronises with the device; every whole-tensor figure (:meth:`Decomposition.totals`,
+``shares``, ``relative_mse``, ``summary``), which has to synchronise anyway, raises
+ValueError when that count is not 0, so a NaN never turns into a silent number.
 """
 
 from __future__ import annotations
@@ -61,44 +68,65 @@ class Decomposition:
     num_elements: int = 0
     """Elements of x (without the zero padding to a multiple of 32); 0 when unknown, and
     then fractions are taken over the padded count."""
+    non_finite: Optional[torch.Tensor] = None
+    """The number of NaN/Inf values of x (0-d int64 on x's device; None: not counted,
+    taken as 0). Not 0: the whole-tensor figures raise ValueError (see the module doc)."""
+
+    _ENERGIES = ("scale", "dead", "grid", "error", "signal")
+
+    def _reduce(self) -> dict[str, float]:
+        """The five energies, beta's sum and the two counts summed over every block in
+        float64 on the device, and the non-finite count, read back in one transfer; raises
+        ValueError when x held NaN/Inf."""
+        def total(t: torch.Tensor) -> torch.Tensor:
+            return t.sum(dtype=torch.float64)
+
+        sums = [total(getattr(self, f"energy_{k}")) for k in self._ENERGIES]
+        sums += [total(self.beta), total(self.dead_count), total(self.clip_count)]
+        bad = self.non_finite if self.non_finite is not None else torch.zeros((), dtype=torch.int64)
+        sums.append(bad.to(device=self.beta.device, dtype=torch.float64).reshape(()))
+        values = torch.stack(sums).tolist()  # the one synchronisation
+        if values[-1]:
+            raise ValueError(f"decompose needs finite input; x holds {int(values[-1])} NaN/Inf value(s)")
+        return dict(zip(self._ENERGIES + ("beta_sum", "dead_count", "clip_count"), values))
 
     def totals(self) -> dict[str, float]:
-        """Whole-tensor energies (float64 sums over blocks)."""
-        def tot(t: torch.Tensor) -> float:
-            return float(t.double().sum())
+        """Whole-tensor energies (float64 sums over blocks). Raises ValueError when x held
+        NaN/Inf."""
+        t = self._reduce()
+        return {k: t[k] for k in self._ENERGIES}
 
-        return {
-            "scale": tot(self.energy_scale),
-            "dead": tot(self.energy_dead),
-            "grid": tot(self.energy_grid),
-            "error": tot(self.energy_error),
-            "signal": tot(self.energy_signal),
-        }
-
-    def shares(self) -> dict[str, float]:
-        """Each component's share of the summed component energy (0 for an exact tensor).
-        For "gain" the summed component energy equals the error energy."""
-        t = self.totals()
+    @staticmethod
+    def _shares(t: dict[str, float]) -> dict[str, float]:
         total = t["scale"] + t["dead"] + t["grid"]
         if total == 0.0:
             return {"scale": 0.0, "dead": 0.0, "grid": 0.0}
         return {k: t[k] / total for k in ("scale", "dead", "grid")}
 
+    def shares(self) -> dict[str, float]:
+        """Each component's share of the summed component energy (0 for an exact tensor).
+        For "gain" the summed component energy equals the error energy. Raises ValueError
+        when x held NaN/Inf."""
+        return self._shares(self._reduce())
+
     def relative_mse(self) -> float:
-        """||Q(x) - x||^2 / ||x||^2 over the whole tensor (0 for an all-zero x)."""
-        t = self.totals()
+        """||Q(x) - x||^2 / ||x||^2 over the whole tensor (0 for an all-zero x). Raises
+        ValueError when x held NaN/Inf."""
+        t = self._reduce()
         return t["error"] / t["signal"] if t["signal"] > 0 else 0.0
 
     def summary(self) -> dict[str, float]:
         """Shares, relative MSE, mean beta (over blocks), and the deadzone and clip
-        fractions of x's elements, as plain floats."""
+        fractions of x's elements, as plain floats (one synchronisation). Raises ValueError
+        when x held NaN/Inf."""
+        t = self._reduce()
         # padding is zero: never dead, never clipped, so only the denominator changes
         n = max(self.num_elements or self.dead_count.numel() * 32, 1)
-        out = {f"share_{k}": v for k, v in self.shares().items()}
-        out["relative_mse"] = self.relative_mse()
-        out["mean_beta"] = float(self.beta.double().mean()) if self.beta.numel() else 1.0
-        out["dead_fraction"] = float(self.dead_count.double().sum()) / n
-        out["clip_fraction"] = float(self.clip_count.double().sum()) / n
+        out = {f"share_{k}": v for k, v in self._shares(t).items()}
+        out["relative_mse"] = t["error"] / t["signal"] if t["signal"] > 0 else 0.0
+        out["mean_beta"] = t["beta_sum"] / self.beta.numel() if self.beta.numel() else 1.0
+        out["dead_fraction"] = t["dead_count"] / n
+        out["clip_fraction"] = t["clip_count"] / n
         return out
 
     def map_tensors(self, block_fn, element_fn) -> "Decomposition":
@@ -107,7 +135,7 @@ class Decomposition:
         changes = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, torch.Tensor):
+            if not isinstance(v, torch.Tensor) or f.name == "non_finite":
                 continue
             is_element = f.name in ("dequantized", "scale_bias", "deadzone", "grid_noise")
             changes[f.name] = element_fn(v) if is_element else block_fn(v)
@@ -180,30 +208,45 @@ def decompose_blocks(
     full: bool,
 ) -> Decomposition:
     """Both definitions on blocked fp32 ``x`` and ``q`` ``[R, n_blocks, 32]`` -> a
-    Decomposition in the rows layout (element tensors ``[R, n_blocks * 32]``)."""
+    Decomposition in the rows layout (element tensors ``[R, n_blocks * 32]``). Blocks of x
+    holding NaN/Inf get NaN statistics, counts 0 and NaN elements, and ``non_finite``
+    counts x's NaN/Inf values (module doc); nothing here synchronises."""
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
+    bad = ~torch.isfinite(x)
+    special = bad.any(-1)
     beta, dead, e_scale, e_dead, e_grid = gain_components(x, q)
     if definition == "counterfactual":
         dead, e_scale, e_dead, e_grid = counterfactual_components(x, q, rest_amax, outlier_mask)
     err = q - x
-    flat = lambda t: t.flatten(-2)  # noqa: E731
+    nan = torch.tensor(float("nan"), device=x.device)
+
+    def stat(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(special, nan, t)
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(special, 0, t).to(torch.int32)
+
+    def element(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(special.unsqueeze(-1), nan, t).flatten(-2)
+
     return Decomposition(
         definition=definition,
         recipe=recipe,
         axis=1,
-        beta=beta,
-        dead_count=dead.sum(-1, dtype=torch.int32),
-        clip_count=clip_count.to(torch.int32),
-        energy_scale=_sumsq(e_scale),
-        energy_dead=_sumsq(e_dead),
-        energy_grid=_sumsq(e_grid),
-        energy_error=_sumsq(err),
-        energy_signal=_sumsq(x),
-        dequantized=flat(q) if full else None,
-        scale_bias=flat(e_scale) if full else None,
-        deadzone=flat(e_dead) if full else None,
-        grid_noise=flat(e_grid) if full else None,
+        beta=stat(beta),
+        dead_count=count(dead.sum(-1, dtype=torch.int32)),
+        clip_count=count(clip_count),
+        energy_scale=stat(_sumsq(e_scale)),
+        energy_dead=stat(_sumsq(e_dead)),
+        energy_grid=stat(_sumsq(e_grid)),
+        energy_error=stat(_sumsq(err)),
+        energy_signal=stat(_sumsq(x)),
+        dequantized=element(q) if full else None,
+        scale_bias=element(e_scale) if full else None,
+        deadzone=element(e_dead) if full else None,
+        grid_noise=element(e_grid) if full else None,
+        non_finite=bad.sum(dtype=torch.int64),
     )
 
 

@@ -11,6 +11,16 @@ Conventions
 - The sign bit of an element's code is the sign bit of x, as in torchao and the hardware
   conversion instructions: a negative value that rounds (or underflows) to zero is code 8,
   and so is -0.0, which therefore round-trips. A block of +0.0 has scale byte 0, codes 0.
+
+The stochastic-rounding stream (:func:`uniform_u24`)
+- Element ``i`` of a quantize (``i = row * Kp + column`` over the zero-padded rows of Kp
+  columns) rounds with ``u_i``, the top 24 bits of word ``i % 4`` of Philox4x32-10 at
+  counter ``i // 4`` with key ``seed`` (:func:`philox4x32`; words as
+  ``tl.randint4x(seed, i // 4)`` returns them). One Philox call serves four consecutive
+  elements. (Until 2026-11 the stream was word 0 of a call at counter ``i``, one call per
+  element: the same seed now gives other, equally distributed, draws.)
+- The code rounds up iff ``u_i < 2**24 * (|y| - lo) / (hi - lo)`` (exact; see
+  :func:`e2m1_round_stochastic`).
 """
 
 from __future__ import annotations
@@ -103,6 +113,25 @@ def bf16_round(x: torch.Tensor) -> torch.Tensor:
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
     out = torch.where(torch.isnan(x), BF16_CANONICAL_NAN, rounded)
     return torch.where(out >= 2**15, out - 2**16, out).to(torch.int16).view(torch.bfloat16)
+
+
+CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00,
+                      torch.float64: 0x7FF8000000000000}
+_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+           torch.float64: torch.int64}
+
+
+def cast_canonical_nan(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` (round to nearest even, overflow to +-inf) with every NaN the
+    dtype's canonical quiet NaN (``CANONICAL_NAN_BITS``): torch's casts give NaN bits
+    that depend on the device and the code path (a CPU fp32 -> bf16 cast gives 0xFFFF or
+    0x7FC0), and dequantized values must be the same bytes on every backend."""
+    out = x.to(dtype)
+    nan = out.isnan()
+    if nan.any():
+        out = out.clone() if out is x else out
+        out.view(_INT_OF[dtype]).masked_fill_(nan, CANONICAL_NAN_BITS[dtype])
+    return out
 
 
 # ----------------------------------------------------------------------------- E8M0
@@ -227,18 +256,19 @@ def _mulhilo32(a: torch.Tensor, const: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def philox4x32(seed: int, counter: torch.Tensor, rounds: int = 10) -> torch.Tensor:
-    """Philox4x32-``rounds`` (Salmon et al., SC'11), first output word, as int64 in
-    [0, 2**32).
+    """Philox4x32-``rounds`` (Salmon et al., SC'11): the four 32-bit output words of each
+    counter, as int64 in [0, 2**32), shaped ``counter.shape + (4,)``.
 
-    Key = (seed low 32 bits, seed high 32 bits); counter = (offset low, offset high, 0, 0).
-    This is the stream of ``tl.randint(seed, offset)`` in Triton, so kernels reproduce it.
-    Evaluated in chunks so that the ten rounds run in cache.
+    Key = (seed low 32 bits, seed high 32 bits); counter = (c low, c high, 0, 0). Word i
+    is what ``tl.randint4x(seed, c)`` returns as its i-th result in Triton (and word 0 is
+    ``tl.randint(seed, c)``), so kernels reproduce it. Evaluated in chunks so that the ten
+    rounds run in cache.
     """
     flat = counter.reshape(-1).to(torch.int64)
-    out = torch.empty_like(flat)
+    out = torch.empty(flat.numel(), 4, dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _PHILOX_CHUNK):
         out[start : start + _PHILOX_CHUNK] = _philox_rounds(seed, flat[start : start + _PHILOX_CHUNK], rounds)
-    return out.view(counter.shape)
+    return out.view(*counter.shape, 4)
 
 
 _PHILOX_CHUNK = 1 << 16
@@ -254,12 +284,35 @@ def _philox_rounds(seed: int, off: torch.Tensor, rounds: int) -> torch.Tensor:
         hi_a, lo_a = _mulhilo32(c0, _PHILOX_ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
-    return c0
+    return torch.stack((c0, c1, c2, c3), dim=-1)
 
 
-def uniform_u24(seed: int, counter: torch.Tensor) -> torch.Tensor:
-    """Integers uniform in [0, 2**24): the top 24 bits of :func:`philox4x32`."""
-    return philox4x32(seed, counter) >> 8
+PHILOX_WORDS = 4
+"""Elements that share one Philox4x32 call in the stochastic-rounding stream."""
+
+
+def uniform_u24(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Integers uniform in [0, 2**24) for the non-negative element indices ``index``: the
+    stochastic-rounding stream.
+
+    Element ``i`` takes word ``i % 4`` of the Philox4x32-10 call at counter ``i // 4``
+    (:func:`philox4x32`) and keeps its top 24 bits: one Philox call serves four
+    consecutive elements. (A kernel draws ``tl.randint4x(seed, i // 4)`` once per four
+    elements.) In a quantize, ``i = row * Kp + column`` over the zero-padded rows of
+    ``Kp`` columns (a multiple of 32, so a group of four never straddles two rows).
+    """
+    index = index.to(torch.int64)
+    words = philox4x32(seed, index // PHILOX_WORDS)
+    return words.gather(-1, (index % PHILOX_WORDS).unsqueeze(-1)).squeeze(-1) >> 8
+
+
+def uniform_u24_range(seed: int, n: int, device=None) -> torch.Tensor:
+    """:func:`uniform_u24` of the indices 0 .. n-1 (n a multiple of 4), int64 [n]: one
+    Philox call per four elements, as the kernels draw them."""
+    if n % PHILOX_WORDS:
+        raise ValueError(f"uniform_u24_range needs a multiple of {PHILOX_WORDS} elements; got {n}")
+    counters = torch.arange(n // PHILOX_WORDS, dtype=torch.int64, device=device)
+    return philox4x32(seed, counters).view(n) >> 8
 
 
 # ----------------------------------------------------------------------------- macro blocks

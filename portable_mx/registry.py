@@ -63,8 +63,8 @@ class Backend:
         raise NotImplementedError
 
     def dequantize(self, mx: "MXTensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """MXTensor of shape (R, K), axis 1 -> [R, Kp] in ``dtype`` (padding included):
-        every value is exact in fp32 (numerics.md section 1) and rounded once to ``dtype``."""
+        """MXTensor of shape (R, K), axis 1 -> [R, Kp] (padding included) in ``dtype``:
+        the exact fp32 values rounded once to ``dtype`` (as ``Tensor.to(dtype)``)."""
         raise NotImplementedError
 
     def decompose(

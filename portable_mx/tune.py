@@ -5,17 +5,23 @@ macro-block study.
 ::
 
     portable-mx tune [--op matmul] [--shapes MxNxK[,MxNxK...]|decode|prefill|all] [--trials N]
-                     [--storage URL] [--recipe R] [--seed S] [--out DIR] [--study-dir DIR]
-                     [--full] [--exhaustive] [--jobs N] [--json PATH]
-    portable-mx tune --static --target sm_100|gfx950|... [--shapes ...] [--recipe R] [--full]
+                     [--strategy ranked|ranked-tpe|tpe] [--storage URL] [--recipe R] [--seed S]
+                     [--out DIR] [--study-dir DIR] [--full] [--exhaustive [--record DIR]]
+                     [--warm-jobs N] [--jobs N] [--json PATH]
+    portable-mx tune --static --target sm_100|gfx950|... [--shapes ...] [--recipe R] [--full] [--sm-count N]
+    portable-mx tune --replay FILE[,FILE...] [--strategy S] [--json PATH]
     portable-mx tune --macro --shapes MxNxK [--tensors FILE] [--error-tolerance F] [--trials N]
 
 The GEMM study (portable_mx.tuning.search) prints a progress bar per shape and a final
 table: the best config, its time, the default config's time and the speed-up; the best
 configs go into ``<out or the user cache dir>/<arch>-<device>.json``, which every later
-process on that device reads. Without a GPU (and without --static) it says so and exits
-with status 2. ``--static`` compiles the candidates for ``--target`` here and prints
-those that survive and how many were pruned, by reason (exit 1 when none survive).
+process on that device reads. Without a GPU (and without --static or --replay) it says
+so and exits with status 2. ``--exhaustive`` times every survivor, records every time
+(``--json``, ``--record``) and replays each strategy on the recording.
+``--static`` compiles the candidates for ``--target`` here and prints those that survive,
+ranked by the cost model, and how many were pruned, by reason (exit 1 when none survive).
+``--replay`` computes, from recorded exhaustive runs and without a device, how many trials
+each strategy needs to come within 2% of the best.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import time
 from typing import Any, Optional
 
 HELP = ("tune the GEMM's tiles on this device (Optuna) into the config cache; --static: only "
-        "the ahead-of-time pruning for a --target, no device needed; --macro: macro-block study")
+        "the ahead-of-time pruning and cost-model ranking for a --target; --replay: a recorded exhaustive run, "
+        "no device; --macro: macro-block study")
 EXIT_NO_GPU = 2
 DEFAULT_TRIALS = 50
+STRATEGY_CHOICES = ("ranked", "ranked-tpe", "tpe")
 
 Shape = tuple[int, int, int]
 PRESETS: dict[str, list[Shape]] = {  # the GEMM benchmark's shapes (benchmarks/gemm.py)
@@ -105,8 +113,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the journal and static verdicts (default: <user cache dir>/studies)")
     parser.add_argument("--full", action="store_true", help="the full search space instead of the curated one")
     parser.add_argument("--exhaustive", action="store_true",
-                        help="measure every surviving candidate (a study of its own) and report how many "
-                             "trials the TPE study needed to come within 2%% of its best")
+                        help="measure every surviving candidate, record every time (in --json and --record) and "
+                             "replay each search strategy on the recording: trials to come within 2%% of the best")
+    parser.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
+                        help="what is measured next: ranked (default: the cost model's order, refitted as it goes), "
+                             "ranked-tpe (the model's top 10%%, then TPE), tpe")
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="--exhaustive: also write each shape's recording to DIR/<arch>-<device>-<shape>-<kind>.json")
+    parser.add_argument("--replay", default=None, metavar="FILES",
+                        help="no device: replay recorded exhaustive runs (comma-separated JSON files from "
+                             "--exhaustive --json/--record) and print each strategy's trials to within 2%% of the best")
+    parser.add_argument("--warm-jobs", type=int, default=0, metavar="N",
+                        help="GPU: compile the configs about to be timed in N worker processes first (default 0)")
+    parser.add_argument("--sm-count", type=int, default=None, metavar="N",
+                        help="--static: rank for a device with N SMs/CUs (default: the target's, see tuning/cost.py)")
     parser.add_argument("--jobs", type=int, default=None, metavar="N", help="compile workers (default: CPU count)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--static", action="store_true", help="only the static stage, for --target, no device needed")
@@ -171,12 +191,22 @@ class _Bar:
 # ----------------------------------------------------------------------------- --static
 
 
+STATIC_SHAPE = (4096, 4096)
+"""M and N of the GEMM the static mode ranks for when no --shapes are given (K: static.DEFAULT_KP)."""
+SHOW_RANKED = 25
+
+
+def _us(seconds: float) -> str:
+    return "-" if seconds != seconds or seconds == float("inf") else f"{seconds * 1e6:.1f}"
+
+
 def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
+    import dataclasses
+
     from .backends.targets import TARGETS
     from .recipe import QuantRecipe
-    from .tuning import search
-    from .tuning.space import gemm_space
-    from .tuning.static import DEFAULT_KP, STORE_NAME, VerdictStore, backend_for_target, prune
+    from .tuning import cost, search
+    from .tuning.static import DEFAULT_KP, backend_for_target
 
     if args.target not in TARGETS:
         print(f"portable-mx tune --static: --target must be one of {', '.join(TARGETS)}; got {args.target!r}",
@@ -185,22 +215,18 @@ def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
     target = TARGETS[args.target]
     backend = backend_for_target(target.name)
     recipe = args.recipe or QuantRecipe()
-    problems = [search.Problem(m, n, k, recipe) for m, n, k in args.shapes] if args.shapes else [None]
-    store = VerdictStore(search.study_dir(args.study_dir) / STORE_NAME)
-    doc: dict[str, Any] = {"target": target.name, "backend": backend.name, "recipe": recipe.describe(), "spaces": []}
+    given = bool(args.shapes)
+    shapes = args.shapes or [(*STATIC_SHAPE, DEFAULT_KP)]
+    props = cost.device_props(target)
+    if args.sm_count:
+        props = dataclasses.replace(props, sm_count=args.sm_count, source=f"{props.source}, --sm-count {args.sm_count}")
+    doc: dict[str, Any] = {"target": target.name, "backend": backend.name, "recipe": recipe.describe(),
+                           "device_props": props.to_json(), "spaces": []}
     any_survivor = False
-    seen_spaces = set()
-    for problem in problems:
-        a, b = (problem or search.Problem(1024, 1024, DEFAULT_KP, recipe)).operands()
-        m, kp = (problem.m, problem.kp) if problem else (None, DEFAULT_KP)
-        heavy = a.heavy or b.heavy
-        default = backend.default_gemm_config(target, m or 1024, a.format, heavy)
-        space = gemm_space(target, a, b, m, kp, full=args.full, default=default)
-        if (space.name, kp) in seen_spaces:
-            continue
-        seen_spaces.add((space.name, kp))
-        candidates = space.candidates()
-        bar = _Bar(len(candidates), f"static {target.name}", "compile")
+    for m, n, k in shapes:
+        problem = search.Problem(m, n, k, recipe)
+        a, b = problem.operands()
+        bar = _Bar(0, f"static {target.name}", "compile")
         done = [0]
 
         def tick(_result, bar=bar, done=done) -> None:
@@ -209,45 +235,83 @@ def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
 
         start = time.perf_counter()
         try:
-            report = prune(candidates, a, b, target, backend, kp, store=store, compile_fn=compile_fn,
-                           jobs=args.jobs, on_result=tick)
+            p = search.plan(problem, backend, target, full=args.full, compile_fn=compile_fn, jobs=args.jobs,
+                            directory=args.study_dir, props=props, on_result=tick)
         finally:
             bar.close()
         seconds = time.perf_counter() - start
-        unique = report.unique()
-        survivors = [(c, v) for c, v in unique.values() if v.ok]
+        space = p.space
+        report_unique: dict[str, tuple] = {}
+        for c in p.candidates:
+            v = p.verdicts[c]
+            report_unique.setdefault(_compile_key(c), (c, v))
+        survivors = [(c, v) for c, v in report_unique.values() if v.ok]
         group_m = dict(space.choices).get("group_m", ())
         print(f"static stage: {target.name} ({target.description}), backend {backend.name}, "
               f"{'A4W4' if a.format is None else 'W4A16'} a:{a.tag()} b:{b.tag()}, "
-              f"{'M=' + str(m) if m else 'large M'}, K padded {kp}")
-        print(f"space {space.name}: {len(candidates)} candidates = {len(unique)} compiles x GROUP_M {group_m} "
-              f"(GROUP_M shares a compile); default config {_config(default)}")
+              f"{problem.shape if given else f'ranked for {problem.shape} (no --shapes given)'}, K padded {problem.kp}")
+        print(f"space {space.name}: {len(p.candidates)} candidates ({len(report_unique)} without GROUP_M variants); "
+              f"tuned: {', '.join(f'{k} {v}' for k, v in space.choices)}; "
+              f"default config {_config(p.default)}")
         for note in space.notes:
             print(f"  restriction: {note}")
-        print(f"compiled {report.compiled} now, {report.reused} verdicts from earlier runs ({seconds:.0f} s)")
-        rows = [(c.label(), "-" if v.shared_bytes is None else f"{v.shared_bytes / 1024:g}",
-                 "-" if v.registers is None else str(v.registers),
-                 "-" if v.native_mx is None else ("yes" if v.native_mx else "NO"))
-                for c, v in survivors]
-        print(f"surviving candidates: {len(survivors)} of {len(unique)}")
+        print(f"static stage: {p.compiled} launches compiled now, {p.reused} verdicts read from "
+              f"{search.study_dir(args.study_dir)} ({seconds:.0f} s); candidates that compile to the same program "
+              "share one compile")
+        print(f"surviving candidates: {len(survivors)} of {len(report_unique)}")
+        ranker = p.ranker(refit=False)
+        ranked = ranker.order
+        rows = []
+        for i, c in enumerate(ranked[:SHOW_RANKED], 1):
+            v, e = p.verdicts[c], ranker.estimates[c]
+            rows.append((str(i), c.label(), "-" if v is None or v.shared_bytes is None else f"{v.shared_bytes / 1024:g}",
+                         "-" if v is None or v.registers is None else str(v.registers), str(e.occupancy), str(e.ctas),
+                         f"{e.e_sm:.2f}", _us(e.seconds),
+                         "-" if v is None or v.native_mx is None else ("yes" if v.native_mx else "NO")))
         if rows:
-            print(_table(("config (every GROUP_M choice)", "shared KiB", "regs", "native MX"), rows))
-        by_reason = report.by_reason()
-        pruned = len(unique) - len(survivors)
-        print(f"pruned: {pruned} of {len(unique)}" + ("" if not by_reason else " -- by reason (one compile may "
-              "have several): " + ", ".join(f"{kind}: {n}" for kind, n in by_reason.items())))
+            print(f"ranked by the cost model on {props.name} ({props.sm_count} SMs; {props.source}), "
+                  f"fastest predicted first{'' if len(ranked) <= SHOW_RANKED else f' (first {SHOW_RANKED} of {len(ranked)})'}:")
+            print(_table(("#", "config", "shared KiB", "regs", "CTAs/SM", "CTAs", "last wave", "model us", "native MX"),
+                         rows))
+        by_reason: dict[str, int] = {}
+        for _, v in report_unique.values():
+            if not v.ok:
+                for kind in {reason_kind(r) for r in v.reasons}:
+                    by_reason[kind] = by_reason.get(kind, 0) + 1
+        by_reason = dict(sorted(by_reason.items(), key=lambda kv: -kv[1]))
+        pruned = len(report_unique) - len(survivors)
+        print(f"pruned: {pruned} of {len(report_unique)}" + ("" if not by_reason else " -- by reason (one compile "
+              "may have several): " + ", ".join(f"{kind}: {n}" for kind, n in by_reason.items())))
         print()
         any_survivor |= bool(survivors)
         doc["spaces"].append({
-            "space": space.name, "m": m, "kp": kp, "candidates": len(candidates), "compiles": len(unique),
-            "group_m": list(group_m), "notes": list(space.notes), "default": _config(default),
+            "space": space.name, "shape": problem.shape, "m": m if given else None, "kp": problem.kp,
+            "candidates": len(p.candidates), "compiles": len(report_unique), "group_m": list(group_m),
+            "choices": {k: list(v) for k, v in space.choices}, "notes": list(space.notes),
+            "default": _config(p.default),
             "survivors": [{"config": c.label(), **v.to_json()} for c, v in survivors],
-            "pruned": [{"config": c.label(), **v.to_json()} for c, v in unique.values() if not v.ok],
+            "pruned": [{"config": c.label(), **v.to_json()} for c, v in report_unique.values() if not v.ok],
             "pruned_by_reason": by_reason,
+            "ranked": [{"config": c.label(), "predicted_s": ranker.estimates[c].seconds,
+                        "occupancy": ranker.estimates[c].occupancy, "ctas": ranker.estimates[c].ctas,
+                        "last_wave": ranker.estimates[c].e_sm} for c in ranked],
         })
     if args.json:
         _write_json(args.json, doc)
     return 0 if any_survivor else 1
+
+
+def _compile_key(config: Any) -> Any:
+    """Configs that differ only in GROUP_M share a compile."""
+    import dataclasses
+
+    return dataclasses.replace(config, group_m=0)
+
+
+def reason_kind(reason: str) -> str:
+    from .tuning.static import reason_kind as kind
+
+    return kind(reason)
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -269,29 +333,29 @@ def _device(args: argparse.Namespace):
 
 def run_search(args: argparse.Namespace, device: Any) -> int:
     from .recipe import QuantRecipe
-    from .tuning import search
+    from .tuning import cache, replay, search
+    from .tuning.strategy import DEFAULT_STRATEGY, STRATEGIES
 
     recipe = args.recipe or QuantRecipe()
     shapes = args.shapes or PRESETS["all"]
     trials = DEFAULT_TRIALS if args.trials is None else args.trials
+    strategy = args.strategy or DEFAULT_STRATEGY
     results = []
     for m, n, k in shapes:
         problem = search.Problem(m, n, k, recipe, op=args.op)
-        bar = _Bar(trials, f"tune {problem.shape}", "config")
+        bar = _Bar(0 if args.exhaustive else trials, f"tune {problem.shape}", "config")
         try:
             result = search.tune(problem, device=device, trials=trials, storage=args.storage,
                                  directory=args.study_dir, seed=args.seed, full=args.full, jobs=args.jobs,
-                                 out=args.out, progress=bar.to)
-            exhaustive = None
-            if args.exhaustive:
-                exhaustive = search.tune(problem, device=device, trials=0, storage=args.storage,
-                                         directory=args.study_dir, seed=args.seed, full=args.full, jobs=args.jobs,
-                                         out=args.out, exhaustive=True)
+                                 out=args.out, progress=bar.to, strategy=strategy, exhaustive=args.exhaustive,
+                                 warm_jobs=args.warm_jobs)
         finally:
             bar.close()
-        results.append((result, exhaustive))
-    rows, doc = [], {"recipe": recipe.describe(), "results": []}
-    for r, ex in results:
+        results.append(result)
+    rows, doc = [], {"recipe": recipe.describe(), "strategy": "exhaustive" if args.exhaustive else strategy,
+                     "results": []}
+    recordings = []
+    for r in results:
         rows.append((r.problem.shape, f"{r.key.split('|')[1]}", _config(r.best), _ms(r.best_ms), _config(r.default),
                      _ms(r.default_ms), "-" if r.speedup is None else f"{r.speedup:.2f}x",
                      f"{r.trials} ({r.survivors}/{r.candidates})"))
@@ -299,28 +363,55 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
                  "best_ms": r.best_ms, "default": _config(r.default), "default_ms": r.default_ms,
                  "speedup": r.speedup, "trials": r.trials, "candidates": r.candidates, "survivors": r.survivors,
                  "static_pruned": r.static_pruned, "stop": r.stop_reason,
+                 "history": [[c.label(), ms] for _, c, ms in r.history],
                  "cache": None if r.cache_path is None else str(r.cache_path)}
-        if ex is not None and ex.best_ms is not None:
-            needed = search.trials_to_within(r.history, ex.best_ms, 0.02)
-            entry["exhaustive"] = {"best": _config(ex.best), "best_ms": ex.best_ms, "measured": ex.trials,
-                                   "tpe_trials_within_2pct": needed,
-                                   "tpe_fraction_of_space": None if needed is None else needed / max(ex.survivors, 1)}
+        if r.recording is not None:
+            entry["recording"] = r.recording
+            recordings.append(r.recording)
+            if args.record:
+                rec = r.recording
+                kind = "a4w4" if rec["workload"]["a_upcast"] or rec["workload"]["mx_mma"] else "w4a16"
+                path = os.path.join(args.record, f"{rec['arch']}-{cache.slug(rec['device'])}-{r.problem.shape}-"
+                                                 f"{kind}.json")
+                _write_json(path, rec)
         doc["results"].append(entry)
     print(_table(("shape", "operands", "best config", "best ms", "default config", "default ms", "speed-up",
                   "measured (survivors/space)"), rows))
-    for entry in doc["results"]:
-        ex = entry.get("exhaustive")
-        if ex:
-            needed = ex["tpe_trials_within_2pct"]
-            print(f"{entry['shape']}: exhaustive best {ex['best']} {ex['best_ms']:.4f} ms over {ex['measured']} "
-                  f"configs; TPE came within 2% after "
-                  + ("never" if needed is None else f"{needed} trials ({ex['tpe_fraction_of_space']:.0%} of the space)"))
+    if recordings:
+        replays = replay.replay_all(recordings, STRATEGIES, seed=args.seed)
+        doc["replay"] = [x.to_json() for x in replays]
+        print()
+        print("trials to come within 2% of the exhaustive best, replayed on the recorded times (no GPU):")
+        print(replay.table(replays, recordings))
     paths = sorted({e["cache"] for e in doc["results"] if e["cache"]})
     for path in paths:
         print(f"config cache: {path}")
     if args.json:
         _write_json(args.json, doc)
-    return 0 if all(r.best is not None for r, _ in results) else 1
+    return 0 if all(r.best is not None for r in results) else 1
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """--replay: every strategy on every recording in the files; no device."""
+    from .tuning import replay
+    from .tuning.strategy import STRATEGIES
+
+    recordings = []
+    for path in (t.strip() for t in args.replay.split(",") if t.strip()):
+        try:
+            recordings += replay.load(path)
+        except (OSError, ValueError) as err:
+            print(f"portable-mx tune --replay: {err}", file=sys.stderr)
+            return 2
+    strategies = (args.strategy,) if args.strategy else STRATEGIES
+    results = replay.replay_all(recordings, strategies, seed=args.seed if args.seed else None)
+    print(replay.table(results, recordings))
+    goal = replay.within_goal([r for r in results if r.strategy == (args.strategy or "ranked")])
+    print(f"goal (<= 20% of the survivors to within 2% of the best, {args.strategy or 'ranked'}): "
+          f"{'met' if goal else 'NOT met'}")
+    if args.json:
+        _write_json(args.json, {"replay": [r.to_json() for r in results]})
+    return 0
 
 
 def run_macro(args: argparse.Namespace, device: Any) -> int:
@@ -373,6 +464,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trials is not None and args.trials < 0:
         print("portable-mx tune: --trials must be >= 0", file=sys.stderr)
         return 2
+    if args.replay:
+        return run_replay(args)
     if args.static:
         if args.target is None:
             print("portable-mx tune --static: --target is required", file=sys.stderr)

@@ -80,16 +80,19 @@ def test_gemm_default_args():
     assert args.shapes == gemm.PRESETS["decode"] + gemm.PRESETS["prefill"]
     assert args.shapes == [(1, 8192, 8192), (16, 8192, 8192), (128, 8192, 8192), (4096, 4096, 4096), (8192, 8192, 8192)]
     assert args.variants == ["w4a16", "a4w4"]
-    assert (args.repeats, args.warmup, args.inner) == (50, 10, 10)
-    assert (args.quick, args.cpu, args.out, args.device, args.cache_bust_mib) == (False, False, None, "cuda", 1024)
+    assert (args.repeats, args.warmup, args.inner, args.bench_ms) == (50, 10, 10, [25, 100])
+    assert (args.quick, args.cpu, args.out, args.device, args.cache_bust_mib, args.no_peer) == \
+        (False, False, None, "cuda", 1024, False)
 
 
-def test_gemm_quick_args():
+def test_gemm_quick_and_smoke_args():
     args = gemm.parse_args(["--quick"])
-    assert args.shapes == gemm.QUICK_SHAPES
-    assert (args.repeats, args.warmup, args.inner) == (10, 3, 3)
-    args = gemm.parse_args(["--quick", "--repeats", "7", "--shapes", "prefill"])
-    assert (args.repeats, args.warmup, args.shapes) == (7, 3, gemm.PRESETS["prefill"])
+    assert args.shapes == gemm.QUICK_SHAPES == [(1, 8192, 8192), (16, 8192, 8192), (4096, 4096, 4096)]
+    assert (args.repeats, args.warmup, args.inner, args.bench_ms) == (10, 3, 5, [10, 40])
+    args = gemm.parse_args(["--quick", "--repeats", "7", "--shapes", "prefill", "--bench-ms", "5", "20"])
+    assert (args.repeats, args.warmup, args.shapes, args.bench_ms) == (7, 3, gemm.PRESETS["prefill"], [5.0, 20.0])
+    assert gemm.parse_args(["--cpu-smoke"]).cpu and gemm.parse_args(["--cpu"]).cpu
+    assert gemm.parse_args(["--cpu-smoke"]).shapes == gemm.SMOKE_SHAPES
 
 
 def test_gemm_shapes_and_variants():
@@ -114,6 +117,7 @@ def test_gemm_shapes_and_variants():
 def test_tflops_and_bytes():
     assert gemm.tflops((8192, 8192, 8192), 1.0) == pytest.approx(2 * 8192**3 / 1e9)
     assert gemm.tflops((1, 2, 3), 1e-9) == pytest.approx(12 / 1e-12 / 1e12)
+    assert gemm.tflops((1, 2, 3), None) is None
     assert gemm.mx_bytes(4, 64) == 4 * (32 + 2)
     assert gemm.mx_bytes(1, 33) == 32 + 2  # K padded to 64
     assert gemm.byte_ratio((1, 8192, 8192)) == pytest.approx(3.76, abs=0.005)  # the issue's 3.76x
@@ -128,36 +132,60 @@ def test_copies_for():
     assert gemm.copies_for(1, 1024) == gemm.MAX_COPIES
 
 
-def test_goals_and_rows():
-    assert gemm.goal_for((1, 8192, 8192), "w4a16")["min_speedup"] == 2.5
-    assert gemm.goal_for((16, 8192, 8192), "w4a16")["min_speedup"] == 2.5
-    assert gemm.goal_for((128, 8192, 8192), "w4a16") is None
-    assert gemm.goal_for((4096, 4096, 4096), "w4a16")["min_speedup"] == 0.8
-    assert gemm.goal_for((4096, 4096, 4096), "a4w4") is None
-    assert gemm.goal_for((1, 8192, 8192), "a4w4") is None
+def test_the_issue_goals():
+    """Issue 14's table: W4A16 >= 3.0x (M <= 16), 2.0x (M = 128), 0.9x (prefill); A4W4
+    >= 2.5x, 1.5x, 0.8x; no goal between 128 and 1024."""
+    want = {((1, 8192, 8192), "w4a16"): 3.0, ((16, 8192, 8192), "w4a16"): 3.0, ((128, 8192, 8192), "w4a16"): 2.0,
+            ((4096, 4096, 4096), "w4a16"): 0.9, ((8192, 8192, 8192), "w4a16"): 0.9,
+            ((1, 8192, 8192), "a4w4"): 2.5, ((16, 8192, 8192), "a4w4"): 2.5, ((128, 8192, 8192), "a4w4"): 1.5,
+            ((4096, 4096, 4096), "a4w4"): 0.8, ((8192, 8192, 8192), "a4w4"): 0.8}
+    for (shape, variant), goal in want.items():
+        assert gemm.goal_for(shape, variant)["min_speedup"] == goal
+    assert gemm.goal_for((256, 8192, 8192), "w4a16") is None
+    assert gemm.goal_for((17, 8192, 8192), "a4w4")["min_speedup"] == 1.5
 
-    times = {"bf16": 2.0, "w4a16": 0.5, "a4w4": 4.0, "a4w4_kernel": 1.0}
-    kw = {"recipe": "r", "backend": "b", "path": "native", "times": times, "check": {}, "copies": {}}
-    row = gemm.build_row((1, 8192, 8192), "w4a16", **kw)
-    assert row["speedup"] == 4.0 and row["goal"]["met"] is True
-    assert row["tflops"] == pytest.approx(gemm.tflops((1, 8192, 8192), 0.5))
-    assert row["bf16_tflops"] == pytest.approx(gemm.tflops((1, 8192, 8192), 2.0))
-    assert row["kernel_time_ms"] is None and row["kernel_speedup"] is None
+
+def _row(shape, variant, kernel, eager, peer=None, host=None):
+    return gemm.build_row(shape, variant, recipe="r", backend="b", path="native", kernel=kernel, eager=eager,
+                          check={}, copies={}, peer=peer, host_us=host)
+
+
+def test_rows_ratios_and_goals_with_fake_timings():
+    kernel = {"bf16": 0.045, "w4a16": 0.015, "a4w4": 0.02, "peer_w4a16": 0.03, "peer_a4w4": None}
+    eager = {"bf16": 0.05, "w4a16": 0.0165, "a4w4": 0.1, "peer_w4a16": 0.04, "peer_a4w4": None}
+    peer = {"name": "gemlite", "version": "0.6", "rel_err": 0.01}
+    row = _row((1, 8192, 8192), "w4a16", kernel, eager, peer, host={"w4a16": 30.0})
+    assert row["kernel_speedup"] == pytest.approx(3.0) and row["goal"] == {
+        "name": "W4A16 decode (M <= 16)", "min_speedup": 3.0, "met": True}
+    assert row["eager_speedup"] == pytest.approx(0.05 / 0.0165)
+    assert row["eager_over_kernel"] == pytest.approx(1.1) and row["eager_goal"]["met"] is True
+    assert row["kernel_tflops"] == pytest.approx(gemm.tflops((1, 8192, 8192), 0.015))
+    assert row["bf16_tflops"] == pytest.approx(gemm.tflops((1, 8192, 8192), 0.045))
+    assert row["peer"]["pmx_vs_peer"] == pytest.approx(2.0) and row["peer"]["kernel_speedup"] == pytest.approx(1.5)
+    assert row["peer"]["eager_speedup"] == pytest.approx(1.25) and row["peer"]["rel_err"] == 0.01
     assert row["byte_ratio"] == pytest.approx(3.76, abs=0.005)
-    a = gemm.build_row((8192, 8192, 8192), "a4w4", **kw)
-    assert (a["speedup"], a["kernel_speedup"], a["kernel_time_ms"], a["goal"], a["byte_ratio"]) == (0.5, 2.0, 1.0, None, None)
-    slow = gemm.build_row((4096, 4096, 4096), "w4a16", **{**kw, "times": {"bf16": 1.0, "w4a16": 2.0}})
-    assert slow["goal"] == {"name": "W4A16 prefill (M >= 1024)", "min_speedup": 0.8, "met": False}
-    json.dumps([row, a, slow])  # JSON-serializable
+    assert row["host_us"] == 30.0 and row["kernel_includes_host"] is False
+    a = _row((1, 8192, 8192), "a4w4", kernel, eager, {"name": "gemlite", "version": "0.6", "error": "boom"})
+    assert a["kernel_speedup"] == pytest.approx(2.25) and a["goal"]["met"] is False  # A4W4 decode: >= 2.5
+    assert a["eager_over_kernel"] == pytest.approx(5.0) and a["eager_goal"]["met"] is False
+    assert a["peer"]["kernel_ms"] is None and a["peer"]["pmx_vs_peer"] is None and a["peer"]["error"] == "boom"
+    assert a["byte_ratio"] is None and a["host_us"] is None
+    mid = _row((256, 8192, 8192), "w4a16", {"bf16": 1.0, "w4a16": 0.5}, {})
+    assert mid["goal"] is None and mid["eager_ms"] is None and mid["eager_goal"] is None and mid["peer"] is None
+    slow = _row((4096, 4096, 4096), "w4a16", {"bf16": 1.0, "w4a16": 2.0}, {"bf16": 1.0, "w4a16": 2.1})
+    assert slow["goal"] == {"name": "W4A16 prefill (M >= 1024)", "min_speedup": 0.9, "met": False}
+    json.dumps([row, a, mid, slow])  # JSON-serializable
 
-    goals = {g["name"]: g for g in gemm.summarize_goals([row, a, slow])}
-    assert goals["W4A16 decode (M <= 16)"]["met"] is True
-    assert goals["W4A16 decode (M <= 16)"]["shapes"] == ["1x8192x8192"]
-    assert goals["W4A16 prefill (M >= 1024)"]["met"] is False
-    assert goals["W4A16 prefill (M >= 1024)"]["worst_speedup"] == 0.5
-    assert all(g["met"] is None for g in gemm.summarize_goals([a]))
-    table = gemm.format_table([row, a, slow])
-    assert "NOT met" in table and "4.00x" in table and len(table.splitlines()) == 4
+    goals = {g["name"]: g for g in gemm.summarize_goals([row, a, mid, slow])}
+    assert goals["W4A16 decode (M <= 16)"]["met"] is True and goals["W4A16 decode (M <= 16)"]["shapes"] == ["1x8192x8192"]
+    assert goals["W4A16 prefill (M >= 1024)"]["met"] is False and goals["W4A16 prefill (M >= 1024)"]["worst"] == 0.5
+    assert goals["A4W4 decode (M <= 16)"]["met"] is False and goals["A4W4 decode (M <= 16)"]["worst"] == pytest.approx(2.25)
+    assert goals["W4A16 small batch (16 < M <= 128)"]["met"] is None  # not measured
+    assert goals["W4A16 eager within 1.2x of the kernel"]["worst"] == pytest.approx(1.1)
+    assert goals["W4A16 eager within 1.2x of the kernel"]["met"] is True
+    assert goals["A4W4 eager within 1.2x of the kernel"]["met"] is False
+    table = gemm.format_table([row, a, mid, slow])
+    assert "NOT met" in table and "3.00" in table and len(table.splitlines()) == 5
 
 
 # ----------------------------------------------------------------------------- gemm.py spot check
@@ -183,6 +211,10 @@ def test_spot_check():
     res = gemm.spot_check(out, a, b)
     assert res["rows_checked"] == gemm.CHECK_ROWS and res["max_err_over_bound"] <= 1
     assert 0 < res["max_rel_err"] < 2**-8
+    with pytest.raises(gemm.CheckFailed):  # the bf16 output is outside the fp32 bound alone
+        gemm.spot_check(out, a, b, bf16_output=False)
+    fp32 = a.float() @ b.float()
+    assert gemm.spot_check(fp32, a, b, bf16_output=False)["max_err_over_bound"] <= 1
     bad = out.clone()
     bad[0, 0] = bad[0, 0].float() * 1.02  # a few bf16 ulps off
     with pytest.raises(gemm.CheckFailed):
@@ -193,56 +225,85 @@ def test_spot_check():
         gemm.spot_check(bad, a, b)
 
 
+def test_rel_err():
+    exact = torch.tensor([[3.0, 4.0], [0.0, 0.0]], dtype=torch.float64)
+    got = torch.tensor([[3.0, 4.0], [0.0, 0.5], [9.0, 9.0]])
+    assert gemm.rel_err(got, exact, torch.tensor([0, 1])) == pytest.approx(0.1)
+
+
+def test_the_peer_is_not_imported_without_a_gpu():
+    peer, why = gemm.load_peer(torch.device("cpu"))
+    assert peer is None and "no GPU" in why
+    assert "gemlite" not in sys.modules
+
+
 # ----------------------------------------------------------------------------- gemm.py on CPU
 
 
-def _fake_timer(plan):
-    """A timer that records what it was asked and returns the next planned times."""
-    seen = []
+def _fake_timers(kernel_plan, eager_plan):
+    """Timers that record what they were asked and return the next planned times."""
+    seen = {"kernel": [], "eager": []}
 
-    def timer(fns, repeats, warmup, inner, **kw):
-        seen.append((list(fns), repeats, warmup, inner))
+    def kernel(fns, warmup_ms, rep_ms):
+        seen["kernel"].append((list(fns), warmup_ms, rep_ms))
         for fn in fns.values():  # each function runs (the cycling over weight copies included)
             fn()
             fn()
-        return plan[len(seen) - 1]
+        return kernel_plan[len(seen["kernel"]) - 1]
 
-    return timer, seen
+    def eager(fns, repeats, warmup, inner, **kw):
+        seen["eager"].append((list(fns), repeats, warmup, inner))
+        for fn in fns.values():
+            fn()
+        return eager_plan[len(seen["eager"]) - 1]
+
+    return kernel, eager, seen
 
 
 def test_gemm_cpu_end_to_end(tmp_path, monkeypatch, capsys):
-    plan = [{"bf16": 1.0, "w4a16": 0.25, "a4w4": 0.5, "a4w4_kernel": 0.4},
-            {"bf16": 1.0, "w4a16": 2.0, "a4w4": 1.0, "a4w4_kernel": 0.8}]
-    timer, seen = _fake_timer(plan)
-    monkeypatch.setattr(gemm, "time_interleaved", timer)
+    kernel_plan = [{"bf16": 0.9, "w4a16": 0.25, "a4w4": 0.5}, {"bf16": 1.0, "w4a16": 2.0, "a4w4": 1.0}]
+    eager_plan = [{"bf16": 1.0, "w4a16": 0.28, "a4w4": 0.9}, {"bf16": 1.1, "w4a16": 2.2, "a4w4": 1.1}]
+    kernel, eager, seen = _fake_timers(kernel_plan, eager_plan)
+    monkeypatch.setattr(gemm, "bench_host", kernel)
+    monkeypatch.setattr(gemm, "time_interleaved", eager)
     out = tmp_path / "g.json"
-    rc = gemm.main(["--cpu", "--shapes", "1x64x96,1024x32x64", "--repeats", "4", "--warmup", "2",
-                    "--inner", "3", "--cache-bust-mib", "1", "--out", str(out)])
+    rc = gemm.main(["--cpu-smoke", "--shapes", "1x64x96,1024x32x64", "--repeats", "4", "--warmup", "2",
+                    "--inner", "3", "--bench-ms", "1", "2", "--cache-bust-mib", "1", "--out", str(out)])
     assert rc == 0
-    assert [s[0] for s in seen] == [["bf16", "w4a16", "a4w4", "a4w4_kernel"]] * 2
-    assert all(s[1:] == (4, 2, 3) for s in seen)
+    assert [s[0] for s in seen["kernel"]] == [["bf16", "w4a16", "a4w4"]] * 2
+    assert [s[0] for s in seen["eager"]] == [["bf16", "w4a16", "a4w4"]] * 2
+    assert all(s[1:] == (1.0, 2.0) for s in seen["kernel"]) and all(s[1:] == (4, 2, 3) for s in seen["eager"])
     r = json.loads(out.read_text())
-    assert r["benchmark"] == "gemm" and r["device"].startswith("cpu")
+    assert r["benchmark"] == "gemm" and r["device"].startswith("cpu") and r["device_slug"]
+    assert r["peer"] == {"name": "gemlite", "available": False, "why": "no GPU: gemlite is imported only on one"}
     assert (r["repeats"], r["warmup"], r["inner"], r["cache_bust_mib"], r["interleaved"]) == (4, 2, 3, 1, True)
+    assert r["method"]["bench_ms"] == [1.0, 2.0] and r["seconds"] > 0
     rows = r["rows"]
     assert [(x["shape"], x["variant"]) for x in rows] == [
         ("1x64x96", "w4a16"), ("1x64x96", "a4w4"), ("1024x32x64", "w4a16"), ("1024x32x64", "a4w4")]
-    assert [x["speedup"] for x in rows] == [4.0, 2.0, 0.5, 1.0]
-    assert rows[1]["kernel_speedup"] == 2.5 and rows[0]["kernel_speedup"] is None
-    assert all(x["backend"] == "reference" for x in rows)
+    assert [x["kernel_speedup"] for x in rows] == [3.6, 1.8, 0.5, 1.0]
+    assert [x["eager_speedup"] for x in rows] == pytest.approx([1 / 0.28, 1 / 0.9, 0.5, 1.0])
+    assert rows[0]["eager_over_kernel"] == pytest.approx(1.12) and rows[0]["eager_goal"]["met"] is True
+    assert all(x["backend"] == "reference" and x["peer"] is None for x in rows)
     assert rows[0]["recipe"].endswith("W4A16-bf16") and rows[1]["recipe"] == "floor/nearest"
     assert rows[0]["weight_copies"]["bf16"] == 1024 // 12 + 1  # 1 MiB of 64x96 bf16 weights
-    assert set(rows[1]["check"]) == {"gemm", "kernel"} and set(rows[0]["check"]) == {"gemm"}
-    assert all(x["check"]["gemm"]["max_err_over_bound"] <= 1 for x in rows)
+    for x in rows:  # every measured variant is checked, kernel and eager, against float64
+        assert set(x["check"]) == {"kernel", "eager", "rel_err", "bf16_rel_err"}
+        assert x["check"]["kernel"]["max_err_over_bound"] <= 1 and x["check"]["eager"]["max_err_over_bound"] <= 1
+        assert "half a bf16 ulp" in x["check"]["eager"]["bound"] and "ulp" not in x["check"]["kernel"]["bound"]
+        assert 0 < x["check"]["rel_err"] < 0.2 and 0 <= x["check"]["bf16_rel_err"] < 0.01
     goals = {g["name"]: g["met"] for g in r["goals"]}
-    assert goals == {"W4A16 decode (M <= 16)": True, "W4A16 prefill (M >= 1024)": False}
+    assert goals == {"W4A16 decode (M <= 16)": True, "W4A16 small batch (16 < M <= 128)": None,
+                     "W4A16 prefill (M >= 1024)": False, "A4W4 decode (M <= 16)": False,
+                     "A4W4 small batch (16 < M <= 128)": None, "A4W4 prefill (M >= 1024)": True,
+                     "W4A16 eager within 1.2x of the kernel": True, "A4W4 eager within 1.2x of the kernel": False}
     text = capsys.readouterr().out
-    assert "max rel err" in text and "NOT met" in text
+    assert "max rel err" in text and "NOT met" in text and "vs peer" in text
 
 
-def test_gemm_cpu_without_out_writes_nothing(tmp_path, monkeypatch, capsys):
+def test_gemm_cpu_smoke_runs_for_real_without_out(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
-    rc = gemm.main(["--cpu", "--shapes", "2x32x32", "--variants", "a4w4", "--repeats", "1", "--warmup", "0",
+    rc = gemm.main(["--cpu-smoke", "--shapes", "2x32x32", "--variants", "a4w4", "--repeats", "1", "--warmup", "0",
                     "--inner", "1", "--cache-bust-mib", "0"])
     assert rc == 0 and list(tmp_path.iterdir()) == []
     assert "not written" in capsys.readouterr().out
@@ -253,12 +314,60 @@ def test_gemm_check_failure_exits_3(tmp_path, monkeypatch, capsys):
 
     real = portable_mx.matmul
     monkeypatch.setattr(portable_mx, "matmul", lambda a, b, r=None: real(a, b, r) * 1.01)
-    timer, seen = _fake_timer([])
-    monkeypatch.setattr(gemm, "time_interleaved", timer)
+    kernel, eager, seen = _fake_timers([], [])
+    monkeypatch.setattr(gemm, "bench_host", kernel)
+    monkeypatch.setattr(gemm, "time_interleaved", eager)
     out = tmp_path / "g.json"
-    rc = gemm.main(["--cpu", "--shapes", "4x64x64", "--cache-bust-mib", "0", "--out", str(out)])
-    assert rc == gemm.EXIT_CHECK_FAILED and not out.exists() and seen == []
+    rc = gemm.main(["--cpu-smoke", "--shapes", "4x64x64", "--cache-bust-mib", "0", "--out", str(out)])
+    assert rc == gemm.EXIT_CHECK_FAILED and not out.exists() and seen == {"kernel": [], "eager": []}
     assert "correctness check FAILED" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- sweeps/tune_sweep.py
+
+
+def _sweep():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_sweep", os.path.join(BENCH, "sweeps", "tune_sweep.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_sweep_args():
+    sweep = _sweep()
+    args = sweep.parse_args(["--out", "/tmp/x"])
+    assert args.problems == list(sweep.PROBLEMS) and args.study_dir == os.path.join("/tmp/x", "studies")
+    assert [k for k, _ in args.problems] == ["w4a16", "w4a16", "a4w4"]
+    assert (args.budget_s, args.rep_ms, args.warmup_ms) == (150.0, 40.0, 10.0)
+    args = sweep.parse_args(["--out", "o", "--problems", "a4w4:1x64x128,w4a16:8x32x64"])
+    assert args.problems == [("a4w4", (1, 64, 128)), ("w4a16", (8, 32, 64))]
+    with pytest.raises(SystemExit):
+        sweep.parse_args([])  # --out is required
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--static-only"])  # needs --target
+
+
+def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
+    """The sweep on the interpreter: exhaustive study, recording, replay of every strategy,
+    the config cache and the JSON (times are host-clock noise; nothing about them is asserted)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PORTABLE_MX_BACKEND", "triton-interpret")
+    monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path / "user-cache"))
+    sweep = _sweep()
+    assert sweep.main(["--cpu-smoke", "--problems", "w4a16:16x64x128", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "tune_sweep.json").read_text())
+    (entry,) = doc["problems"]
+    assert entry["survivors"] == entry["measured"] == 18 and entry["best_ms"] > 0
+    assert set(entry["replay"]) == {"ranked", "ranked-tpe", "tpe"}
+    assert all(1 <= r["trials"] <= 18 for r in entry["replay"].values())
+    assert doc["goal"]["fractions"] == [entry["replay"]["ranked"]["fraction"]]
+    rec = json.loads((tmp_path / entry["recording"]).read_text())
+    assert [r["strategy"] for r in rec["replay"]] == ["ranked", "ranked-tpe", "tpe"]
+    assert (tmp_path / "configs" / "interpret-cpu.json").exists()
+    out = capsys.readouterr().out
+    assert "ranked-tpe" in out and "goal (" in out
 
 
 # ----------------------------------------------------------------------------- no GPU
@@ -277,3 +386,61 @@ def test_no_gpu_exits_2(script, tmp_path):
     assert proc.returncode == common.EXIT_NO_GPU == 2, proc.stderr
     assert "no GPU" in proc.stderr and "nothing was measured or written" in proc.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- elementwise.py and its sweep
+
+
+def test_elementwise_args_and_bytes():
+    import elementwise
+
+    quick = elementwise.parse_args(["--quick"])
+    assert quick.shapes == elementwise.QUICK_SHAPES and quick.dtypes == "bf16"
+    assert elementwise.parse_args([]).shapes[-1] == (16384, 8192)
+    assert elementwise.parse_shapes("1024x2048,8x32") == [(1024, 2048), (8, 32)]
+    with pytest.raises(Exception):
+        elementwise.parse_shapes("1024")
+    by = {c.label: c for c in elementwise.CASES}
+    # bf16 [64, 256]: quantize reads 2 bytes an element and writes the MXTensor; bf16
+    # dequantize reads the MXTensor and writes 2 bytes; decompose statistics 8 x 4 bytes a block
+    assert elementwise.case_bytes(by["quantize floor"], 64, 256, 2, 64 * 136) == 64 * 256 * 2 + 64 * 136
+    assert elementwise.case_bytes(by["dequantize bf16"], 64, 256, 2, 64 * 136) == 64 * 136 + 64 * 256 * 2
+    assert elementwise.case_bytes(by["decompose stats"], 64, 256, 2, 0) == 64 * 256 * 2 + 64 * 8 * 32
+    assert set(elementwise.GOALS) <= set(by)
+
+
+def test_elementwise_cpu_smoke_end_to_end(tmp_path, monkeypatch):
+    """--cpu-smoke runs every op through the interpreter and writes a result file."""
+    import elementwise
+    from portable_mx import registry
+
+    if registry.get("triton-interpret").unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter does not serve this process")
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    out = tmp_path / "e.json"
+    cases = "quantize floor,quantize mbs128,dequantize bf16,decompose stats"
+    assert elementwise.main(["--cpu-smoke", "--dtypes", "bf16", "--cases", cases, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["cpu_smoke"] and result["benchmark"] == "elementwise"
+    rows = {r["case"]: r for r in result["rows"]}
+    assert set(rows) == {"copy"} | set(cases.split(","))
+    assert all("error" not in r and r["kernel_us"] > 0 for r in rows.values())
+    assert rows["quantize floor"]["backend"] == "triton-interpret"
+
+
+def test_elementwise_sweep_cpu_smoke(tmp_path):
+    """The sweep's --cpu-smoke mode: two tiles a case, each checked against the
+    reference and timed; one JSON in --out."""
+    sys.path.insert(0, os.path.join(BENCH, "sweeps"))
+    import elementwise_sweep
+    from portable_mx import registry
+
+    if registry.get("triton-interpret").unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter does not serve this process")
+    assert elementwise_sweep.main(["--cpu-smoke", "--out", str(tmp_path),
+                                   "--cases", "quantize floor,dequantize bf16,decompose stats"]) == 0
+    (path,) = list(tmp_path.glob("elementwise-sweep-*.json"))
+    result = json.loads(path.read_text())
+    assert {r["case"] for r in result["rows"]} == {"quantize floor", "dequantize bf16", "decompose stats"}
+    assert all("error" not in r for r in result["rows"]), [r.get("error") for r in result["rows"]]
+    assert set(result["best"]) == {"quantize floor", "dequantize bf16", "decompose stats"}

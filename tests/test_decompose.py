@@ -170,11 +170,40 @@ def test_bad_inputs():
     x = torch.randn(2, 32)
     with pytest.raises(ValueError, match="definition"):
         pmx.decompose(x, definition="orthogonal")
-    x[0, 3] = float("nan")
-    with pytest.raises(ValueError, match="finite"):
-        pmx.decompose(x)
     with pytest.raises(TypeError, match="floating-point"):
         pmx.decompose(torch.ones(2, 32, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("definition", ["gain", "counterfactual"])
+@pytest.mark.parametrize("full", [True, False])
+def test_non_finite_input_raises_at_the_first_whole_tensor_figure(definition, full):
+    """NaN/Inf input is not checked eagerly (that would synchronise): its blocks get NaN
+    statistics, counts 0 and NaN elements, the Decomposition counts the bad values on the
+    device, and every whole-tensor figure raises the ValueError."""
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(8))
+    x[0, 3] = float("nan")
+    x[2, 70] = float("inf")
+    x[2, 71] = -float("inf")
+    d = pmx.decompose(x, definition=definition, full=full)
+    assert int(d.non_finite) == 3
+    bad = torch.zeros(3, 3, dtype=torch.bool)
+    bad[0, 0] = bad[2, 2] = True
+    for name in ("beta", "energy_scale", "energy_dead", "energy_grid", "energy_error", "energy_signal"):
+        assert torch.equal(getattr(d, name).isnan(), bad), name
+    assert (d.dead_count[bad] == 0).all() and (d.clip_count[bad] == 0).all()
+    clean = pmx.decompose(torch.where(torch.isfinite(x), x, 0.0), definition=definition, full=full)
+    for name in ("beta", "dead_count", "clip_count", "energy_error", "energy_signal"):
+        assert torch.equal(getattr(d, name)[~bad], getattr(clean, name)[~bad]), name
+    if full:
+        block_bad = bad.repeat_interleave(32, -1)
+        for name in ("dequantized", "scale_bias", "deadzone", "grid_noise"):
+            t = getattr(d, name)
+            assert t.isnan()[block_bad].all() and not t.isnan()[~block_bad].any(), name
+        assert torch.equal(d.dequantized[~block_bad], clean.dequantized[~block_bad])
+    for figure in (d.totals, d.shares, d.relative_mse, d.summary):
+        with pytest.raises(ValueError, match="finite input; x holds 3 NaN/Inf"):
+            figure()
+    assert clean.summary()["relative_mse"] > 0  # a finite input raises nothing
 
 
 def test_summary_fractions_count_elements_not_padding():

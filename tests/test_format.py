@@ -241,12 +241,24 @@ def test_round_trip_of_every_code_and_scale():
 
 
 def test_philox_known_answer():
-    # Random123 known-answer vector for philox4x32-10: key 0, counter 0 -> first word 0x6627e8d5
-    assert fmt.philox4x32(0, torch.tensor([0])).item() == 0x6627E8D5
+    # Random123 known-answer vector for philox4x32-10: key 0, counter 0 ->
+    # 6627e8d5 e169c58d bc57ac4c 9b00dbd8 (kat_vectors of the Random123 distribution)
+    assert fmt.philox4x32(0, torch.tensor([0]))[0].tolist() == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+def test_uniform_u24_takes_four_elements_per_philox_call():
+    """Element i draws word i % 4 of the call at counter i // 4, top 24 bits."""
+    idx = torch.tensor([0, 1, 2, 3, 4, 7, 4097, 2**33 + 6])
+    words = fmt.philox4x32(77, idx // 4)
+    want = [int(words[j, i % 4]) >> 8 for j, i in enumerate(idx.tolist())]
+    assert fmt.uniform_u24(77, idx).tolist() == want
+    assert torch.equal(fmt.uniform_u24_range(77, 64), fmt.uniform_u24(77, torch.arange(64)))
+    with pytest.raises(ValueError):
+        fmt.uniform_u24_range(77, 6)
 
 
 @pytest.mark.skipif(os.environ.get("PORTABLE_MX_SKIP_TRITON") == "1", reason="triton disabled")
-def test_philox_matches_triton_randint_in_interpreter():
+def test_philox_matches_triton_randint4x_in_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """
@@ -254,10 +266,14 @@ def test_philox_matches_triton_randint_in_interpreter():
         @triton.jit
         def k(out, seed, n, BLOCK: tl.constexpr):
             offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            r = tl.randint(seed, offs)
-            tl.store(out + offs, r, mask=offs < n)
+            r0, r1, r2, r3 = tl.randint4x(seed, offs)
+            m = offs < n
+            tl.store(out + 4 * offs, r0, mask=m)
+            tl.store(out + 4 * offs + 1, r1, mask=m)
+            tl.store(out + 4 * offs + 2, r2, mask=m)
+            tl.store(out + 4 * offs + 3, r3, mask=m)
         for seed in (0, 12345, 2**40 + 7):
-            out = torch.empty(1000, dtype=torch.int32)
+            out = torch.empty(4000, dtype=torch.int32)
             k[(4,)](out, seed, 1000, BLOCK=256)
             print(seed, " ".join(str(v & 0xFFFFFFFF) for v in out.tolist()))
         """
@@ -267,7 +283,7 @@ def test_philox_matches_triton_randint_in_interpreter():
     assert res.returncode == 0, res.stderr
     for line in res.stdout.strip().splitlines():
         seed, *vals = line.split()
-        ours = fmt.philox4x32(int(seed), torch.arange(1000)).tolist()
+        ours = fmt.philox4x32(int(seed), torch.arange(1000)).reshape(-1).tolist()
         assert ours == [int(v) for v in vals]
 
 

@@ -31,7 +31,9 @@ EPS = 2.0**-24
 
 TOOLING = {"portable_mx.cli", "portable_mx.aot", "portable_mx.parity", "portable_mx.tune",
            "portable_mx.compile_matrix", "portable_mx.tuning.search", "portable_mx.tuning.space",
-           "portable_mx.tuning.static", "portable_mx.tuning.macro"}
+           "portable_mx.tuning.static", "portable_mx.tuning.macro", "portable_mx.tuning.cost",
+           "portable_mx.tuning.strategy", "portable_mx.tuning.replay", "portable_mx.tuning.warm",
+           "portable_mx.tuning.problem"}
 """Modules that may import the runtime but that the runtime never imports."""
 
 KERNELS = kernel_backends()
@@ -404,13 +406,15 @@ def test_direct_launch_passes_what_the_jit_passes(monkeypatch):
     from portable_mx.backends.cuda import TILES
 
     plan = kernels.Plan.make(QR(macro_block=64), TILES["quantize"])
-    constexprs = dict(reversed(list(plan.constexprs.items())))  # order must not matter
+    every = {**plan.constexprs, "IN_KIND": 0, "EVEN": True, "FMA_DIV": True}
+    constexprs = dict(reversed(list(every.items())))  # order must not matter
     launch = L.Launch("quantize", JitStandIn(), (3, 2), constexprs, {"num_warps": 4})
-    args = tuple(range(13))
+    n_args = len(kernels.quantize_kernel.arg_names) - len(every)
+    args = tuple(range(n_args))
     L.launch(launch, args)
     assert jit_calls == [((3, 2), args, {**constexprs, "num_warps": 4})] and not launched
     L.launch(launch, args)
-    tail = tuple(plan.constexprs[name] for name in kernels.quantize_kernel.arg_names[13:])
+    tail = tuple(every[name] for name in kernels.quantize_kernel.arg_names[n_args:])
     assert launched == [(3, 2, 1, "STREAM", "FN", "META", None, None, None, *args, *tail)]
     with L.direct_launches(False):
         L.launch(launch, args)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import portable_mx as pmx
+from portable_mx import format as fmt
 from portable_mx import registry
 from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.backends.triton import mode_problem
@@ -82,7 +83,7 @@ RECIPES = [
     QR(outliers_per_block=2, scale_rule="ceil"),
     QR(outliers_per_block=2, macro_block=64, rounding="stochastic", seed=11),
 ]
-SHAPES = [(1, 1), (3, 31), (5, 70), (33, 300), (70, 1100)]
+SHAPES = [(1, 1), (3, 31), (5, 70), (33, 300), (70, 1100), (64, 512)]  # the last: whole tiles (no masks)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.describe())
@@ -227,3 +228,238 @@ def test_mode_problems_say_why():
     assert mode_problem(interpreted=interpreted) is None
     assert "interpret" in mode_problem(interpreted=not interpreted).lower()
     assert "CPU tensors only" in registry.get("triton-interpret").unavailable_reason(torch.device("meta"))
+
+
+# ----------------------------------------------------------------------------- sign of zero and every bit
+
+
+SCALE_CLASSES = {"normal": 130, "byte-0": 0, "byte-1": 1, "nan": 0xFF}
+
+
+def every_code_mx(recipe=QR(), scale_bytes=tuple(SCALE_CLASSES.values()), rows=3):
+    """An MXTensor [rows, 32 * len(scale_bytes)] whose every block holds the 16 codes
+    twice (low nibble 0..15, high nibble 15..0), one block per scale class."""
+    nb = len(scale_bytes)
+    lo = torch.arange(16, dtype=torch.uint8)
+    block = lo | ((15 - lo) << 4)
+    qdata = block.repeat(rows, nb)
+    scales = torch.tensor(scale_bytes, dtype=torch.uint8).repeat(rows, 1)
+    macro = None
+    if recipe.macro_block is not None:
+        macro = torch.tensor([1.0, 1.5, 1.0078125, 2.0], dtype=torch.float32)[: -(-32 * nb // recipe.macro_block)]
+        macro = macro.repeat(rows, 1)
+    return pmx.MXTensor(qdata=qdata, scales=scales, shape=torch.Size((rows, 32 * nb)), dtype=torch.float32, axis=1,
+                        recipe=recipe, macro_scales=macro)
+
+
+def same_bytes(a, b):
+    """Bit equality of two tensors of one dtype, -0.0 and NaN payloads included."""
+    a, b = a.cpu().contiguous(), b.contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", [QR(), QR(macro_block=32)], ids=lambda r: r.describe())
+def test_dequantize_every_code_and_scale_class_bit_exact(kernel, dtype, recipe):
+    """The sign bit of all 16 codes (code 8 is -0.0) under a normal scale, byte 0 (2**-127,
+    a subnormal factor), byte 1 and 0xFF (NaN), with and without macro factors: the
+    kernel's bytes equal the reference's (which decodes in fp32 and casts once)."""
+    backend, device = kernel
+    mx = every_code_mx(recipe)
+    got, want = backend.dequantize(mx.to(device), dtype), REF.dequantize(mx, dtype)
+    assert same_bytes(got, want)
+    finite = ~want.isnan()
+    zero = (want == 0) & finite
+    assert zero.any() and want[zero].signbit().any() and (~want[zero].signbit()).any()
+
+
+def test_dequantize_public_dtype_is_written_by_the_kernel(kernel, monkeypatch):
+    """ops.dequantize passes its dtype down: the result is bit-equal to the reference
+    cast of the fp32 values (round to nearest even, overflow to inf) for every dtype."""
+    backend, device = kernel
+    x = sample((9, 200), seed=50) * 3e4  # some blocks overflow fp16, macro factors round in bf16
+    for recipe in (QR(), QR(macro_block=64), QR(outliers_per_block=2, macro_block=128)):
+        mx = REF.quantize(x, recipe)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            monkeypatch.setenv(registry.ENV_BACKEND, "reference")
+            want = pmx.dequantize(mx, dtype=dtype)
+            monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+            got = pmx.dequantize(mx.to(device), dtype=dtype)
+            assert same_bytes(got, want), (recipe.describe(), dtype)
+        assert pmx.dequantize(mx.to(device), dtype=torch.float16).isinf().any()
+
+
+def signed_zero_input(scale_exponent):
+    """A [4, 32] block set: every grid value times 2**e with both signs, -0.0, and
+    negative values that round (or underflow) to zero, so that Q holds -0.0."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    row = torch.cat([grid, -grid, torch.tensor([-0.0, -0.1, -0.2, -0.25, 0.1, 0.24, -1e-30, 1e-30]),
+                     torch.tensor([-0.26, 0.75, -1.25, 1.75, -2.5, 3.5, -5.0, 7.0])])
+    x = (row * 2.0**scale_exponent).repeat(4, 1)
+    x[1] = x[1].flip(0)
+    x[2] = -x[2]
+    x[3, :] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("full_recipe", [QR(), QR(rounding="stochastic", seed=4), QR(macro_block=32)],
+                         ids=lambda r: r.describe())
+def test_decompose_q_every_code_and_scale_class_bit_exact(kernel, full_recipe):
+    """Q of the decompose kernel, bit for bit (sign of zero included) against the
+    reference for blocks of every code, a normal scale, byte 0 (E clamped at -127, tiny
+    values) and 0xFF (a block holding NaN: NaN everywhere); stats and counts alike."""
+    backend, device = kernel
+    parts = [signed_zero_input(3), signed_zero_input(-135), signed_zero_input(0)]
+    parts[2][0, 5] = float("nan")
+    x = torch.cat(parts, dim=1)
+    for definition in ("gain", "counterfactual"):
+        got = backend.decompose(x.to(device), full_recipe, definition, True)
+        want = REF.decompose(x, full_recipe, definition, True)
+        assert same_bytes(got.dequantized, want.dequantized), definition
+        assert want.dequantized[~want.dequantized.isnan()].signbit().any()
+        assert same_bytes(got.deadzone, want.deadzone)
+        assert torch.equal(got.dead_count.cpu(), want.dead_count) and torch.equal(got.clip_count.cpu(), want.clip_count)
+        assert torch.equal(got.beta.isnan().cpu(), want.beta.isnan()) and int(got.non_finite) == int(want.non_finite) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_every_code_and_scale_class_bit_exact(kernel, dtype):
+    backend, device = kernel
+    x = torch.cat([signed_zero_input(3), signed_zero_input(-135), signed_zero_input(-140)], dim=1).to(dtype)
+    for recipe in (QR(), QR(macro_block=32), QR(rounding="stochastic", seed=9), QR(outliers_per_block=2)):
+        got, want = backend.quantize(x.to(device), recipe), REF.quantize(x, recipe)
+        assert_same_mx(got, want)
+        codes = fmt.unpack_nibbles(want.qdata)
+        assert (codes == 8).any() and set(codes.unique().tolist()) >= {0, 8}
+
+
+def test_decompose_non_finite_matches_reference(kernel):
+    """A NaN/Inf input: NaN statistics and counts 0 in its blocks, the rest as usual, and
+    the same device count of bad values, with no synchronisation in the call."""
+    backend, device = kernel
+    x = sample((6, 300), seed=60)  # NaN and +-Inf planted
+    for recipe in (QR(), QR(outliers_per_block=1, macro_block=64)):
+        got = backend.decompose(x.to(device), recipe, "gain", False)
+        want = REF.decompose(x, recipe, "gain", False)
+        assert int(got.non_finite) == int(want.non_finite) == int((~torch.isfinite(x)).sum()) > 0
+        for name in ("beta", "energy_scale", "energy_dead", "energy_grid", "energy_error", "energy_signal"):
+            assert torch.equal(getattr(got, name).isnan().cpu(), getattr(want, name).isnan()), name
+        assert torch.equal(got.dead_count.cpu(), want.dead_count) and torch.equal(got.clip_count.cpu(), want.clip_count)
+        with pytest.raises(ValueError, match="finite"):
+            got.totals()
+
+
+# ----------------------------------------------------------------------------- the in-kernel numerics
+
+if KERNELS:
+    import triton
+    import triton.language as tl
+
+    from portable_mx.backends.triton import encode as _encode
+    from portable_mx.backends.triton import numerics as _num
+
+    @triton.jit
+    def _rounding_probe(a_ptr, r_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """out[0::3] = nearest code, out[1::3] = nearest value bits, out[2::3] =
+        stochastic code of the fp32 bits a with draws r."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        a = tl.load(a_ptr + i, mask=m, other=0)
+        r = tl.load(r_ptr + i, mask=m, other=0)
+        tl.store(out_ptr + 3 * i, _num.e2m1_code_nearest(a), mask=m)
+        tl.store(out_ptr + 3 * i + 1, _num.e2m1_value_nearest(a).to(tl.int32, bitcast=True), mask=m)
+        tl.store(out_ptr + 3 * i + 2, _num.e2m1_code_stochastic(a, r), mask=m)
+
+    @triton.jit
+    def _divide_probe(x_ptr, m_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """out = x / m by the fused division (one macro factor per row of 16)."""
+        row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = (row < n)[:, None, None]
+        col = tl.arange(0, 16)[None, None, :]
+        x = tl.load(x_ptr + row[:, None, None] * 16 + col, mask=mask, other=0)
+        m = tl.load(m_ptr + row[:, None], mask=row[:, None] < n, other=1.0)
+        rm = tl.math.div_rn(tl.full(m.shape, 1.0, tl.float32), m)
+        tl.store(out_ptr + row[:, None, None] * 16 + col, _encode._divide_fused(x, m, rm), mask=mask)
+
+
+def _rounding_inputs():
+    """fp32 magnitudes in [0, 8): every value within 64 ulps of each rounding boundary and
+    grid point, every subnormal binade, and random values."""
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 7.99])
+    bits = points.view(torch.int32)
+    near = (bits[:, None] + torch.arange(-64, 65)[None, :]).reshape(-1)
+    near = near[(near >= 0) & (near < 0x41000000)]
+    binades = torch.arange(0, 0x41000000, 0x00400000, dtype=torch.int64).to(torch.int32)
+    rnd = torch.randint(0, 0x41000000, (20000,), generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+    return torch.cat([near, binades, binades + 1, binades - 1, rnd]).clamp(min=0).to(torch.int32)
+
+
+def test_e2m1_rounding_device_functions_match_format(kernel):
+    """The integer / one-addition E2M1 roundings of numerics.py against format.py's
+    comparison chains, on every value near a boundary, every binade and random values;
+    stochastic rounding with draws at, just below and just above each threshold."""
+    _, device = kernel
+    a_bits = _rounding_inputs()
+    a = a_bits.view(torch.float32)
+    want_near = fmt.e2m1_round_nearest(a).to(torch.int32)
+    grid = torch.tensor(fmt.E2M1_VALUES)
+    lo = fmt.e2m1_round_stochastic(a, torch.full(a.shape, 2**24 - 1)).long()  # never up: the lower code
+    step = torch.where(lo < 7, grid[(lo + 1).clamp(max=7)] - grid[lo], torch.ones(()))
+    threshold = ((a - grid[lo]) / step * 2.0**24).double()
+    draws = [torch.randint(0, 2**24, a.shape, generator=torch.Generator().manual_seed(6))]
+    for delta in (-1, 0, 1):
+        draws.append((threshold.floor() + delta).clamp(0, 2**24 - 1).long())
+    n = a.numel()
+    for r in draws:
+        out = torch.empty(3 * n, dtype=torch.int32)
+        out_d = out.to(device)
+        _rounding_probe[(triton.cdiv(n, 1024),)](a_bits.to(device), r.to(torch.int32).to(device), out_d, n, BLOCK=1024)
+        out = out_d.cpu().view(n, 3)
+        assert torch.equal(out[:, 0], want_near)
+        assert torch.equal(out[:, 1].view(torch.float32), grid[want_near.long()])
+        assert torch.equal(out[:, 2], fmt.e2m1_round_stochastic(a, r).to(torch.int32))
+
+
+def test_fused_division_by_macro_factors_is_ieee(kernel):
+    """The kernels' division by a macro factor m = k/128 (three fmas, encode.py) equals
+    the IEEE division for every k and values over the whole range >= 2**-118 (the bound
+    below which the kernels fall back to div_rn), signed zeros included."""
+    _, device = kernel
+    if device == "cpu" and not _encode.fma_divides(True):
+        pytest.skip("this triton's interpreter rounds tl.fma twice; the kernels use div_rn here")
+    g = torch.Generator().manual_seed(7)
+    k = torch.arange(128, 257).repeat_interleave(8)
+    m = (k.double() / 128).float()
+    rows = m.numel()
+    sig = torch.randint(0, 2**23, (rows, 16), generator=g) | (1 << 23)
+    exp = torch.randint(-118, 128, (rows, 16), generator=g)
+    x = (sig.double() * 2.0 ** (exp - 23).double()).float() * torch.where(torch.rand(rows, 16, generator=g) < 0.5, -1.0, 1.0)
+    x[::7, 3] = 0.0
+    x[::5, 4] = -0.0
+    x[1::9, 5] = torch.finfo(torch.float32).max
+    x[2::9, 6] = 2.0**-118
+    out = torch.empty_like(x).to(device)
+    _divide_probe[(triton.cdiv(rows, 64),)](x.to(device).view(torch.int32), m.to(device), out.view(torch.int32), rows,
+                                            BLOCK=64)
+    want = x / m[:, None]
+    assert same_bytes(out.cpu(), want)
+
+
+@pytest.mark.parametrize("tile,warp_size", [((16, 256, 4), 32), ((8, 256, 8), 64), ((4, 256, 8), 32)],
+                         ids=["one-block-per-thread", "wave64-shared-blocks", "shared-blocks"])
+def test_decompose_statistics_layouts_agree(kernel, tile, warp_size):
+    """Both thread layouts of the statistics-only decompose (whole blocks per thread where
+    the tile has a block for each thread, else blocks shared by threads) against the
+    reference, on whole and ragged tiles."""
+    from portable_mx.backends.triton import decompose as dk
+    from portable_mx.backends.triton.launch import TileConfig
+
+    backend, device = kernel
+    config = TileConfig(tile[0], tile[1], num_warps=tile[2])
+    for shape in ((64, 512), (33, 300)):
+        x = sample(shape, seed=70, specials=False)
+        for recipe in (QR(), QR(outliers_per_block=1, macro_block=128)):
+            with backend.running():
+                got = dk.decompose(x.to(device), recipe, "gain", False, config, backend.options(config),
+                                   warp_size=warp_size)
+            assert_stats_close(got, REF.decompose(x, recipe, "gain", False))

@@ -28,14 +28,14 @@ from portable_mx.backends.targets import TARGETS
 from portable_mx.backends.triton.gemm import Operand
 from portable_mx.backends.triton.launch import GemmConfig
 from portable_mx.tuning import cache, macro, search, static
-from portable_mx.tuning.space import gemm_space
+from portable_mx.tuning.space import GemmSpace, gemm_space
 
 CPU = torch.device("cpu")
 INTERPRET = registry.get("triton-interpret")
 MX = Operand(None, None, 0)
 interpreted = pytest.mark.skipif(INTERPRET.unavailable_reason(CPU) is not None,
                                  reason="the Triton interpreter does not run here (TRITON_INTERPRET unset)")
-PROBLEM = search.Problem(16, 64, 128)  # one 16 x 64 x 128 GEMM: the interpreter runs it in ms
+PROBLEM = search.Problem(32, 64, 128)  # one 32 x 64 x 128 GEMM: the interpreter runs it in ms
 OPTIMUM = (32, 32, 64, 1)  # (block_m, block_n, block_k, group_m) of the fake timer's minimum
 
 
@@ -82,15 +82,16 @@ def _tune(tmp_path, **kw):
 
 
 def test_space_is_deterministic_and_round_trips():
-    default = INTERPRET.default_gemm_config(None, 16, None, False)
-    space = gemm_space(None, MX, MX, 16, 128, default=default)
+    default = INTERPRET.default_gemm_config(None, 32, None, False)
+    space = gemm_space(None, MX, MX, 32, 128, default=default)
     cands = space.candidates()
-    assert cands == gemm_space(None, MX, MX, 16, 128, default=default).candidates()
+    assert cands == gemm_space(None, MX, MX, 32, 128, default=default).candidates()
     assert len(cands) == len(set(cands)) == len(space) and default in cands
     for c in cands:
         assert space.decode(space.encode(c)) == c
         assert c.block_k >= 32 and c.block_k & (c.block_k - 1) == 0
     assert set(space.distributions()) == {"block_m", "block_n", "block_k", "group_m"}
+    assert GemmSpace.from_json(json.loads(json.dumps(space.to_json()))) == space
 
 
 def test_space_keeps_the_native_instruction():
@@ -198,7 +199,7 @@ class FakeCompile:
 
 def test_static_pruning_records_verdicts_and_never_compiles_twice(tmp_path):
     fake = FakeCompile()
-    cands = gemm_space(None, MX, MX, 16, 128).candidates()
+    cands = gemm_space(None, MX, MX, 32, 128).candidates()
     path = tmp_path / static.STORE_NAME
     report = static.prune(cands, MX, MX, TARGETS["sm_100"], INTERPRET, 128, static.VerdictStore(path), fake)
     assert len(fake.compiled) == len(set(fake.compiled)) == len(cands) // 2  # GROUP_M 1 and 2 share a compile
@@ -327,9 +328,9 @@ def test_cache_lookup_and_the_backend_config(cache_env):
     cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(tuned, 1.0, baseline_ms=2.0, trials=5)})
     assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_k"] == 64
     a, b = PROBLEM.operands()
-    assert INTERPRET.gemm_config(CPU, a, b, 16, 64, 128) == tuned
-    assert INTERPRET.gemm_config(CPU, a, b, 9, 64, 128) == tuned  # M 9 is in the M16 bucket
-    assert INTERPRET.gemm_config(CPU, a, b, 17, 64, 128) == INTERPRET.default_gemm_config(None, 17, None, False)
+    assert INTERPRET.gemm_config(CPU, a, b, 32, 64, 128) == tuned
+    assert INTERPRET.gemm_config(CPU, a, b, 17, 64, 128) == tuned  # M 17 is in the M32 bucket
+    assert INTERPRET.gemm_config(CPU, a, b, 33, 64, 128) == INTERPRET.default_gemm_config(None, 33, None, False)
 
 
 SPY = textwrap.dedent("""
@@ -344,7 +345,7 @@ SPY = textwrap.dedent("""
             launched.append(dataclasses.asdict(plan.config))
         return real(plan, args)
     launch.launch = spy
-    x, w = torch.randn(16, 128), torch.randn(128, 64)
+    x, w = torch.randn(32, 128), torch.randn(128, 64)
     out = pmx.matmul(x, w)
     exact = pmx.dequantize(pmx.quantize(x)).double() @ pmx.dequantize(pmx.quantize(w, axis=0)).double()
     print(json.dumps({"launched": launched, "max_err": float((out.double() - exact).abs().max())}))
@@ -425,9 +426,140 @@ def test_tune_static_prints_survivors_and_pruned_by_reason(tmp_path, capsys, mon
 def test_tune_command_end_to_end_on_the_interpreter(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
     monkeypatch.setattr(search, "host_timer", lambda fn, config=None: fake_ms(config))
-    argv = ["tune", "--device", "cpu", "--shapes", "16x64x128", "--trials", "4", "--study-dir", str(tmp_path),
+    argv = ["tune", "--device", "cpu", "--shapes", "32x64x128", "--trials", "4", "--study-dir", str(tmp_path),
             "--out", str(tmp_path / "out")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "speed-up" in out and "16x64x128" in out and "interpret-cpu.json" in out
+    assert "speed-up" in out and "32x64x128" in out and "interpret-cpu.json" in out
     assert cache.lookup("interpret", "cpu", PROBLEM.key()) is None  # written to --out, not the user dir
+
+
+# ----------------------------------------------------------------------------- exhaustive runs and strategies
+
+
+@interpreted
+def test_an_exhaustive_run_records_every_survivor_and_shares_the_study(tmp_path):
+    """--exhaustive times every survivor once (default first, then the cost model's
+    order), returns a recording that replays, and shares the study: a ranked run after it
+    times nothing new."""
+    from portable_mx.tuning import replay
+
+    fake, timer = FakeCompile(), CountingTimer()
+    r = _tune(tmp_path, launcher=reference_launcher, timer=timer, static_target=TARGETS["sm_100"],
+              compile_fn=fake, trials=0, exhaustive=True)
+    assert r.stop_reason == "every surviving candidate measured"
+    # the default (BLOCK_K 128) is pruned: measured once as the baseline, outside the space
+    assert r.default.block_k == 128 and timer.calls[0] == r.default and r.default_ms == fake_ms(r.default)
+    assert len(timer.calls) == len(set(timer.calls)) == r.survivors + 1 == 25
+    rec = json.loads(json.dumps(r.recording))
+    assert rec["best"] == r.best.label() and rec["best_ms"] == r.best_ms == 1.0 and rec["default_ms"] == r.default_ms
+    timed = {row["label"]: row["ms"] for row in rec["candidates"] if row["state"] == "timed"}
+    assert timed == {c.label(): fake_ms(c) for c in timer.calls[1:]}
+    assert sum(row["state"] == "pruned" for row in rec["candidates"]) == 12
+    for strat in ("ranked", "ranked-tpe", "tpe"):
+        result = replay.replay(rec, strat)
+        assert result.found_ms <= 1.02 and 1 <= result.trials <= 24
+    again = CountingTimer()
+    r2 = _tune(tmp_path, launcher=reference_launcher, timer=again, static_target=TARGETS["sm_100"],
+               compile_fn=fake, trials=10)
+    assert again.calls == [] and r2.best == r.best and r2.stop_reason == "every surviving candidate measured"
+    doc = json.loads(r2.cache_path.read_text())["entries"][PROBLEM.key()]
+    assert doc["survivors"] == 24 and doc["strategy"] == "ranked"
+
+
+@interpreted
+@pytest.mark.parametrize("strategy", ["ranked", "ranked-tpe", "tpe"])
+def test_every_strategy_finds_the_fake_optimum_and_resumes(tmp_path, strategy):
+    first = CountingTimer(fail_after=4)
+    with pytest.raises(RuntimeError, match="timer interrupted"):
+        _tune(tmp_path, launcher=reference_launcher, timer=first, strategy=strategy, trials=30)
+    second = CountingTimer()
+    r = _tune(tmp_path, launcher=reference_launcher, timer=second, strategy=strategy, trials=36)
+    assert not set(first.calls) & set(second.calls)  # nothing timed twice across the runs
+    assert r.best_ms == 1.0 and r.strategy == strategy
+    assert r.trials == len(first.calls) + len(second.calls) <= len(r.space)
+
+
+def test_rule_violations_are_pruned_without_a_compile(tmp_path):
+    fake = FakeCompile()
+    space = gemm_space(TARGETS["sm_90"], Operand(torch.bfloat16, None, 0), MX, 1, 256)
+    cands = space.candidates()
+    broken = [c for c in cands if space.violation(c)]
+    assert broken and all(c.split_k * c.block_k > 256 for c in broken)
+    report = static.prune(cands, Operand(torch.bfloat16, None, 0), MX, TARGETS["sm_90"], registry.get("cuda"), 256,
+                          static.VerdictStore(tmp_path / static.STORE_NAME), fake, violation=space.violation)
+    assert all(not report.verdicts[c].ok and report.verdicts[c].reason.startswith("rule:") for c in broken)
+    assert report.by_reason().get("rule") == len(broken)
+    compiled = set(fake.compiled)
+    assert len(compiled) == len(fake.compiled)  # nothing compiled twice
+    assert not any(c.label().replace(f" g{c.group_m}", " g8") in label for c in broken for label in compiled)
+
+
+def test_a_version_1_cache_is_ignored_with_one_warning(cache_env):
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    path = cache.cache_file("interpret", "cpu")
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = 1
+    for entry in doc["entries"].values():  # as version 1 wrote them
+        entry.pop("survivors"), entry.pop("strategy"), entry["config"].pop("split_k")
+    path.write_text(json.dumps(doc))
+    cache.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.lookup("interpret", "cpu", PROBLEM.key()) is None
+    assert [str(w.message) for w in caught if "ignored" in str(w.message)] and \
+        "schema version 1, expected 2" in str(caught[-1].message)
+
+
+def test_an_entry_with_a_field_this_gemmconfig_lacks_is_dropped(cache_env):
+    other = "matmul|a:bf16 b:e2m1|M1xN64xK128"
+    cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(16, 32, 64), 2.0),
+                                      other: cache.make_entry(GemmConfig(16, 64, 64), 1.0)})
+    path = cache.cache_file("interpret", "cpu")
+    doc = json.loads(path.read_text())
+    doc["entries"][other]["config"]["persistent"] = 1  # a knob of a newer kernel
+    path.write_text(json.dumps(doc))
+    cache.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.lookup("interpret", "cpu", other) is None
+        assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_n"] == 32
+    assert any("persistent" in str(w.message) for w in caught)
+
+
+def test_split_k_is_a_config_field_with_a_label():
+    assert GemmConfig(16, 64, 128).split_k == 1 and "sk" not in GemmConfig(16, 64, 128).label()
+    assert GemmConfig(16, 64, 128, split_k=4).label() == "m16xn64xk128 g8 w4 s2 sk4"
+    entry = cache.make_entry(GemmConfig(16, 64, 128, split_k=4), 1.0)
+    assert entry.config["split_k"] == 4
+
+
+@interpreted
+def test_tune_exhaustive_command_records_and_replays(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    monkeypatch.setattr(search, "host_timer", lambda fn, config=None: fake_ms(config))
+    argv = ["tune", "--device", "cpu", "--shapes", "32x64x128", "--exhaustive", "--study-dir", str(tmp_path),
+            "--out", str(tmp_path / "out"), "--record", str(tmp_path / "rec"), "--json", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "trials to come within 2%" in out and "ranked-tpe" in out
+    doc = json.loads((tmp_path / "t.json").read_text())
+    rec = doc["results"][0]["recording"]
+    assert len([c for c in rec["candidates"] if c["state"] == "timed"]) == 36
+    assert {r["strategy"] for r in doc["replay"]} == {"ranked", "ranked-tpe", "tpe"}
+    files = list((tmp_path / "rec").iterdir())
+    assert len(files) == 1 and files[0].name == "interpret-cpu-32x64x128-a4w4.json"
+    assert cli.main(["tune", "--replay", str(files[0])]) == 0
+
+
+@interpreted
+def test_warm_launches_each_config_once_in_worker_processes():
+    from portable_mx.tuning import warm
+
+    space = gemm_space(None, MX, MX, 32, 128)
+    configs = space.candidates()[:3]
+    report = warm.warm([(PROBLEM, c) for c in configs], "triton-interpret", "cpu", jobs=2)
+    assert (report.launched, report.failed) == (3, 0)
+    bad = dataclasses.replace(configs[0], block_k=48)  # not a power of two: the launch fails in the worker
+    assert warm.warm([(PROBLEM, bad)], "triton-interpret", "cpu", jobs=1).failed == 1
+    assert warm.warm([], "triton-interpret", "cpu", jobs=2).launched == 0

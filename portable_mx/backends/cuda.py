@@ -7,15 +7,23 @@ from __future__ import annotations
 from .triton.backend import CompiledTritonBackend
 from .triton.launch import GemmConfig, TileConfig
 
-# Element-wise kernels, sized from the sm_90 compile matrix (registers per thread, no
-# spills): 8 x 256 tiles on 4 warps hold 16 elements a thread in about 64 registers;
-# recipes with Philox draws or outlier search get 8 warps (8 elements a thread), and
-# decompose, which keeps x, Q and three components live, 4 rows on 8 warps.
+# Element-wise kernels (quantize, dequantize, decompose), from the sm_90 compile matrix
+# (benchmarks/NOTES-elementwise.md; to be confirmed by benchmarks/sweeps/elementwise_sweep.py
+# on a GPU). 16 x 256 on 4 warps gives each thread one whole 32-block: quantize in 64
+# registers (stochastic rounding 118, MBS-128 77, two outliers with MBS and stochastic
+# rounding 138: 4 to 8 CTAs an SM, 32 KB or more of loads in flight), the
+# statistics-only decompose in about 220 (a block's values all live, no shuffles; 2 CTAs
+# an SM, compute-bound), no spills. decompose with its four element tensors spreads a
+# block over 8 threads (16-byte stores of each tensor): 8 x 256 on 8 warps keeps it at
+# 78-134 registers (8 x 256 on 4 warps spilled the heaviest recipe). dequantize: 8
+# elements a thread and vector, 16 x 256: 32 registers for bf16 output, 40 for fp32 (32 x
+# 256 took 44 and 112).
 TILES = {
-    "quantize": TileConfig(8, 256, num_warps=4),
-    "quantize-heavy": TileConfig(8, 256, num_warps=8),
+    "quantize": TileConfig(16, 256, num_warps=4),
+    "quantize-heavy": TileConfig(16, 256, num_warps=4),
     "dequantize": TileConfig(16, 256, num_warps=4),
-    "decompose": TileConfig(4, 256, num_warps=8),
+    "decompose": TileConfig(16, 256, num_warps=4),
+    "decompose-full": TileConfig(8, 256, num_warps=8),
 }
 
 # GEMM defaults per target until a tuned config is found (issue 5); block_m counts tokens

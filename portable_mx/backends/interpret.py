@@ -16,7 +16,7 @@ from .triton.launch import GemmConfig, TileConfig
 
 # The interpreter runs one program at a time in numpy: big tiles mean few programs.
 _TILE = TileConfig(64, 256, num_warps=4)
-TILES = {key: _TILE for key in ("quantize", "quantize-heavy", "dequantize", "decompose")}
+TILES = {key: _TILE for key in ("quantize", "quantize-heavy", "dequantize", "decompose", "decompose-full")}
 _GEMM = GemmConfig(64, 64, 128, group_m=2)
 GEMM_TILES = {"interpret": {key: _GEMM for key in ("a4w4", "a4w4-small", "w4a16", "w4a16-small")}}
 

@@ -9,7 +9,8 @@ Order of operations in one quantize (rows layout, x: [R, K] -> padded [R, Kp]):
 3. macro-block scaling: m from the amax of what remains over each macro block, and the
    block divided by m (IEEE fp32 division);
 4. per 32-block E from the scale rule, y = value * 2**-E (exact), E2M1 rounding of y
-   (nearest-even or stochastic with the Philox stream at counter row * Kp + k).
+   (nearest-even, or stochastic with the stream of format.uniform_u24 at element index
+   row * Kp + k: one Philox4x32 call per four consecutive elements).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def encode(x: torch.Tensor, recipe: QuantRecipe) -> Encoded:
     y = scaled * fmt.exp2i((-exponent).clamp(max=fmt.E8M0_MAX_EXP)).unsqueeze(-1)
     a = y.abs()
     if recipe.rounding == "stochastic":
-        counter = torch.arange(r * kp, dtype=torch.int64, device=x.device).view(r, nb, B)
-        codes = fmt.e2m1_round_stochastic(a, fmt.uniform_u24(recipe.seed, counter))
+        rand24 = fmt.uniform_u24_range(recipe.seed, r * kp, device=x.device).view(r, nb, B)
+        codes = fmt.e2m1_round_stochastic(a, rand24)
     else:
         codes = fmt.e2m1_round_nearest(a)
     codes |= torch.signbit(y).to(torch.uint8) << 3
@@ -159,8 +160,7 @@ class ReferenceBackend(Backend):
         return to_mxtensor(encode(x, recipe), x, recipe)
 
     def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = decode_rows(mx)
-        return q if dtype == torch.float32 else q.to(dtype)
+        return fmt.cast_canonical_nan(decode_rows(mx), dtype)
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         enc = encode(x, recipe)

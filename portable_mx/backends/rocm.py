@@ -7,16 +7,29 @@ from __future__ import annotations
 from .triton.backend import CompiledTritonBackend
 from .triton.launch import GemmConfig, TileConfig
 
-# wave64: 4 warps are 256 lanes. 8 x 256 tiles give 8 elements a lane in 41-56 VGPRs on
-# gfx942 (compile matrix), for an occupancy of 8 waves per SIMD. No waves_per_eu hint:
-# waves_per_eu=2 capped the occupancy at 2 without lowering VGPRs, which a streaming
-# kernel cannot afford (issue 5 tunes it per shape).
+# Element-wise kernels, from the gfx942 / gfx950 compile matrix
+# (benchmarks/NOTES-elementwise.md): wave64, so 4 warps are 256 lanes, and an occupancy of
+# 8 waves a SIMD needs 64 VGPRs or fewer. 8 x 256 tiles give a lane 4 words (8 elements,
+# 16-byte loads) and share a 32-block among 4 lanes (cross-lane reductions): quantize in
+# 30-58 VGPRs, occupancy 8 (one whole block a lane, the NVIDIA layout, would need over
+# 100 VGPRs here). Stochastic rounding with outliers and macro blocks needs 76-79 VGPRs
+# there under triton 3.6: "quantize-heavy" takes 4 x 256 (2 words a lane) with
+# waves_per_eu=8, 64 VGPRs, no scratch, occupancy 8 with triton 3.6 and 3.9. dequantize 26-48 VGPRs, occupancy 8. decompose: 8 x
+# 256 on 8 warps, 2 words a lane: 46-64 VGPRs on gfx950. gfx942 allocates more: its
+# statistics-only decompose takes 4 x 256 on 4 warps with waves_per_eu=8 (42-46 VGPRs,
+# occupancy 8, no scratch); with the element tensors the hint spills under triton 3.6, so
+# it keeps 8 x 256 / 8 warps without it (occupancy 8 but for macro blocks longer than a
+# chunk: 7 with triton 3.9, 5 with 3.6; the notes say why and what would fix it).
+# Elsewhere no waves_per_eu hint: waves_per_eu=2 capped the occupancy at 2 without
+# lowering VGPRs.
 TILES = {
     "quantize": TileConfig(8, 256, num_warps=4),
-    "quantize-heavy": TileConfig(8, 256, num_warps=4),
+    "quantize-heavy": TileConfig(4, 256, num_warps=4, extra=(("waves_per_eu", 8),)),
     "dequantize": TileConfig(16, 256, num_warps=4),
     "decompose": TileConfig(8, 256, num_warps=8),
+    "decompose-full": TileConfig(8, 256, num_warps=8),
 }
+TARGET_TILES = {"gfx942": {"decompose": TileConfig(4, 256, num_warps=4, extra=(("waves_per_eu", 8),))}}
 
 # GEMM defaults per target until a tuned config is found (issue 5); block_m counts tokens,
 # block_n weight rows. gfx950's native v_mfma_scale_f32_{16x16x128,32x32x64}_f8f6f4 needs
@@ -49,6 +62,7 @@ class RocmBackend(CompiledTritonBackend):
     name = "rocm"
     priority = 100
     tiles = TILES
+    target_tiles = TARGET_TILES
     gemm_tiles = GEMM_TILES
     scale_layouts = {"gfx950": "cdna4"}
     gemm_sms = {"gfx942": 304, "gfx950": 256}

@@ -12,7 +12,8 @@ bucket is M rounded up to a power of two, N and K exact.
   lock on a sidecar ``.lock`` file: concurrent tuning processes lose nothing, and adding an
   entry never invalidates the others.
 - A corrupt file, or one whose schema version, arch or triton version does not match, is
-  ignored with one warning (per file and process). A different kernel source hash is
+  ignored with one warning (per file and process). An entry whose config has a field
+  this version's GemmConfig lacks (written by a newer kernel) is dropped with a warning. A different kernel source hash is
   warned about once and the entries are still used (they are configs that compiled and
   ran correctly; re-tuning refreshes them).
 - Lookup order: the user cache dir (``PORTABLE_MX_CACHE_DIR``, default
@@ -39,15 +40,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import files
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: entries say how many configs survived static pruning and which strategy found them;
+configs carry every GemmConfig field (``split_k``). Version 1 files are ignored."""
 ENV_CACHE_DIR = "PORTABLE_MX_CACHE_DIR"
 SHIPPED_DIR = Path(__file__).with_name("configs")
 _KERNEL_SOURCES = ("gemm.py", "layouts.py", "launch.py")
 
 
 class ConfigEntry(BaseModel):
-    """One tuned config: the GemmConfig's fields, its median time, and the time of the
-    baseline it was compared with (the backend's default config, measured in the same run)."""
+    """One tuned config: the GemmConfig's fields, its median time, the time of the
+    baseline it was compared with (the backend's default config, measured in the same
+    run), the configs measured (``trials``) out of the ``survivors`` of static pruning,
+    and the search ``strategy`` ("ranked", "ranked-tpe", "tpe" or "exhaustive")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -56,6 +61,8 @@ class ConfigEntry(BaseModel):
     baseline: str = "default config"
     baseline_ms: Optional[float] = Field(default=None, gt=0)
     trials: int = Field(default=0, ge=0)
+    survivors: int = Field(default=0, ge=0)
+    strategy: str = ""
     tuned_at: str = ""
 
 
@@ -171,6 +178,12 @@ def load(path: Path, arch: str) -> Optional[ConfigCache]:
     if cache.triton_version != triton_version():
         _warn_once(path, f"written with triton {cache.triton_version}, this is triton {triton_version()}")
         return None
+    unknown = {key: sorted(set(e.config) - _config_fields()) for key, e in cache.entries.items()
+               if set(e.config) - _config_fields()}
+    if unknown:
+        for key, fields in unknown.items():
+            _warn_once(path, f"entry {key!r} dropped: GemmConfig has no field {', '.join(fields)} in this version")
+        cache = cache.model_copy(update={"entries": {k: e for k, e in cache.entries.items() if k not in unknown}})
     if cache.kernel_hash != kernel_hash():
         key = f"{path}: kernel"
         if key not in _warned:
@@ -264,10 +277,20 @@ def record(
 
 
 def make_entry(config: Any, time_ms: float, baseline_ms: Optional[float] = None, trials: int = 0,
-               baseline: str = "default config") -> ConfigEntry:
+               baseline: str = "default config", survivors: int = 0, strategy: str = "") -> ConfigEntry:
     """A :class:`ConfigEntry` for a GemmConfig (or a mapping of its fields)."""
     fields = asdict(config) if not isinstance(config, dict) else dict(config)
     fields["extra"] = [list(kv) for kv in fields.get("extra", ())]
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return ConfigEntry(config=fields, time_ms=time_ms, baseline=baseline, baseline_ms=baseline_ms,
-                       trials=trials, tuned_at=now)
+                       trials=trials, survivors=survivors, strategy=strategy, tuned_at=now)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_fields() -> frozenset:
+    """The field names of this version's GemmConfig."""
+    import dataclasses
+
+    from ..backends.triton.launch import GemmConfig
+
+    return frozenset(f.name for f in dataclasses.fields(GemmConfig))

@@ -1,38 +1,54 @@
-"""The GEMM tile search: one Optuna study per (device, op, shape bucket, operand kinds),
-whose best config goes into the device's config cache (:mod:`.cache`).
+"""The GEMM tile search: one Optuna study per (device, op, shape bucket, operand kinds,
+space, kernel source), whose best config goes into the device's config cache
+(:mod:`.cache`).
 
 :func:`tune` runs a study for one :class:`Problem` (M, N, K and the recipe whose operand
 kinds the GEMM sees) on a live device:
 
 1. **Space.** :func:`.space.gemm_space` for the backend's target, the operands, M and the
    padded K, with the backend's default (heuristic) config in it.
-2. **Static stage.** Every candidate is compiled ahead of time for the target
+2. **Static stage** (:func:`plan`). Candidates that break a rule across knobs fail at
+   once; every other candidate is compiled ahead of time for the target
    (:func:`.static.prune`, verdicts persisted, nothing compiled twice); the pruned ones
    are added to the study as PRUNED trials with the reason in the ``pruned_reason`` user
-   attr, so the sampler learns to avoid them. The interpreter has no static stage.
-3. **Search.** Ask-and-tell with a seeded TPE sampler (multivariate, constant liar for
-   parallel workers). A sampled config that was pruned or already failed is told PRUNED
-   again (with its reason); one already timed, by this run or an earlier one or another
-   worker, is told its stored time without being run again. A new config is run once and
-   checked against the reference backend's GEMM (|C - C_ref| <= 2 K 2^-24 (|A| @ |B|),
-   both being within the fp32-accumulation bound of the exact product; up to 256 rows):
-   a wrong or failing config is a FAIL trial (``failure`` user attr), never a winner;
-   else it is timed, by default ``triton.testing.do_bench`` (median ms) on the device; the
-   ``timer`` is injectable (``timer(fn, config) -> ms``), so the machinery runs on the
-   CPU with a deterministic fake. The backend's default config is the first trial (the
-   baseline, ``baseline`` user attr), measured in the study's first run. When TPE keeps
-   proposing known configs (5 in a row), a seeded random unmeasured survivor is tried
-   next, so that the budget buys new measurements.
-4. **Result.** The fastest timed config is merged into the cache file of the device
+   attr. The interpreter has no static stage.
+3. **Order.** The survivors are ranked by the static cost model (:mod:`.cost`: occupancy
+   from registers and shared memory, waves against the SM count, operand reuse, bytes in
+   flight, split-K overhead) on the device's properties (:func:`.cost.device_props`).
+4. **Search** (:func:`run_loop`, shared by live runs and replays). Ask-and-tell; the
+   strategy (:mod:`.strategy`) says what is asked: by default (``"ranked"``) the model's
+   fastest unmeasured survivor, the model refitted to what was timed; or the model's top
+   10% then seeded TPE (``"ranked-tpe"``); or TPE alone (``"tpe"``). The backend's
+   default config is the first trial (the baseline, ``baseline`` user attr). A proposed
+   config that was pruned or already failed is told PRUNED again (with its reason); one
+   already timed, by this run or an earlier one or another worker, is told its stored
+   time without being run again. A new config is run once and checked against the
+   reference backend's GEMM (|C - C_ref| <= 2 K 2^-24 (|A| @ |B|), both being within the
+   fp32-accumulation bound of the exact product; up to 256 rows, the reference computed
+   once per study): a wrong or failing config is a FAIL trial (``failure`` user attr),
+   never a winner; else it is timed, by default ``triton.testing.do_bench`` (median ms)
+   on the device; the ``timer`` is injectable (``timer(fn, config) -> ms``), so the
+   machinery runs on the CPU with a deterministic fake. ``exhaustive=True`` measures
+   every survivor (in the model's order) and returns a **recording** (:func:`recording`):
+   every candidate's config, compile figures, verdict and measured time, from which
+   :mod:`.replay` computes, with no GPU, how many trials each strategy needs to come
+   within 2% of the best.
+5. **Result.** The fastest timed config is merged into the cache file of the device
    (``cache.record``) under ``cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp)``
    with its time, the default's time and the number of configs measured.
+
+On a GPU, ``warm_jobs`` worker processes compile (Triton JIT, into the on-disk cache)
+the configs about to be timed before the timing starts, so that the timing process
+loads compiled kernels instead of compiling them one after another (:mod:`.warm`).
 
 **Storage and resumption.** The study lives in an Optuna storage: by default a journal
 file (``optuna.journal`` in the study directory, ``<cache dir>/studies``; several
 processes on one machine may share it), or any storage URL (``postgresql://...``,
 ``mysql://...``, ``sqlite:///...``: an RDB lets many workers on many machines run one
-study together). Re-running the same problem continues the same study: what was timed is
-not timed again, and ``trials`` more configs are measured. A run stopped by the timer
+study together). Re-running the same problem continues the same study (whatever the
+strategy, exhaustive runs included): what was timed is not timed again, and ``trials``
+more configs are measured. The study's name carries the space's fingerprint and the GEMM
+kernel source hash: a changed space or kernel is a new study. A run stopped by the timer
 raising (or Ctrl-C) marks the trial in flight FAIL with ``failure = "interrupted"``; that
 config is measured again on resumption (an exception from the config's own first run is
 that config's failure, ``failure = "error"``, and the run goes on).
@@ -54,9 +70,11 @@ import torch
 
 from ..backends.triton.launch import GemmConfig
 from ..recipe import QuantRecipe
-from . import cache
-from .space import GemmSpace, gemm_space
-from .static import VerdictStore, STORE_NAME, prune
+from . import cache, cost
+from .problem import Launcher, Problem, kernel_launcher, make_operands  # noqa: F401  (re-exported)
+from .space import GemmSpace, config_to_json, gemm_space
+from .static import STORE_NAME, Verdict, VerdictStore, prune
+from .strategy import DEFAULT_STRATEGY, STRATEGIES, Ranker, top_k
 
 if TYPE_CHECKING:
     from ..backends.targets import Target
@@ -68,66 +86,10 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 Timer = Callable[[Callable[[], Any], Any], float]
 """``timer(fn, config) -> milliseconds``: the median time of ``fn()`` (a GEMM launch)."""
 
-Launcher = Callable[[Any, Any, GemmConfig], Callable[[], torch.Tensor]]
-"""``launcher(a, b, config) -> fn``: ``fn()`` runs the GEMM of rows-layout operands
-``a``, ``b`` with ``config`` and returns fp32 [M, N]."""
-
 _UNSET: Any = object()
 
 
 # ----------------------------------------------------------------------------- problems
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One GEMM to tune: ``a`` [M, K] @ ``w`` [K, N] with the operand kinds of ``recipe``
-    (A4W4 or W4A16, macro blocks, outliers; the scale rule and rounding do not change the
-    GEMM kernel)."""
-
-    m: int
-    n: int
-    k: int
-    recipe: QuantRecipe = QuantRecipe()
-    op: str = "matmul"
-
-    @property
-    def kp(self) -> int:
-        return -(-self.k // 32) * 32
-
-    def operands(self):
-        """(a, b) as ``gemm.Operand``: what the kernel sees of each side."""
-        from ..backends.triton.gemm import Operand
-
-        r = self.recipe
-        b = Operand(None, r.macro_block, r.outliers_per_block)
-        if r.quantizes_activations:
-            return b, b
-        return Operand(torch.bfloat16 if r.activations == "bf16" else torch.float16, None, 0), b
-
-    def key(self) -> str:
-        """The config-cache key (``cache.entry_key``)."""
-        a, b = self.operands()
-        return cache.entry_key(self.op, a.tag(), b.tag(), self.m, self.n, self.kp)
-
-    @property
-    def shape(self) -> str:
-        return f"{self.m}x{self.n}x{self.k}"
-
-
-def make_operands(problem: Problem, device: torch.device, seed: int = 0):
-    """Seeded standard-normal activations [M, K] and weight [K, N] on ``device``, in the
-    rows layout the backends take: (a: MXTensor (M, K) or a 16-bit tensor, b: MXTensor
-    (N, K))."""
-    from .. import ops
-    from ..tensor import MXTensor
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(problem.m, problem.k, generator=gen, device=device)
-    w = torch.randn(problem.k, problem.n, generator=gen, device=device)
-    a = ops.left_operand(x, problem.recipe)
-    if isinstance(a, MXTensor):
-        a = ops._mx_rows(a)
-    return a, ops._mx_rows(ops.quantize(w, problem.recipe, axis=0))
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -156,44 +118,61 @@ def _rows(t, idx: torch.Tensor):
                                shape=torch.Size((idx.numel(), t.shape[1])))
 
 
-def check_result(got: torch.Tensor, a, b) -> dict[str, float]:
+class Reference:
+    """The reference backend's GEMM of ``a``, ``b`` on up to CHECK_ROWS evenly spaced rows
+    and the elementwise bound ``2 K 2^-24 (|A| @ |B|)``, computed once per study and
+    compared with each config's result (:meth:`check`)."""
+
+    def __init__(self, a, b):
+        from ..backends.reference import ReferenceBackend, decode_rows
+
+        m, k = a.shape[0], b.k
+        self.shape = (a.shape[0], b.shape[0])
+        rows = range(m) if m <= CHECK_ROWS else sorted({round(i * (m - 1) / (CHECK_ROWS - 1))
+                                                        for i in range(CHECK_ROWS)})
+        self.idx = torch.tensor(list(rows), device=b.device)
+        a_sub = _rows(a, self.idx)
+        self.ref = ReferenceBackend().matmul(a_sub, b).double()
+        aq = a_sub.double() if isinstance(a_sub, torch.Tensor) else decode_rows(a_sub)[:, :k].double()
+        bq = decode_rows(b)[:, :k].double()
+        self.bound = 2 * k * FP32_UNIT_ROUNDOFF * (aq.abs() @ bq.abs().T)
+
+    def check(self, got: torch.Tensor) -> dict[str, float]:
+        """Raise :class:`WrongResult` unless ``got`` is within the bound; returns the worst
+        error as a fraction of its bound."""
+        if tuple(got.shape) != self.shape:
+            raise WrongResult(f"result shape {tuple(got.shape)}, expected {self.shape}")
+        ref = self.ref
+        sub = got.index_select(0, self.idx.to(got.device)).to(device=ref.device, dtype=torch.float64)
+        err = (sub - ref).abs()
+        finite_ref = torch.isfinite(ref)
+        if not bool((torch.isfinite(sub) == finite_ref).all()):
+            raise WrongResult("non-finite values where the reference has finite ones (or the reverse)")
+        err, bound = err[finite_ref], self.bound[finite_ref]
+        worst = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
+        if not bool((err <= bound).all()):
+            raise WrongResult(f"max |C - C_ref| is {worst:.3g}x the fp32-accumulation bound")
+        return {"max_err_over_bound": worst}
+
+
+def check_result(got: torch.Tensor, a, b, reference: Optional[Reference] = None) -> dict[str, float]:
     """Raise :class:`WrongResult` unless ``got`` [M, N] equals the reference backend's GEMM
     of ``a``, ``b`` within twice the fp32-accumulation bound, ``2 K 2^-24 (|A| @ |B|)``
     elementwise (both are within ``K 2^-24 (|A| @ |B|)`` of the exact product), on up to
-    CHECK_ROWS evenly spaced rows. Returns the worst error as a fraction of its bound."""
-    from ..backends.reference import ReferenceBackend, decode_rows
-
-    m, k = got.shape[0], b.k
-    if tuple(got.shape) != (a.shape[0], b.shape[0]):
-        raise WrongResult(f"result shape {tuple(got.shape)}, expected {(a.shape[0], b.shape[0])}")
-    rows = range(m) if m <= CHECK_ROWS else sorted({round(i * (m - 1) / (CHECK_ROWS - 1)) for i in range(CHECK_ROWS)})
-    idx = torch.tensor(list(rows), device=b.device)
-    a_sub = _rows(a, idx)
-    ref = ReferenceBackend().matmul(a_sub, b).double()
-    aq = a_sub.double() if isinstance(a_sub, torch.Tensor) else decode_rows(a_sub)[:, :k].double()
-    bq = decode_rows(b)[:, :k].double()
-    bound = 2 * k * FP32_UNIT_ROUNDOFF * (aq.abs() @ bq.abs().T)
-    sub = got.index_select(0, idx.to(got.device)).to(device=ref.device, dtype=torch.float64)
-    err = (sub - ref).abs()
-    finite_ref = torch.isfinite(ref)
-    if not bool((torch.isfinite(sub) == finite_ref).all()):
-        raise WrongResult("non-finite values where the reference has finite ones (or the reverse)")
-    err, bound = err[finite_ref], bound[finite_ref]
-    worst = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
-    if not bool((err <= bound).all()):
-        raise WrongResult(f"max |C - C_ref| is {worst:.3g}x the fp32-accumulation bound")
-    return {"max_err_over_bound": worst}
+    CHECK_ROWS evenly spaced rows. Returns the worst error as a fraction of its bound.
+    ``reference``: the :class:`Reference` of ``a``, ``b`` when already computed."""
+    return (reference or Reference(a, b)).check(got)
 
 
 # ----------------------------------------------------------------------------- timing
 
 
-def do_bench_timer(fn: Callable[[], Any], config: Any = None) -> float:
+def do_bench_timer(fn: Callable[[], Any], config: Any = None, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median milliseconds of ``fn`` by ``triton.testing.do_bench`` (L2 flushed between
-    runs) on the current device."""
+    runs) on the current device, ``warmup_ms`` and ``rep_ms`` of runs."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def host_timer(fn: Callable[[], Any], config: Any = None, repeats: int = 3) -> float:
@@ -209,23 +188,6 @@ def host_timer(fn: Callable[[], Any], config: Any = None, repeats: int = 3) -> f
 
 def default_timer(device: torch.device) -> Timer:
     return do_bench_timer if torch.device(device).type == "cuda" else host_timer
-
-
-def kernel_launcher(backend: Any, target: Optional["Target"]) -> Launcher:
-    """The backend's GEMM kernel with a given config (what ``backend.matmul`` launches)."""
-
-    def launcher(a, b, config: GemmConfig) -> Callable[[], torch.Tensor]:
-        from ..backends.triton import gemm
-
-        options, layout = backend.options(config), backend.scale_layout(target)
-
-        def fn() -> torch.Tensor:
-            with backend.running():
-                return gemm.matmul(a, b, config, options, layout)
-
-        return fn
-
-    return launcher
 
 
 # ----------------------------------------------------------------------------- storage
@@ -274,14 +236,16 @@ def _quiet_optuna():
         optuna.logging.set_verbosity(level)
 
 
-# ----------------------------------------------------------------------------- the study
+# ----------------------------------------------------------------------------- results
 
 
 @dataclass
 class TuneResult:
     """What one study found. ``history``: (trial number, config, ms) of each config
-    measured, in order (the default first); ``trials``: configs measured by the study in
-    all its runs (timed or failed), ``new_trials`` in this run."""
+    measured, in order (the default first; ms None for a config that failed its check or
+    its launch); ``trials``: configs measured by the study in all its runs (timed or
+    failed), ``new_trials`` in this run. ``recording``: the exhaustive run's record
+    (:func:`recording`), else None."""
 
     problem: Problem
     key: str
@@ -300,6 +264,8 @@ class TuneResult:
     cache_path: Optional[Path] = None
     history: list = field(default_factory=list)
     stop_reason: str = ""
+    strategy: str = DEFAULT_STRATEGY
+    recording: Optional[dict] = None
 
     @property
     def speedup(self) -> Optional[float]:
@@ -308,9 +274,10 @@ class TuneResult:
         return self.default_ms / self.best_ms
 
 
-def trials_to_within(history: Sequence[tuple[int, Any, float]], best_ms: float, tolerance: float = 0.02) -> Optional[int]:
-    """How many measured configs (in ``history`` order) it took to reach one within
-    ``tolerance`` of ``best_ms`` (None: never)."""
+def trials_to_within(history: Sequence[tuple[int, Any, Optional[float]]], best_ms: float,
+                     tolerance: float = 0.02) -> Optional[int]:
+    """How many measured configs (in ``history`` order, failed ones included) it took to
+    reach one within ``tolerance`` of ``best_ms`` (None: never)."""
     for i, (_, _, ms) in enumerate(history, 1):
         if ms is not None and ms <= best_ms * (1 + tolerance):
             return i
@@ -368,6 +335,316 @@ def _resolve_backend(backend: Any, device: torch.device):
     return backend
 
 
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    """What a study searches: the space and its candidates (in order), each candidate's
+    static verdict (None: no static stage), the survivors (candidate order), the pruned
+    ones with their reasons, the default config (the baseline) and the cost model's
+    workload and device."""
+
+    problem: Problem
+    space: GemmSpace
+    candidates: list[GemmConfig]
+    verdicts: dict[GemmConfig, Optional[Verdict]]
+    default: GemmConfig
+    workload: cost.Workload
+    props: cost.DeviceProps
+    target: Optional[str] = None
+    compiled: int = 0  # launches compiled by the static stage of this plan
+    reused: int = 0  # launches whose verdicts were read from the store
+
+    @property
+    def survivors(self) -> list[GemmConfig]:
+        return [c for c in self.candidates if self.verdicts.get(c) is None or self.verdicts[c].ok]
+
+    @property
+    def pruned(self) -> dict[GemmConfig, str]:
+        return {c: v.reason for c, v in self.verdicts.items() if v is not None and not v.ok}
+
+    @property
+    def default_in_space(self) -> bool:
+        return self.space.contains(self.default) and self.default in set(self.survivors)
+
+    def ranker(self, refit: bool = True) -> Ranker:
+        return Ranker(self.workload, [(c, self.verdicts.get(c)) for c in self.survivors], self.props,
+                      [name for name, _ in self.space.choices], refit=refit)
+
+
+def plan(
+    problem: Problem,
+    backend: Any,
+    target: Optional["Target"],
+    *,
+    full: bool = False,
+    space: Optional[GemmSpace] = None,
+    static_target: Any = _UNSET,
+    compile_fn: Any = None,
+    jobs: Optional[int] = None,
+    directory: Optional[Union[str, Path]] = None,
+    props: Optional[cost.DeviceProps] = None,
+    on_result: Optional[Callable[[Any], None]] = None,
+) -> Plan:
+    """The space, static verdicts and cost-model inputs of ``problem`` on ``target`` (the
+    static stage runs here: verdicts are read from, and new ones written to, the study
+    directory's store). ``static_target``: the target compiled for (default ``target``;
+    None skips the stage)."""
+    a_op, b_op = problem.operands()
+    default = backend.default_gemm_config(target, problem.m, a_op.format, a_op.heavy or b_op.heavy)
+    if getattr(default, "split_k", 1) == 0 and hasattr(backend, "resolve_split_k"):
+        # split_k 0 ("fill the GPU"): the split the backend would launch for this problem
+        sms = props.sm_count if props is not None else (
+            backend.gemm_sms.get(target.name, 132) if target is not None else 4)
+        default = backend.resolve_split_k(default, problem.m, problem.n, problem.kp, sms)
+    if space is None:
+        space = gemm_space(target, a_op, b_op, problem.m, problem.kp, full=full, default=default)
+    default = space.canonical(default)
+    candidates = space.candidates()
+    static_target = target if static_target is _UNSET else static_target
+    if static_target is not None:
+        report = prune(candidates, a_op, b_op, static_target, backend, problem.kp,
+                       store=VerdictStore(study_dir(directory) / STORE_NAME), compile_fn=compile_fn, jobs=jobs,
+                       on_result=on_result, violation=space.violation, m=problem.m)
+        verdicts: dict[GemmConfig, Optional[Verdict]] = dict(report.verdicts)
+        counts = (report.compiled, report.reused)
+    else:
+        counts = (0, 0)
+        verdicts = {c: (Verdict(False, (space.violation(c),), c.label()) if space.violation(c) else None)
+                    for c in candidates}
+    props = props or cost.device_props(static_target)
+    return Plan(problem, space, candidates, verdicts, default, cost.Workload.of(problem, props), props,
+                None if static_target is None else static_target.name, *counts)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _waiting(study, params: dict[str, Any]) -> bool:
+    from optuna.trial import TrialState
+
+    key = _pkey(params)
+    return any(_pkey(t.system_attrs.get("fixed_params", t.params)) == key
+               for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+
+def _enqueue(study, params: dict[str, Any], attrs: Optional[dict] = None) -> None:
+    """Queue ``params`` unless a waiting trial has them already (an interrupted trial of
+    the same params is no reason to skip: it is measured again)."""
+    if not _waiting(study, params):
+        study.enqueue_trial(params, user_attrs=attrs)
+
+
+def run_loop(
+    study: Any,
+    p: Plan,
+    measure: Callable[[GemmConfig], float],
+    *,
+    strategy: str = DEFAULT_STRATEGY,
+    trials: int = 50,
+    exhaustive: bool = False,
+    seed: int = 0,
+    fallback_after: int = 5,
+    progress: Optional[Callable[[int, Optional[float]], None]] = None,
+    target_ms: Optional[float] = None,
+) -> tuple[int, str]:
+    """Measure up to ``trials`` new configs of plan ``p`` in ``study`` (every survivor when
+    ``exhaustive``), proposed by ``strategy``; ``measure(config) -> ms`` runs, checks and
+    times one config (raising :class:`WrongResult`, :class:`TimerError` or the launch's
+    error). Stops early when every survivor is known, or once a config at or below
+    ``target_ms`` is timed. Returns (configs measured, why it stopped). The study's
+    sampler is set here (seeded TPE for the TPE strategies)."""
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    space, survivors, pruned, default = p.space, p.survivors, p.pruned, p.default
+    survivor_set = set(survivors)
+    dists = space.distributions()
+    if strategy == "ranked" or exhaustive:  # every trial is enqueued: the sampler is never consulted (and
+        # TPE would model the whole study at every ask)
+        study.sampler = optuna.samplers.RandomSampler(seed=seed + len(study.trials))
+    else:
+        study.sampler = make_sampler(seed, trials, len(study.trials))
+    known = _known(study)
+
+    # the static verdicts, as pruned trials
+    for config, reason in pruned.items():
+        params = space.encode(config)
+        if _pkey(params) not in known:
+            study.add_trial(create_trial(params=params, distributions=dists, state=TrialState.PRUNED,
+                                         user_attrs={"pruned_reason": reason, "stage": "static",
+                                                     "config": config.label()}))
+    ranker = p.ranker() if strategy != "tpe" or exhaustive else None
+    default_in_space = p.default_in_space
+    queue = [default] if default_in_space else []
+    if exhaustive:
+        queue += [c for c in ranker.order if c != default]
+    elif strategy == "ranked-tpe":
+        queue += [c for c in ranker.order[:top_k(len(survivors))] if c != default]
+    for config in queue:
+        if _pkey(space.encode(config)) not in known:
+            _enqueue(study, space.encode(config), {"baseline": True} if config == default else None)
+
+    if not default_in_space and study.user_attrs.get("baseline_ms") is None:
+        try:  # the default is outside the space or pruned: measured once per study, as the baseline
+            study.set_user_attr("baseline_ms", measure(default))
+        except TimerError as err:
+            raise err.__cause__ from None
+        except Exception:  # noqa: BLE001  (a default that fails leaves no baseline)
+            pass
+
+    by_key = {_pkey(space.encode(c)): c for c in p.candidates}
+    new = stale = 0
+    stop = f"{trials} new configs measured"
+    limit = len(survivors) if exhaustive else trials
+    while new < limit:
+        known = _known(study)
+        if all(_pkey(space.encode(c)) in known for c in survivors):
+            stop = "every surviving candidate measured"
+            break
+        if target_ms is not None and any(k.state == "timed" and k.value <= target_ms for k in known.values()):
+            stop = "reached the target time"
+            break
+        if ranker is not None and strategy == "ranked" and not exhaustive:
+            timed = {by_key[pk]: k.value for pk, k in known.items() if k.state == "timed" and pk in by_key}
+            done = {by_key[pk] for pk in known if pk in by_key}
+            pick = ranker.next(timed, done)
+            if pick is not None:
+                _enqueue(study, space.encode(pick), {"proposed_by": "cost model"})
+        elif stale >= fallback_after:
+            left = [c for c in survivors if _pkey(space.encode(c)) not in known]
+            pick = left[random.Random(seed + len(study.trials)).randrange(len(left))]
+            _enqueue(study, space.encode(pick), {"proposed_by": "random fallback"})
+            stale = 0
+        trial = study.ask(dists)
+        params = {k: trial.params[k] for k in dists}
+        config = space.decode(params)
+        trial.set_user_attr("config", config.label())
+        k = known.get(_pkey(params))
+        if k is not None and k.state == "timed":
+            trial.set_user_attr("repeat_of", k.number)
+            study.tell(trial, k.value)
+            stale += 1
+            continue
+        if k is not None or config not in survivor_set:
+            reason = k.reason if k is not None else pruned.get(config, "not a candidate")
+            trial.set_user_attr("repeat_of", k.number if k is not None else -1)
+            trial.set_user_attr("pruned_reason", reason)
+            study.tell(trial, state=TrialState.PRUNED)
+            stale += 1
+            continue
+        stale = 0
+        try:
+            ms = measure(config)
+        except WrongResult as err:
+            trial.set_user_attr("failure", "wrong")
+            trial.set_user_attr("failed_reason", str(err))
+            study.tell(trial, state=TrialState.FAIL)
+            new += 1
+        except TimerError as err:  # retried on resumption
+            trial.set_user_attr("failure", "interrupted")
+            trial.set_user_attr("failed_reason", str(err)[:500])
+            study.tell(trial, state=TrialState.FAIL)
+            raise err.__cause__ from None
+        except Exception as err:  # noqa: BLE001  (a launch error is this config's failure)
+            trial.set_user_attr("failure", "error")
+            trial.set_user_attr("failed_reason", f"{type(err).__name__}: {err}"[:500])
+            study.tell(trial, state=TrialState.FAIL)
+            new += 1
+        except BaseException as err:  # Ctrl-C: retried on resumption
+            trial.set_user_attr("failure", "interrupted")
+            trial.set_user_attr("failed_reason", type(err).__name__)
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        else:
+            if config == default:
+                trial.set_user_attr("baseline", True)
+            study.tell(trial, ms)
+            new += 1
+        if progress is not None:
+            timed_values = [v.value for v in _known(study).values() if v.state == "timed"]
+            progress(new, min(timed_values) if timed_values else None)
+    if all(_pkey(space.encode(c)) in _known(study) for c in survivors):
+        stop = "every surviving candidate measured"
+    return new, stop
+
+
+@dataclass
+class Outcome:
+    """What a study knows after its runs: per candidate its state, the history of
+    measurements (trial number, config, ms or None for a failure) in order, the best."""
+
+    timed: dict[GemmConfig, float]
+    failed: dict[GemmConfig, str]
+    history: list
+    best: Optional[GemmConfig]
+    best_ms: Optional[float]
+    default_ms: Optional[float]
+
+
+def outcome(study: Any, p: Plan) -> Outcome:
+    """The timed and failed candidates of ``study``, its history and its best."""
+    known = _known(study)
+    by_key = {_pkey(p.space.encode(c)): c for c in p.candidates}
+    timed = {by_key[pk]: k.value for pk, k in known.items() if k.state == "timed" and pk in by_key}
+    failed = {by_key[pk]: k.reason for pk, k in known.items() if k.state == "failed" and pk in by_key}
+    history = sorted(((k.number, by_key.get(pk) or p.space.decode(dict(pk)), k.value if k.state == "timed" else None)
+                      for pk, k in known.items() if k.state in ("timed", "failed")), key=lambda h: h[0])
+    best = best_ms = None
+    if timed:
+        best, best_ms = min(timed.items(), key=lambda kv: (kv[1], known[_pkey(p.space.encode(kv[0]))].number))
+    default_ms = timed.get(p.default) if p.default_in_space else study.user_attrs.get("baseline_ms")
+    return Outcome(timed, failed, history, best, best_ms, default_ms)
+
+
+# ----------------------------------------------------------------------------- recordings
+
+RECORDING_SCHEMA = "portable_mx.tuning_recording/1"
+
+
+def recording(p: Plan, o: Outcome, *, study_name: str, arch: str, device_name: str, seed: int,
+              strategy: str) -> dict[str, Any]:
+    """A JSON-able record of an exhaustive study: the problem, device (cost-model
+    properties), space, default, and per candidate its config, static verdict and
+    measured time (or failure), in candidate order, with the order of measurement. The
+    input of :mod:`.replay`."""
+    measured_order = {c: i for i, (_, c, _) in enumerate(o.history)}
+    rows = []
+    for c in p.candidates:
+        v = p.verdicts.get(c)
+        state = ("timed" if c in o.timed else "failed" if c in o.failed
+                 else "pruned" if v is not None and not v.ok else "unmeasured")
+        rows.append({"config": config_to_json(c), "label": c.label(), "verdict": None if v is None else v.to_json(),
+                     "state": state, "ms": o.timed.get(c),
+                     "reason": o.failed.get(c) or (v.reason if state == "pruned" else ""),
+                     "measured_at": measured_order.get(c)})
+    return {
+        "schema": RECORDING_SCHEMA,
+        "problem": {"m": p.problem.m, "n": p.problem.n, "k": p.problem.k, "op": p.problem.op,
+                    "recipe": p.problem.recipe.model_dump(mode="json"), "key": p.problem.key(),
+                    "shape": p.problem.shape},
+        "arch": arch, "device": device_name, "target": p.target,
+        "triton_version": cache.triton_version(), "kernel_hash": cache.kernel_hash(),
+        "study": study_name, "seed": seed, "strategy": strategy,
+        "props": p.props.to_json(), "workload": dataclasses.asdict(p.workload),
+        "space": p.space.to_json(), "default": config_to_json(p.default),
+        "default_ms": o.default_ms, "best": o.best.label() if o.best else None, "best_ms": o.best_ms,
+        "candidates": rows,
+    }
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def study_name(p: Plan, arch: str, device_name: str) -> str:
+    """``<arch>/<device>|<cache key>|space <default|full> <fingerprint>|kernel <hash>``."""
+    return (f"{arch}/{device_name}|{p.problem.key()}|space {p.space.name.split(':')[0]} {p.space.fingerprint()}"
+            f"|kernel {cache.kernel_hash()}")
+
+
 def tune(
     problem: Problem,
     *,
@@ -389,24 +666,29 @@ def tune(
     exhaustive: bool = False,
     fallback_after: int = 5,
     progress: Optional[Callable[[int, Optional[float]], None]] = None,
+    strategy: str = DEFAULT_STRATEGY,
+    props: Optional[cost.DeviceProps] = None,
+    warm_jobs: int = 0,
 ) -> TuneResult:
     """Run (or continue) the study of ``problem`` on ``device`` and cache its best config.
 
     ``trials``: new configs to measure in this run (the study stops earlier when every
-    surviving candidate is measured). After ``fallback_after`` proposals in a row of
-    configs the study already knows, the next trial is a seeded random pick among the
-    surviving configs not yet measured (TPE keeps proposing its optimum once it is sure
-    of it; the budget then goes to exploration). ``storage``: an Optuna storage URL or
-    journal path (default: the journal in ``directory``, see :func:`storage_for`);
-    ``directory`` also holds the static verdicts. ``static_target``: the target the static stage compiles for (default
-    the backend's; None skips the stage). ``compile_fn``, ``timer``, ``launcher``: see
-    :mod:`.static` and the module doc. ``out``: the cache directory written (default the
-    user cache dir). ``exhaustive``: measure every surviving candidate in order (a study
-    of its own) instead of sampling. ``progress(new_trials, best_ms)`` is called after
-    each measurement.
+    surviving candidate is measured). ``strategy``: what is measured next (:mod:`.strategy`;
+    default the cost model's order, refitted as it goes). With the TPE strategies, after
+    ``fallback_after`` proposals in a row of configs the study already knows, the next
+    trial is a seeded random pick among the unmeasured survivors. ``storage``: an Optuna
+    storage URL or journal path (default: the journal in ``directory``, see
+    :func:`storage_for`); ``directory`` also holds the static verdicts. ``static_target``:
+    the target the static stage compiles for (default the backend's; None skips the
+    stage). ``compile_fn``, ``timer``, ``launcher``: see :mod:`.static` and the module doc.
+    ``out``: the cache directory written (default the user cache dir). ``exhaustive``:
+    measure every surviving candidate (in the model's order) and return the recording.
+    ``props``: the device for the cost model (default :func:`.cost.device_props` of the
+    target, read from the device on a GPU). ``warm_jobs``: worker processes that compile
+    the configs about to be timed first (GPU only, :mod:`.warm`). ``progress(new_trials,
+    best_ms)`` is called after each measurement.
     """
     import optuna
-    from optuna.trial import TrialState, create_trial
 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -414,39 +696,26 @@ def tune(
     backend = _resolve_backend(backend, device)
     target = backend.target(device)
     arch, device_name = backend.device_identity(device)
-    a_op, b_op = problem.operands()
-    heavy = a_op.heavy or b_op.heavy
-    default = backend.default_gemm_config(target, problem.m, a_op.format, heavy)
-    if space is None:
-        space = gemm_space(target, a_op, b_op, problem.m, problem.kp, full=full, default=default)
-    default = space.canonical(default)
-    candidates = space.candidates()
-    dists = space.distributions()
-
-    # static stage
-    static_target = target if static_target is _UNSET else static_target
+    static = target if static_target is _UNSET else static_target
+    if props is None:
+        props = cost.device_props(static or target, device if device.type == "cuda" else None)
+    p = plan(problem, backend, target, full=full, space=space, static_target=static, compile_fn=compile_fn,
+             jobs=jobs, directory=directory, props=props)
     directory = study_dir(directory)
-    if static_target is not None:
-        report = prune(candidates, a_op, b_op, static_target, backend, problem.kp,
-                       store=VerdictStore(directory / STORE_NAME), compile_fn=compile_fn, jobs=jobs)
-        survivors = set(report.survivors())
-        pruned = report.pruned()
-    else:
-        survivors, pruned = set(candidates), {}
-
-    key = problem.key()
-    name = f"{arch}/{device_name}|{key}|space {space.name.split(':')[0]}" + ("|exhaustive" if exhaustive else "")
+    name = study_name(p, arch, device_name)
     timer = timer or default_timer(device)
+    custom_launcher = launcher is not None
     launcher = launcher or kernel_launcher(backend, target)
     operands: list = []
 
     def measure(config: GemmConfig) -> float:
         """Run once and check (WrongResult / launch errors propagate), then time."""
         if not operands:
-            operands.extend(make_operands(problem, device, seed))
-        a, b = operands
+            a, b = make_operands(problem, device, seed)
+            operands.extend((a, b, Reference(a, b)))
+        a, b, reference = operands
         fn = launcher(a, b, config)
-        check_result(fn(), a, b)
+        reference.check(fn())
         try:
             return float(timer(fn, config))
         except Exception as err:  # the timer's failure is not the config's: stop the run
@@ -456,118 +725,31 @@ def tune(
         study = optuna.create_study(study_name=name, storage=storage_for(storage, directory),
                                     direction="minimize", load_if_exists=True,
                                     sampler=optuna.samplers.RandomSampler(seed=seed))
-        study.sampler = make_sampler(seed, trials, len(study.trials))
         if not study.user_attrs:
-            for attr, value in {"problem": problem.shape, "recipe": problem.recipe.describe(), "key": key,
-                                "arch": arch, "device": device_name, "space": space.name,
-                                "default": default.label()}.items():
+            for attr, value in {"problem": problem.shape, "recipe": problem.recipe.describe(), "key": problem.key(),
+                                "arch": arch, "device": device_name, "space": p.space.name,
+                                "default": p.default.label(), "kernel_hash": cache.kernel_hash()}.items():
                 study.set_user_attr(attr, value)
-        known = _known(study)
+        if warm_jobs and device.type == "cuda" and not custom_launcher:
+            from . import warm
 
-        # the static verdicts, as pruned trials
-        for config, verdict in pruned.items():
-            params = space.encode(config)
-            if _pkey(params) not in known:
-                study.add_trial(create_trial(params=params, distributions=dists, state=TrialState.PRUNED,
-                                             user_attrs={"pruned_reason": verdict.reason, "stage": "static",
-                                                         "config": config.label()}))
-        # the baseline: the default config first, then (exhaustive) every survivor in order
-        default_in_space = space.contains(default) and default in survivors
-        queue = [default] if default_in_space else []
-        if exhaustive:
-            queue += [c for c in candidates if c in survivors and c != default]
-        for config in queue:
-            if _pkey(space.encode(config)) not in known:
-                study.enqueue_trial(space.encode(config), user_attrs={"baseline": True} if config == default else None,
-                                    skip_if_exists=True)
-
-        new = stale = 0
-        stop = f"{trials} new configs measured"
-        default_ms = None if default_in_space else study.user_attrs.get("baseline_ms")
-        if not default_in_space and default_ms is None:  # measured outside the space, once per study
-            try:
-                default_ms = measure(default)
-                study.set_user_attr("baseline_ms", default_ms)
-            except TimerError as err:
-                raise err.__cause__ from None
-            except Exception:  # noqa: BLE001  (a default that fails leaves no baseline)
-                default_ms = None
-        limit = len(survivors) if exhaustive else trials
-        while new < limit:
             known = _known(study)
-            if all(_pkey(space.encode(c)) in known for c in survivors):
-                stop = "every surviving candidate measured"
-                break
-            if stale >= fallback_after:
-                left = [c for c in candidates if c in survivors and _pkey(space.encode(c)) not in known]
-                pick = left[random.Random(seed + len(study.trials)).randrange(len(left))]
-                study.enqueue_trial(space.encode(pick), user_attrs={"proposed_by": "random fallback"})
-                stale = 0
-            trial = study.ask(dists)
-            params = {k: trial.params[k] for k in dists}
-            config = space.decode(params)
-            trial.set_user_attr("config", config.label())
-            k = known.get(_pkey(params))
-            if k is not None and k.state == "timed":
-                trial.set_user_attr("repeat_of", k.number)
-                study.tell(trial, k.value)
-                stale += 1
-                continue
-            if k is not None or config not in survivors:
-                reason = k.reason if k is not None else pruned[config].reason if config in pruned else "not a candidate"
-                trial.set_user_attr("repeat_of", k.number if k is not None else -1)
-                trial.set_user_attr("pruned_reason", reason)
-                study.tell(trial, state=TrialState.PRUNED)
-                stale += 1
-                continue
-            stale = 0
-            try:
-                ms = measure(config)
-            except WrongResult as err:
-                trial.set_user_attr("failure", "wrong")
-                trial.set_user_attr("failed_reason", str(err))
-                study.tell(trial, state=TrialState.FAIL)
-                new += 1
-            except TimerError as err:  # retried on resumption
-                trial.set_user_attr("failure", "interrupted")
-                trial.set_user_attr("failed_reason", str(err)[:500])
-                study.tell(trial, state=TrialState.FAIL)
-                raise err.__cause__ from None
-            except Exception as err:  # noqa: BLE001  (a launch error is this config's failure)
-                trial.set_user_attr("failure", "error")
-                trial.set_user_attr("failed_reason", f"{type(err).__name__}: {err}"[:500])
-                study.tell(trial, state=TrialState.FAIL)
-                new += 1
-            except BaseException as err:  # Ctrl-C: retried on resumption
-                trial.set_user_attr("failure", "interrupted")
-                trial.set_user_attr("failed_reason", type(err).__name__)
-                study.tell(trial, state=TrialState.FAIL)
-                raise
-            else:
-                if config == default:
-                    trial.set_user_attr("baseline", True)
-                study.tell(trial, ms)
-                new += 1
-            if progress is not None:
-                timed = [v.value for v in _known(study).values() if v.state == "timed"]
-                progress(new, min(timed) if timed else None)
-
-        known = _known(study)
-    timed = {pk: k for pk, k in known.items() if k.state == "timed"}
-    failed = sum(k.state == "failed" for k in known.values())
-    by_key = {_pkey(space.encode(c)): c for c in candidates}
-    if default_in_space:
-        base = timed.get(_pkey(space.encode(default)))
-        default_ms = None if base is None else base.value
-    history = sorted(((k.number, by_key.get(pk), k.value) for pk, k in timed.items()), key=lambda h: h[0])
-    best_ms = best = None
-    if timed:
-        pk, k = min(timed.items(), key=lambda kv: (kv[1].value, kv[1].number))
-        best, best_ms = by_key.get(pk) or space.decode(dict(pk)), k.value
-    result = TuneResult(problem, key, name, space, len(candidates), len(survivors), len(pruned), default,
-                        default_ms, best, best_ms, len(timed) + failed, new, failed, None, history, stop)
-    if write_cache and best is not None:
-        entry = cache.make_entry(best, best_ms, baseline_ms=default_ms, trials=result.trials)
-        result.cache_path = cache.record(arch, device_name, {key: entry}, directory=Path(out) if out else None)
+            order = p.ranker().order
+            todo = order if exhaustive else [p.default] + order[:max(1, trials)]
+            todo = [c for c in dict.fromkeys(todo) if _pkey(p.space.encode(c)) not in known]
+            warm.warm([(problem, c) for c in todo], backend.name, str(device), jobs=warm_jobs, seed=seed)
+        new, stop = run_loop(study, p, measure, strategy=strategy, trials=trials, exhaustive=exhaustive, seed=seed,
+                             fallback_after=fallback_after, progress=progress)
+        o = outcome(study, p)
+    result = TuneResult(problem, problem.key(), name, p.space, len(p.candidates), len(p.survivors), len(p.pruned),
+                        p.default, o.default_ms, o.best, o.best_ms, len(o.timed) + len(o.failed), new, len(o.failed),
+                        None, o.history, stop, strategy)
+    if exhaustive:
+        result.recording = recording(p, o, study_name=name, arch=arch, device_name=device_name, seed=seed,
+                                     strategy=strategy)
+    if write_cache and o.best is not None:
+        entry = cache.make_entry(o.best, o.best_ms, baseline_ms=o.default_ms, trials=result.trials,
+                                 survivors=len(p.survivors), strategy="exhaustive" if exhaustive else strategy)
+        result.cache_path = cache.record(arch, device_name, {problem.key(): entry},
+                                         directory=Path(out) if out else None)
     return result
-

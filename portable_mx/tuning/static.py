@@ -10,10 +10,17 @@ native block-scaled instruction.
 
 Verdicts persist in a JSON file (:class:`VerdictStore`, ``static-verdicts.json`` in the
 study directory), keyed by target, triton version, GEMM kernel source hash
-(``cache.kernel_hash()``), operand kinds and the launch (config, options, constexprs), so
-that no candidate is compiled twice, across runs and processes (writes merge under a
-lock). ``GROUP_M`` only maps program ids to tiles (a few integer ops): candidates that
-differ only in it share one compile, made with ``group_m`` = :data:`CANONICAL_GROUP_M`.
+(``cache.kernel_hash()``), operand kinds and a digest of the launch (kernel, signature,
+constexprs, options), so that no launch is compiled twice, across runs and processes
+(writes merge under a lock). Candidates whose launches are the same program share one
+compile: ``GROUP_M`` only maps program ids to tiles (a few integer ops), so candidates
+that differ only in it are compiled with ``group_m`` = :data:`CANONICAL_GROUP_M`; a knob
+that does not change the compiled program (a runtime argument, or a config field this
+kernel version ignores, such as ``split_k`` before the kernels read it) shares the compile
+by the digest.
+
+A candidate that breaks a rule across knobs (``GemmSpace.violation``) gets a failing
+verdict without a compile.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ if TYPE_CHECKING:
     from ..backends.triton.launch import KernelLaunch
 
 STORE_NAME = "static-verdicts.json"
-STORE_SCHEMA = "portable_mx.static_verdicts/1"
+STORE_SCHEMA = "portable_mx.static_verdicts/2"
 CANONICAL_GROUP_M = 8
 DEFAULT_KP = 8192
 """The padded K a static run compiles for when no shape is given (any multiple of the
@@ -60,12 +67,16 @@ class Verdict:
     spill_bytes: Optional[int] = None
     native_mx: Optional[bool] = None
     seconds: float = 0.0
+    total_registers: Optional[int] = None
+    """Registers per thread that count against the register file where that differs from
+    ``registers`` (AMD: architectural VGPRs plus AGPRs); None: as ``registers``."""
 
     @classmethod
     def of(cls, result: "CompileResult") -> "Verdict":
         reasons = tuple(result.problems) or (() if result.ok else ("not compiled",))
         return cls(result.ok and not reasons, reasons, result.label, result.shared_bytes, result.registers,
-                   result.spill_bytes, result.native_mx, round(result.seconds, 3))
+                   result.spill_bytes, result.native_mx, round(result.seconds, 3),
+                   (result.resources or {}).get("total_vgprs"))
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -74,7 +85,8 @@ class Verdict:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Verdict":
-        return cls(**{**d, "reasons": tuple(d.get("reasons", ()))})
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in names}, "reasons": tuple(d.get("reasons", ()))})
 
     @property
     def reason(self) -> str:
@@ -85,7 +97,7 @@ def reason_kind(reason: str) -> str:
     """The category of a pruning reason, for counts: "shared memory overflow", "register
     spills", "no native MX instruction", "compile error", or the reason's head."""
     low = reason.lower()
-    for needle, kind in (("shared memory", "shared memory overflow"), ("spill", "register spills"),
+    for needle, kind in (("rule:", "rule"), ("shared memory", "shared memory overflow"), ("spill", "register spills"),
                          ("native mx", "no native MX instruction"), ("compile error", "compile error"),
                          ("killed", "compile error"), ("not compiled", "compile error")):
         if needle in low:
@@ -149,25 +161,49 @@ class VerdictStore:
 
 
 def static_launch(backend: Any, target: "Target", a: "Operand", b: "Operand", config: GemmConfig,
-                  kp: int = DEFAULT_KP) -> "KernelLaunch":
-    """The launch ``backend`` would make for ``config`` on ``target`` (GROUP_M canonical)."""
+                  kp: int = DEFAULT_KP, m: Optional[int] = None) -> "KernelLaunch":
+    """The launch ``backend`` would make for ``config`` on ``target`` (GROUP_M canonical).
+    ``m`` is passed on when ``gemm.launch_spec`` takes it (a kernel chosen by M)."""
+    import inspect
+
     from ..backends.triton import gemm
 
     config = dataclasses.replace(config, group_m=CANONICAL_GROUP_M)
-    return gemm.launch_spec(a, b, config, backend.options(config), backend.scale_layout(target), kp=kp)
+    if hasattr(backend, "gemm_launch_spec"):  # the kernel the backend routes to (gemm_route)
+        return backend.gemm_launch_spec(target, a, b, config, m=m if m is not None else 16, kp=kp)
+    kwargs: dict[str, Any] = {"kp": kp}
+    if m is not None and "m" in inspect.signature(gemm.launch_spec).parameters:
+        kwargs["m"] = m
+    return gemm.launch_spec(a, b, config, backend.options(config), backend.scale_layout(target), **kwargs)
+
+
+def _tiles(label: str) -> str:
+    """The tile part of a launch label ("m128xn64xk128 w8 s3"), without GROUP_M and
+    split_k: they only name the key; whether they change the program is the digest's to say."""
+    import re
+
+    found = re.search(r"m\d+xn\d+xk\d+.*", label)
+    return re.sub(r" (?:g|sk)\d+", "", found.group(0)) if found else label
 
 
 def verdict_key(target: "Target", launch: "KernelLaunch", a: "Operand", b: "Operand",
                 triton_version: str, kernel_hash: str) -> str:
-    """``sm_100|triton 3.9.0|kernel 0123abcd...|a:e2m1 b:e2m1|<launch label>|<launch digest>``:
-    readable, and exact (the digest covers signature, constexprs and options)."""
+    """``sm_100|triton 3.9.0|kernel 0123abcd...|a:e2m1 b:e2m1|<tiles>|<launch digest>``:
+    readable, and exact: the digest covers the kernel, signature, constexprs and options,
+    so launches that compile to the same program share a key."""
     from ..compile_matrix import _jsonable
 
-    blob = json.dumps(_jsonable({"signature": launch.signature, "constexprs": launch.constexprs,
-                                 "options": launch.options}), sort_keys=True)
+    fn = launch.fn
+    for _ in range(8):
+        if not hasattr(fn, "fn"):
+            break
+        fn = fn.fn
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', launch.kernel)}"
+    blob = json.dumps(_jsonable({"kernel": [launch.kernel, name], "signature": launch.signature,
+                                 "constexprs": launch.constexprs, "options": launch.options}), sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
     return (f"{target.name}|triton {triton_version}|kernel {kernel_hash}|a:{a.tag()} b:{b.tag()}"
-            f"|{launch.label}|{digest}")
+            f"|{_tiles(launch.label)}|{digest}")
 
 
 # ----------------------------------------------------------------------------- pruning
@@ -216,11 +252,15 @@ def prune(
     compile_fn: Optional[CompileFn] = None,
     jobs: Optional[int] = None,
     on_result: Optional[Callable[[Any], None]] = None,
+    violation: Optional[Callable[[GemmConfig], str]] = None,
+    m: Optional[int] = None,
 ) -> StaticReport:
     """Compile the candidates not yet in ``store`` for ``target`` (one parallel batch of
     ``compile_fn``, default :func:`portable_mx.aot.compile_all`), record their verdicts in
     ``store``, and return the verdict of every candidate. ``on_result`` is called with
-    each new CompileResult (progress)."""
+    each new CompileResult (progress). ``violation(config)``: a rule a candidate breaks
+    ("" for none; ``GemmSpace.violation``): such a candidate fails without a compile.
+    ``m``: the problem's M, for a kernel chosen by M (:func:`static_launch`)."""
     from . import cache
 
     if compile_fn is None:
@@ -229,8 +269,14 @@ def prune(
     tv, kh = cache.triton_version(), cache.kernel_hash()
     keys: dict[GemmConfig, str] = {}
     launches: dict[str, "KernelLaunch"] = {}
+    ruled: dict[GemmConfig, Verdict] = {}
     for config in candidates:
-        launch = static_launch(backend, target, a, b, config, kp)
+        broken = violation(config) if violation is not None else ""
+        if broken:
+            ruled[config] = Verdict(False, (broken,), config.label())
+            keys[config] = f"{broken}|{config.label()}"
+            continue
+        launch = static_launch(backend, target, a, b, config, kp, m)
         key = verdict_key(target, launch, a, b, tv, kh)
         keys[config] = key
         launches.setdefault(key, launch)
@@ -255,7 +301,7 @@ def prune(
             store.update({k: Verdict.of(r) for k, r in zip(missing, results)})
         finally:
             store.update(pending)
-    verdicts = {config: store.get(keys[config]) for config in candidates}
+    verdicts = {config: ruled.get(config) or store.get(keys[config]) for config in candidates}
     return StaticReport(target, verdicts, keys, len(missing), len(launches) - len(missing))
 
 

@@ -113,12 +113,12 @@ class _Device:
 
 class _QuantizePlan:
     """One quantize launch: x [R, K] of one dtype, row stride and alignment, one recipe;
-    the output shapes and the integer arguments."""
+    how x becomes the kernel's words, the output shapes and the integer arguments."""
 
-    __slots__ = ("launch", "qdata", "scales", "macro", "outliers", "ints")
+    __slots__ = ("launch", "words", "qdata", "scales", "macro", "outliers", "ints")
 
-    def __init__(self, launch, qdata, scales, macro, outliers, ints) -> None:
-        self.launch, self.qdata, self.scales = launch, qdata, scales
+    def __init__(self, launch, words, qdata, scales, macro, outliers, ints) -> None:
+        self.launch, self.words, self.qdata, self.scales = launch, words, qdata, scales
         self.macro, self.outliers, self.ints = macro, outliers, ints
 
 
@@ -186,12 +186,18 @@ class TritonBackend(Backend):
 
     tiles: dict[str, TileConfig] = {}
     """Default tile config per kernel: "quantize", "quantize-heavy" (stochastic rounding or
-    outliers), "dequantize", "decompose"."""
+    outliers), "dequantize", "decompose" (statistics only), "decompose-full" (with the
+    element tensors)."""
+
+    target_tiles: dict[str, dict[str, TileConfig]] = {}
+    """Per target name, tile configs that replace those of ``tiles`` there."""
 
     def tile_config(self, op: str, target: Optional[Target], recipe: Optional[QuantRecipe]) -> TileConfig:
         """The tile config and launch options of ``op`` on ``target`` for ``recipe``."""
         heavy = recipe is not None and (recipe.rounding == "stochastic" or recipe.outliers_per_block > 0)
-        return self.tiles["quantize-heavy" if op == "quantize" and heavy else op]
+        key = "quantize-heavy" if op == "quantize" and heavy else op
+        own = self.target_tiles.get(target.name, {}) if target is not None else {}
+        return own.get(key, self.tiles[key])
 
     gemm_tiles: dict[str, dict[str, GemmConfig]] = {}
     """GEMM configs per target name ("interpret" for the interpreter), keyed "a4w4" or
@@ -314,25 +320,26 @@ class TritonBackend(Backend):
     def quantize(self, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
         """x [R, K] (R, K > 0; unit stride along K, else copied) -> MXTensor (R, K), axis 1."""
         st = self._devices.get(x.device) or self._device(x.device)
-        if not x.is_contiguous() and x.stride(-1) != 1:
+        if x.stride(-1) != 1:
             x = x.contiguous()
         r, k = x.shape
-        key = (id(recipe), x.dtype, r, k, x.stride(0), x.data_ptr() % 16 == 0)
+        key = (id(recipe), x.dtype, r, k, x.stride(0), x.storage_offset() & 1, x.data_ptr() % 16 == 0)
         hit = st.quantize_plans.get(key)  # (a recipe's hash and == cost more than its id)
         plan = hit[1] if hit is not None and hit[0] is recipe else self._plan_quantize(st, key, x, recipe)
         dev = x.device
+        words = plan.words(x)
         qdata = torch.empty(*plan.qdata, dtype=torch.uint8, device=dev)  # (*shape: faster to parse)
         scales = torch.empty(*plan.scales, dtype=torch.uint8, device=dev)
         macro = ov = oi = None
         if plan.macro is None and plan.outliers is None:
-            self._launch(st, plan.launch, (x, qdata, scales, scales, scales, scales, *plan.ints))
+            self._launch(st, plan.launch, (words, qdata, scales, scales, scales, scales, *plan.ints))
         else:
             if plan.macro is not None:
                 macro = torch.empty(*plan.macro, dtype=torch.float32, device=dev)
             if plan.outliers is not None:
                 ov = torch.empty(*plan.outliers, dtype=torch.bfloat16, device=dev)
                 oi = torch.empty(*plan.outliers, dtype=torch.uint8, device=dev)
-            args = (x, qdata, scales, scales if macro is None else macro,
+            args = (words, qdata, scales, scales if macro is None else macro,
                     scales if ov is None else ov.view(torch.int16), scales if oi is None else oi, *plan.ints)
             self._launch(st, plan.launch, args)
         return MXTensor._make(qdata, scales, x.shape, x.dtype, 1, recipe, macro, ov, oi)
@@ -340,9 +347,13 @@ class TritonBackend(Backend):
     def _plan_quantize(self, st: _Device, key: tuple, x: torch.Tensor, recipe: QuantRecipe) -> _QuantizePlan:
         """The launch ``quantize.quantize`` makes, decided once per recipe value (a new
         recipe object equal to a known one finds its plan): relies on
-        ``quantize.Plan.make(recipe, config)`` (block_r, span, constexprs) and
-        ``quantize_kernel(x, q, s, m, ov, oi, R, K, KP, KP2, NM, stride_r, seed, **constexprs)``."""
+        ``quantize.Plan.make(recipe, config)`` (block_r, span, constexprs, grid, even),
+        ``encode.as_words`` and ``quantize_kernel(w, q, s, m, ov, oi, R, KW_IN, KW, NM,
+        stride_w, seed, **constexprs)`` reading the input as words (two 16-bit or two fp32
+        elements each)."""
+        from . import interpreting
         from . import quantize as kernels
+        from .encode import IN_KINDS, WORD_DTYPES, as_words, fma_divides
 
         if len(st.quantize_plans) >= _MAX_PLANS:
             st.quantize_plans.clear()
@@ -360,10 +371,21 @@ class TritonBackend(Backend):
         mb = recipe.macro_block
         nm = -(-kp // mb) if mb else 1
         n_out = recipe.outliers_per_block
-        grid = (-(-r // plan.block_r), -(-kp // plan.span))
-        launch = Launch("quantize", kernels.quantize_kernel, grid, dict(plan.constexprs), self.options(config), config)
-        out = _QuantizePlan(launch, (r, kp // 2), (r, nb), (r, nm) if mb else None,
-                            (r, nb, n_out) if n_out else None, (r, k, kp, kp // 2, nm, x.stride(0), recipe.seed))
+        # the input as words: a view when K, the row stride and the offset are even, else
+        # a zero-padded copy (odd shapes); float64 is rounded to fp32 first
+        if x.dtype not in IN_KINDS:
+            words, src = (lambda t: as_words(t.to(torch.float32))), torch.float32
+        elif k % 2 == 0 and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0:
+            word = WORD_DTYPES[x.dtype]
+            words, src = (lambda t: t.view(word)), x.dtype
+        else:
+            words, src = as_words, x.dtype
+        stride_w = words(x).stride(0)
+        constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[src], "EVEN": plan.even(r, k),
+                      "FMA_DIV": fma_divides(interpreting())}
+        launch = Launch("quantize", kernels.quantize_kernel, plan.grid(r, k), constexprs, self.options(config), config)
+        out = _QuantizePlan(launch, words, (r, kp // 2), (r, nb), (r, nm) if mb else None,
+                            (r, nb, n_out) if n_out else None, (r, (k + 1) // 2, kp // 2, nm, stride_w, recipe.seed))
         if len(st.quantize_by_value) >= _MAX_PLANS:
             st.quantize_by_value.clear()
         st.quantize_by_value[by_value] = out
@@ -371,19 +393,22 @@ class TritonBackend(Backend):
         return out
 
     def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .dequantize import dequantize
+        from .dequantize import OUT_KINDS, dequantize
 
         config = self.tile_config("dequantize", self._device(mx.device).target, mx.recipe)
+        written = dtype if dtype in OUT_KINDS else torch.float32  # float64: exact from fp32
         with self.running():
-            out = dequantize(mx, config, self.options(config))
-        return out if dtype == torch.float32 else out.to(dtype)
+            out = dequantize(mx, written, config, self.options(config))
+        return out if written == dtype else out.to(dtype)
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         from .decompose import decompose
 
-        config = self.tile_config("decompose", self._device(x.device).target, recipe)
+        target = self._device(x.device).target
+        config = self.tile_config("decompose-full" if full else "decompose", target, recipe)
         with self.running():
-            return decompose(_rows_contiguous(x), recipe, definition, full, config, self.options(config))
+            return decompose(_rows_contiguous(x), recipe, definition, full, config, self.options(config),
+                             warp_size=target.warp_size if target is not None else 32)
 
     def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """a: MXTensor (M, K) axis 1 or bf16/fp16 [M, K]; b: MXTensor (N, K) axis 1 ->
@@ -530,15 +555,26 @@ class TritonBackend(Backend):
             dtypes = _AOT_DTYPES if recipe == QuantRecipe() else _AOT_DTYPES[:1]
             config = self.tile_config("quantize", target, recipe)
             out += [quantize.launch_spec(d, recipe, config, self.options(config)) for d in dtypes]
+        # the masked variant (ragged tiles) of the plainest and of the heaviest recipe
+        for recipe in (QuantRecipe(), _AOT_RECIPES[-1]):
+            config = self.tile_config("quantize", target, recipe)
+            out.append(quantize.launch_spec(torch.bfloat16, recipe, config, self.options(config), even=False))
         for has_macro, n_out in ((False, 0), (True, 0), (False, 2), (True, 2)):
             recipe = QuantRecipe(macro_block=128 if has_macro else None, outliers_per_block=n_out)
             config = self.tile_config("dequantize", target, recipe)
-            out.append(dequantize.launch_spec(has_macro, n_out, config, self.options(config)))
-        for recipe, definition, full in ((QuantRecipe(), "gain", False),
-                                         (_AOT_RECIPES[-1], "counterfactual", True),
-                                         (QuantRecipe(macro_block=4096), "gain", True)):
-            config = self.tile_config("decompose", target, recipe)
-            out.append(decompose.launch_spec(torch.float32, recipe, definition, full, config, self.options(config)))
+            dtypes = (torch.bfloat16, torch.float32, torch.float16) if not (has_macro or n_out) else (
+                torch.bfloat16, torch.float32)
+            out += [dequantize.launch_spec(has_macro, n_out, d, config, self.options(config)) for d in dtypes]
+        out.append(dequantize.launch_spec(True, 2, torch.bfloat16, config, self.options(config), even=False))
+        for dtype, recipe, definition, full, even in (
+                (torch.bfloat16, QuantRecipe(), "gain", False, True),
+                (torch.bfloat16, QuantRecipe(), "gain", True, True),
+                (torch.float32, QuantRecipe(), "gain", False, False),
+                (torch.float32, _AOT_RECIPES[-1], "counterfactual", True, True),
+                (torch.float32, QuantRecipe(macro_block=4096), "gain", True, True)):
+            config = self.tile_config("decompose-full" if full else "decompose", target, recipe)
+            out.append(decompose.launch_spec(dtype, recipe, definition, full, config, self.options(config), even,
+                                             warp_size=target.warp_size))
         seen = set()
         for a, b, store in _aot_gemms():
             heavy = a.heavy or b.heavy

@@ -1,6 +1,22 @@
-"""The dequantize kernel: an MXTensor in the rows layout -> fp32 [R, Kp], exact and
-bit-identical to ``reference.decode_rows`` (code * (2**(b-127) * m), outliers written
-over their positions, NaN where the scale byte is 0xFF)."""
+"""The dequantize kernel: an MXTensor in the rows layout -> [R, Kp] in fp32, bf16 or
+fp16 in one pass, bit-identical to the reference backend's dequantize,
+``format.cast_canonical_nan(reference.decode_rows(mx), dtype)``: code * (2**(b-127) * m)
+in fp32 (exact), outliers written over their positions, the dtype's canonical NaN where
+the scale byte is 0xFF, then one rounding to the output dtype.
+
+Word layout (as the quantize kernel's, encode.py): packed byte j of a row becomes output
+word j, the two elements 2j and 2j+1 (an int64 of two fp32, or an int32 of two 16-bit
+values). A thread loads ``VEC`` consecutive bytes (4 bytes for 16-bit output, 2 for fp32)
+and writes their ``VEC`` words with one 16-byte store; the per-block scale, macro factor
+and outliers are loaded once per thread and broadcast over its bytes.
+
+Each value is built from bits: the magnitude code placed in an fp32's exponent and
+mantissa is the E2M1 value times 2**-126, multiplied by 2**126 and by the block factor
+(both exact products), and the code's sign bit is OR-ed into bit 31, so code 8 is -0.0 on
+every target. bf16 output rounds to nearest even in integers (the interpreter's casts
+truncate); without macro factors every value is exact in bf16 and the rounding is a
+shift. fp16 output uses the hardware conversion (round to nearest even).
+"""
 
 from __future__ import annotations
 
@@ -10,98 +26,135 @@ import triton.language as tl
 
 from ...tensor import MXTensor
 from .launch import KernelLaunch, TileConfig
-from .numerics import bf16_bits_to_f32, e2m1_value, exp2i
+from .numerics import F32_QNAN, bf16_round_bits, decode_bits, exp2i, f16_bits
+
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""Constexpr id of each output dtype the kernel writes."""
+_OUT_WORDS = {torch.float32: (torch.int64, "*i64"), torch.bfloat16: (torch.int32, "*i32"),
+              torch.float16: (torch.int32, "*i32")}
+F16_QNAN = tl.constexpr(0x7E00)  # format.CANONICAL_NAN_BITS
+BF16_QNAN = tl.constexpr(0x7FC0)
+
+
+def vec_bytes(dtype: torch.dtype) -> int:
+    """Packed bytes per thread and load: one 16-byte store of output words."""
+    return 2 if dtype == torch.float32 else 4
 
 
 @triton.jit
-def decode_blocks(code, sbyte, m, idx1, bits1, idx2, bits2, N_OUT: tl.constexpr):
-    """fp32 values [BR, NBK, 32] of codes (int32 0..15) with scale bytes [BR, NBK], macro
-    factors [BR, NBK] (1 without macro blocks) and outliers (in-block index, bf16 bits)."""
-    scale = exp2i(sbyte - 127) * m
-    mag = e2m1_value(code & 7)
-    q = tl.where((code & 8) != 0, -mag, mag) * scale[:, :, None]
-    lane = tl.arange(0, 32)[None, None, :]
-    if N_OUT >= 1:
-        q = tl.where(lane == idx1[:, :, None], bf16_bits_to_f32(bits1)[:, :, None], q)
-        if N_OUT == 2:
-            q = tl.where(lane == idx2[:, :, None], bf16_bits_to_f32(bits2)[:, :, None], q)
-    return tl.where((sbyte == 255)[:, :, None], float("nan"), q)
+def _per_vector(ptr, rows, vcol, stride, mask, other, EVEN: tl.constexpr):
+    """Load ptr[rows * stride + vcol] for [BR, BW/VEC] (one value per thread vector)."""
+    if EVEN:
+        return tl.load(ptr + rows[:, None] * stride + vcol)
+    else:
+        return tl.load(ptr + rows[:, None] * stride + vcol, mask=mask, other=other)
 
 
 @triton.jit
 def dequantize_kernel(
     q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr, out_ptr,
-    R, KP, NM, MACRO,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr,
+    R, KW, NM, MACRO,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, HAS_MACRO: tl.constexpr,
+    N_OUT: tl.constexpr, OUT_KIND: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """q: uint8 [R, KP/2]; s: uint8 [R, KP/32]; m: fp32 [R, NM]; ov: int16 (bf16 bits) and
-    oi: uint8 [R, KP/32, N_OUT]; out: fp32 [R, KP]. MACRO is the macro block length."""
-    NBK: tl.constexpr = BLOCK_K // 32
-    NB = KP // 32
+    """q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM]; ov: int16 (bf16
+    bits) and oi: uint8 [R, Kp/32, N_OUT]; out: the output's words [R, KW] (int64 for
+    fp32, int32 for bf16/fp16). MACRO is the macro block length. EVEN: whole tiles."""
+    BW: tl.constexpr = BLOCK_K // 2
+    NV: tl.constexpr = BW // VEC
+    NB = KW // 16
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    bidx = tl.program_id(1) * NBK + tl.arange(0, NBK)
-    bmask = (rows[:, None] < R) & (bidx < NB)[None, :]
-    boff = rows[:, None] * NB + bidx[None, :]
+    vcol = (tl.program_id(1) * BW + tl.arange(0, NV) * VEC)[None, :]  # first byte of each vector
+    byte = vcol[:, :, None] + tl.arange(0, VEC)[None, None, :]  # [1, NV, VEC]
+    vmask = (rows[:, None] < R) & (vcol < KW)  # unused (dead) when EVEN
+    if EVEN:
+        packed = tl.load(q_ptr + rows[:, None, None] * KW + byte)
+    else:
+        packed = tl.load(q_ptr + rows[:, None, None] * KW + byte, mask=vmask[:, :, None], other=0)
+    packed = packed.to(tl.int32)
 
-    pcol = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    pmask = (rows[:, None] < R) & (pcol < KP // 2)[None, :]
-    packed = tl.load(q_ptr + rows[:, None] * (KP // 2) + pcol[None, :], mask=pmask, other=0).to(tl.int32)
-    code = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_R, NBK, 32))
-
-    sbyte = tl.load(s_ptr + boff, mask=bmask, other=0).to(tl.int32)
-    m = tl.full((BLOCK_R, NBK), 1.0, tl.float32)
+    blk = vcol // 16
+    sbyte = _per_vector(s_ptr, rows, blk, NB, vmask, 0, EVEN).to(tl.int32)
+    factor = exp2i(sbyte - 127)
     if HAS_MACRO:
-        m = tl.load(m_ptr + rows[:, None] * NM + (bidx * 32 // MACRO)[None, :], mask=bmask, other=1.0)
-    idx1 = tl.zeros((BLOCK_R, NBK), tl.int32)
-    bits1 = idx1
-    idx2 = idx1
-    bits2 = idx1
+        factor = factor * _per_vector(m_ptr, rows, blk * 32 // MACRO, NM, vmask, 1.0, EVEN)
+    factor = factor[:, :, None]
+    lo = decode_bits(packed & 15, factor)
+    hi = decode_bits(packed >> 4, factor)
     if N_OUT >= 1:
-        idx1 = tl.load(oi_ptr + boff * N_OUT, mask=bmask, other=0).to(tl.int32)
-        bits1 = tl.load(ov_ptr + boff * N_OUT, mask=bmask, other=0).to(tl.int32)
-        if N_OUT == 2:
-            idx2 = tl.load(oi_ptr + boff * N_OUT + 1, mask=bmask, other=0).to(tl.int32)
-            bits2 = tl.load(ov_ptr + boff * N_OUT + 1, mask=bmask, other=0).to(tl.int32)
-    q = decode_blocks(code, sbyte, m, idx1, bits1, idx2, bits2, N_OUT)
+        lane = (byte % 16) * 2
+        for j in tl.static_range(N_OUT):
+            idx = _per_vector(oi_ptr, rows, blk * N_OUT + j, NB * N_OUT, vmask, 0, EVEN).to(tl.int32)[:, :, None]
+            val = (_per_vector(ov_ptr, rows, blk * N_OUT + j, NB * N_OUT, vmask, 0, EVEN).to(tl.int32) << 16)[:, :, None]
+            lo = tl.where(lane == idx, val, lo)
+            hi = tl.where(lane + 1 == idx, val, hi)
+    special = (sbyte == 255)[:, :, None]
 
-    col = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    omask = (rows[:, None] < R) & (col < KP)[None, :]
-    tl.store(out_ptr + rows[:, None] * KP + col[None, :], tl.reshape(q, (BLOCK_R, BLOCK_K)), mask=omask)
+    if OUT_KIND == 0:
+        lo = tl.where(special, F32_QNAN, lo)
+        hi = tl.where(special, F32_QNAN, hi)
+        word = lo.to(tl.uint32).to(tl.int64) | (hi.to(tl.int64) << 32)
+    else:
+        if OUT_KIND == 1:
+            if HAS_MACRO:
+                lo = bf16_round_bits(lo)
+                hi = bf16_round_bits(hi)
+            else:  # code * 2**k (and bf16 outliers) are bf16 values: the top half is exact
+                lo = (lo >> 16) & 0xFFFF
+                hi = hi >> 16
+            nan = BF16_QNAN
+        else:
+            lo = f16_bits(lo)
+            hi = f16_bits(hi)
+            nan = F16_QNAN
+        word = tl.where(special, nan | (nan << 16), lo | (hi << 16))
+    wcol = (tl.program_id(1) * BW + tl.arange(0, BW))[None, :]
+    word = tl.reshape(word, (BLOCK_R, BW))
+    if EVEN:
+        tl.store(out_ptr + rows[:, None] * KW + wcol, word)
+    else:
+        tl.store(out_ptr + rows[:, None] * KW + wcol, word, mask=(rows[:, None] < R) & (wcol < KW))
 
 
-def _constexprs(mx_macro: bool, n_out: int, config: TileConfig) -> dict:
-    return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "HAS_MACRO": mx_macro, "N_OUT": n_out}
+def _constexprs(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, even: bool) -> dict:
+    return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "VEC": vec_bytes(dtype), "HAS_MACRO": has_macro,
+            "N_OUT": n_out, "OUT_KIND": OUT_KINDS[dtype], "EVEN": even}
 
 
-def launch_spec(has_macro: bool, n_out: int, config: TileConfig, options: dict) -> KernelLaunch:
+def launch_spec(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, options: dict,
+                even: bool = True) -> KernelLaunch:
     """The launch :func:`dequantize` makes for MXTensors with/without macro factors and
-    ``n_out`` outliers per block, as data (for AOT)."""
-    constexprs = _constexprs(has_macro, n_out, config)
+    ``n_out`` outliers per block, writing ``dtype``, as data (for AOT)."""
+    constexprs = _constexprs(has_macro, n_out, dtype, config, even)
     signature = {"q_ptr": "*u8", "s_ptr": "*u8", "m_ptr": "*fp32" if has_macro else "*u8",
-                 "ov_ptr": "*i16" if n_out else "*u8", "oi_ptr": "*u8", "out_ptr": "*fp32",
-                 "R": "i32", "KP": "i32", "NM": "i32", "MACRO": "i32"}
+                 "ov_ptr": "*i16" if n_out else "*u8", "oi_ptr": "*u8", "out_ptr": _OUT_WORDS[dtype][1],
+                 "R": "i32", "KW": "i32", "NM": "i32", "MACRO": "i32"}
     signature.update({name: "constexpr" for name in constexprs})
-    label = f"{'MBS ' if has_macro else ''}{f'OF-{n_out} ' if n_out else ''}{config.label()}"
+    signature = {name: signature[name] for name in dequantize_kernel.arg_names}
+    label = (f"{str(dtype).removeprefix('torch.')} {'MBS ' if has_macro else ''}{f'OF-{n_out} ' if n_out else ''}"
+             f"{config.label()}{'' if even else ' masked'}")
     return KernelLaunch("dequantize", dequantize_kernel, signature, constexprs, dict(options), label,
-                        divisible_by_16=("KP",))
+                        divisible_by_16=("KW",))
 
 
-def dequantize(mx: MXTensor, config: TileConfig, options: dict) -> torch.Tensor:
-    """MXTensor (R, K), axis 1, on the kernel's device -> fp32 [R, Kp]."""
+def dequantize(mx: MXTensor, dtype: torch.dtype, config: TileConfig, options: dict) -> torch.Tensor:
+    """MXTensor (R, K), axis 1, on the kernel's device -> [R, Kp] in ``dtype`` (fp32,
+    bf16 or fp16)."""
     r = mx.qdata.shape[0]
     kp = mx.k_padded
-    out = torch.empty(r, kp, dtype=torch.float32, device=mx.device)
+    out = torch.empty(r, kp, dtype=dtype, device=mx.device)
     has_macro = mx.macro_scales is not None
     n_out = 0 if mx.outlier_values is None else mx.outlier_values.shape[-1]
+    even = r % config.block_r == 0 and kp % config.block_k == 0
     grid = (triton.cdiv(r, config.block_r), triton.cdiv(kp, config.block_k))
     dequantize_kernel[grid](
         mx.qdata.contiguous(), mx.scales.contiguous(),
         mx.macro_scales.contiguous() if has_macro else mx.scales,
         mx.outlier_values.contiguous().view(torch.int16) if n_out else mx.scales,
         mx.outlier_indices.contiguous() if n_out else mx.scales,
-        out, r, kp,
+        out.view(_OUT_WORDS[dtype][0]), r, kp // 2,
         mx.macro_scales.shape[-1] if has_macro else 1,
         mx.recipe.macro_block if has_macro else 32,
-        **_constexprs(has_macro, n_out, config), **options,
+        **_constexprs(has_macro, n_out, dtype, config, even), **options,
     )
     return out

@@ -1,155 +1,344 @@
-"""The encoding steps every MX kernel shares, on a tile of ``[BLOCK_R, BLOCK_K // 32, 32]``
-(rows, 32-blocks, lanes), in the order of the reference backend's ``encode``:
+"""The encoding steps the quantize and decompose kernels share, in the order of the
+reference backend's ``encode``, on *words*.
 
-1. :func:`load_blocks`: load, find special (NaN/Inf) blocks, take the k outliers out;
-2. :func:`macro_amax`: the per-row amax a macro factor is computed from;
-3. :func:`encode_blocks`: divide by the macro factor, pick E, round to E2M1 codes.
+Word layout. A row of K elements (K even) is read as K/2 words of two consecutive
+elements: int32 words for bf16 / fp16 input, int64 words for fp32 (little-endian: the
+even element in the low half). Packed byte j of the codes is made from word j alone, so a
+tile of ``[BLOCK_R, BLOCK_K/2]`` words turns into the ``[BLOCK_R, BLOCK_K/2]`` bytes it
+writes, element for element, and a 32-block is 16 consecutive words. Because the load
+and the store of a quantize have the same shape, Triton's coalescing gives the load the
+store's 16 bytes per thread: one thread owns whole 32-blocks (4 x 16-byte loads for bf16),
+and the block reductions, the scale and the packing stay in its registers (no shuffles,
+no shared memory). Inside a kernel a word tile is viewed as ``[BLOCK_R, NBK, 16]``
+(rows, blocks, words) and split into the fp32 bits (int32) of its even (``lo``) and odd
+(``hi``) elements.
+
+1. :func:`unpack_words`: words -> (lo, hi) fp32 bits;
+2. :func:`split_blocks`: per block the amax (an integer max of |bits|), the special flag
+   (a NaN or Inf: amax >= Inf's bits) and the k outliers taken out;
+3. macro factors (in the kernels), then :func:`encode_halves`: divide by the macro
+   factor, the scale exponent from the amax's bits, the E2M1 codes with the sign OR-ed in.
 
 A kernel walks one row tile over ``SPAN`` columns (one macro block, or ``BLOCK_K``
-columns without macro blocks) in ``NUM_CHUNKS`` chunks of ``BLOCK_K``; :func:`chunk`
-gives the coordinates of one chunk.
+columns) in ``NUM_CHUNKS`` chunks of ``BLOCK_K``; ``MACRO_GROUP > 0`` instead puts
+several macro blocks of ``MACRO_GROUP`` 32-blocks each inside one chunk.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .numerics import (
+    F32_ABS,
+    F32_INF,
+    F32_SIGN,
+    as_f32,
     bf16_round_bits,
-    e2m1_round_nearest,
-    e2m1_round_stochastic,
-    exp2i,
+    e2m1_code_nearest,
+    e2m1_code_stochastic,
     f32_bits,
-    first_argmax,
+    inverse_scale,
     macro_factor,
+    philox4x32,
     scale_exponent,
-    to_f32,
 )
 
-
-@triton.jit
-def chunk(rows, col_base, c, R, K, KP, BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
-    """Coordinates of chunk ``c`` of a program's span, as 2-D tiles (contiguous columns,
-    so that loads and stores vectorize): row [BR,1], column [1,BLOCK_K], load mask (inside
-    the input) and store mask (inside the padded row and the span) [BR,BLOCK_K], block
-    index [1,NBK] and block mask [BR,NBK] (the blocks the program owns)."""
-    NBK: tl.constexpr = BLOCK_K // 32
-    inner = c * BLOCK_K + tl.arange(0, BLOCK_K)
-    r2 = rows[:, None]
-    c2 = (col_base + inner)[None, :]
-    live = (r2 < R) & (inner < SPAN)[None, :]
-    first = c * BLOCK_K + tl.arange(0, NBK) * 32
-    block_mask = (r2 < R) & (first < SPAN)[None, :] & (col_base + first < KP)[None, :]
-    return r2, c2, live & (c2 < K), live & (c2 < KP), (col_base + first)[None, :] // 32, block_mask
+IN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+"""Constexpr id of each input dtype; its words are int32 (16-bit elements) or int64."""
+WORD_DTYPES = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
+WORD_POINTERS = {torch.bfloat16: "*i32", torch.float16: "*i32", torch.float32: "*i64"}
 
 
-@triton.jit
-def blocked(t, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BR, BLOCK_K] -> [BR, BLOCK_K/32, 32] (broadcasting first)."""
-    return tl.reshape(tl.broadcast_to(t, (BLOCK_R, BLOCK_K)), (BLOCK_R, BLOCK_K // 32, 32))
+def fma_divides(interpreted: bool) -> bool:
+    """Whether the kernels may divide by the macro factor with fused multiply-adds
+    (:func:`scaled_halves`): always when compiled; under the interpreter only where its
+    ``tl.fma`` rounds once (triton >= 3.8 has an exact fp32 fma; older versions multiply
+    and add in numpy, rounding twice), else they use ``div_rn``."""
+    if not interpreted:
+        return True
+    from triton.runtime import interpreter
+
+    return hasattr(getattr(interpreter, "_interpreter", None), "fma_fp32")
 
 
-@triton.jit
-def flat(t, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BR, BLOCK_K/32, 32] -> [BR, BLOCK_K]."""
-    return tl.reshape(t, (BLOCK_R, BLOCK_K))
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """x [R, K] (fp32 / bf16 / fp16, unit stride along K) -> its words [R, ceil(K/2)]
+    (a view when K, the row stride and the storage offset are even; else a zero-padded
+    copy, the slow path of odd shapes)."""
+    word = WORD_DTYPES[x.dtype]
+    try:
+        return x.view(word)
+    except RuntimeError:
+        r, k = x.shape
+        padded = torch.zeros(r, k + (k & 1), dtype=x.dtype, device=x.device)
+        padded[:, :k] = x
+        return padded.view(word)
 
 
-@triton.jit
-def _bits_at(x, hit):
-    """fp32 value of ``x`` at the one lane per block where ``hit`` holds (bit-exact,
-    -0.0 and NaN included)."""
-    return tl.sum(tl.where(hit, f32_bits(x), 0), axis=2).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def load_blocks(x_ptr, r2, c2, load_mask, stride_r, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                N_OUT: tl.constexpr):
-    """Load a chunk as fp32 and take out special blocks and outliers.
-
-    Returns (x, rest, special, idx1, bits1, idx2, bits2): x the input (0 outside it);
-    rest = x with outliers and special blocks zeroed; special [BR, NBK] marks blocks
-    holding NaN/Inf; idx/bits are the in-block index (int32) and bf16 bits (int32) of the
-    largest and second largest |x| (first index on ties, NaN largest), 0 when unused.
-    """
-    x = blocked(to_f32(tl.load(x_ptr + r2 * stride_r + c2, mask=load_mask, other=0.0)), BLOCK_R, BLOCK_K)
-    mag = tl.abs(x)
-    special = tl.max(((x != x) | (mag == float("inf"))).to(tl.int32), axis=2) > 0
-    lane = tl.arange(0, 32)[None, None, :]
-    drop = special[:, :, None] & (lane >= 0)
-    idx1 = tl.zeros(special.shape, tl.int32)
-    bits1 = idx1
-    idx2 = idx1
-    bits2 = idx1
-    if N_OUT >= 1:
-        key = tl.where(x != x, float("inf"), mag)
-        idx1 = first_argmax(key, lane)
-        hit1 = lane == idx1[:, :, None]
-        bits1 = bf16_round_bits(_bits_at(x, hit1))
-        drop = drop | hit1
-        if N_OUT == 2:
-            idx2 = first_argmax(tl.where(hit1, -1.0, key), lane)
-            hit2 = lane == idx2[:, :, None]
-            bits2 = bf16_round_bits(_bits_at(x, hit2))
-            drop = drop | hit2
-    rest = tl.where(drop, 0.0, x)
-    return x, rest, special, idx1, bits1, idx2, bits2
+# ----------------------------------------------------------------------------- tiles
 
 
 @triton.jit
-def macro_amax(rest):
-    """Per-row amax [BR] of a chunk of ``rest``."""
-    return tl.max(tl.max(tl.abs(rest), axis=2), axis=1)
+def blocked(t, BLOCK_R: tl.constexpr, BW: tl.constexpr):
+    """[BR, BW] words -> [BR, BW/16, 16] (rows, 32-blocks, words)."""
+    return tl.reshape(t, (BLOCK_R, BW // 16, 16))
 
 
 @triton.jit
-def encode_blocks(rest, special, m, r2, c2, KP, seed, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
-                  HAS_MACRO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """E2M1 codes of ``rest`` divided by the per-row macro factors ``m`` [BR] (ignored
-    without macro blocks).
+def flat(t, BLOCK_R: tl.constexpr, BW: tl.constexpr):
+    """[BR, BW/16, 16] -> [BR, BW]."""
+    return tl.reshape(t, (BLOCK_R, BW))
 
-    Returns (y, codes, e): y the scaled values that were rounded (fp32 [BR, NBK, 32]),
-    codes int32 0..15 (0 in special blocks) and e the clamped exponent [BR, NBK] (int32).
-    Stochastic rounding draws Philox at counter row * KP + column (format.uniform_u24).
-    """
-    scaled = rest
-    if HAS_MACRO:
-        scaled = tl.math.div_rn(rest, tl.broadcast_to(m[:, None, None], rest.shape))
-    e = tl.maximum(scale_exponent(tl.max(tl.abs(scaled), axis=2), RULE), -127)
-    y = scaled * exp2i(-e)[:, :, None]
-    a = tl.abs(y)
-    if STOCHASTIC:
-        rand24 = blocked(tl.randint(seed, r2 * KP + c2) >> 8, BLOCK_R, BLOCK_K)
-        code = e2m1_round_stochastic(a, rand24)
+
+@triton.jit
+def chunk_words(rows, col0, c, R, KW_IN, KW, BW: tl.constexpr, SPAN: tl.constexpr):
+    """Word columns [1, BW] of chunk ``c`` of the span starting at element column
+    ``col0``, the load mask (inside the input's KW_IN words) and the store mask (inside
+    the padded row's KW words), both within the span. (Kernels with whole tiles skip
+    the masks; their computation is then dead code.)"""
+    inner = c * BW + tl.arange(0, BW)
+    wcol = (col0 // 2 + inner)[None, :]
+    live = (rows[:, None] < R) & (inner < SPAN // 2)[None, :]
+    return wcol, live & (wcol < KW_IN), live & (wcol < KW)
+
+
+@triton.jit
+def chunk_blocks(rows, col0, c, R, NB, NBK: tl.constexpr, SPAN: tl.constexpr):
+    """32-block indices [1, NBK] of chunk ``c`` and the mask [BR, NBK] of those the
+    program owns."""
+    inner = c * NBK + tl.arange(0, NBK)
+    bidx = (col0 // 32 + inner)[None, :]
+    return bidx, (rows[:, None] < R) & (inner < SPAN // 32)[None, :] & (bidx < NB)
+
+
+@triton.jit
+def load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
+                     SPAN: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
+    """The words [BR, NBK, 16] of chunk ``c``, one 32-block per thread, for kernels with
+    no store of the words' shape to lend the load its width (decompose).
+
+    The pointer is built as [16/VEC, BR, NBK, VEC] with VEC words (16 bytes) contiguous
+    last: Triton gives its threads the blocks and rows and lets each thread repeat over
+    the first dimension, so one thread loads its block's 16/VEC pieces with 16-byte loads
+    and the permute + reshape to [BR, NBK, 16] stays in its registers."""
+    QW: tl.constexpr = 16 // VEC
+    piece = tl.arange(0, QW)[:, None, None, None] * VEC
+    inner = c * NBK * 16 + tl.arange(0, NBK)[None, None, :, None] * 16 + piece + tl.arange(0, VEC)[None, None, None, :]
+    wcol = col0 // 2 + inner
+    ptr = w_ptr + rows[None, :, None, None] * stride_w + wcol
+    if EVEN:
+        w = tl.load(ptr)
     else:
-        code = e2m1_round_nearest(a)
-    code = code | (((f32_bits(y) >> 31) & 1) << 3)
-    code = tl.where(special[:, :, None], 0, code)
-    return y, code, e
+        w = tl.load(ptr, mask=(rows[None, :, None, None] < R) & (inner < SPAN // 2) & (wcol < KW_IN), other=0)
+    return tl.reshape(tl.permute(w, (1, 2, 0, 3)), (BLOCK_R, NBK, 16))
 
 
 @triton.jit
-def span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K: tl.constexpr,
-                      SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr, N_OUT: tl.constexpr):
+def unpack_words(w, IN_KIND: tl.constexpr):
+    """Words -> (lo, hi): the fp32 bits (int32) of the even and odd element of each.
+    bf16 widens by a shift, fp16 by the exact conversion, fp32 by splitting the int64."""
+    if IN_KIND == 0:
+        lo = w << 16
+        hi = w & -65536
+    elif IN_KIND == 1:
+        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+    else:
+        lo = w.to(tl.int32)
+        hi = (w >> 32).to(tl.int32)
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+@triton.jit
+def _outlier_key(a, lane, IN_KIND: tl.constexpr):
+    """|x| bits and the in-block index in one integer whose max is the first largest |x|
+    (NaN ranks as Inf: both keep Inf's bits). 16-bit inputs have at most 11 significant
+    bits, so key and index fit an int32 (bf16: the low 16 bits are zero, fp16: 13)."""
+    key = tl.minimum(a, F32_INF)
+    if IN_KIND == 0:
+        return (key >> 11) | (31 - lane)
+    elif IN_KIND == 1:
+        return (key >> 8) | (31 - lane)
+    else:
+        return (key.to(tl.int64) << 5) | (31 - lane)
+
+
+@triton.jit
+def _take_outlier(klo, khi, lo, hi):
+    """The first largest key of each block: (its in-block index [BR, NBK] int32, bf16 bits
+    of its value [BR, NBK] int32, hit masks of the lo and hi halves)."""
+    top = tl.maximum(tl.max(klo, axis=2), tl.max(khi, axis=2))
+    idx = 31 - (top & 31).to(tl.int32)
+    hit_lo = klo == top[:, :, None]
+    hit_hi = khi == top[:, :, None]
+    bits = tl.sum(tl.where(hit_lo, lo, 0), axis=2) + tl.sum(tl.where(hit_hi, hi, 0), axis=2)
+    return idx, bf16_round_bits(bits), hit_lo, hit_hi
+
+
+@triton.jit
+def split_blocks(lo, hi, IN_KIND: tl.constexpr, N_OUT: tl.constexpr):
+    """Special blocks and outliers of a chunk (fp32 bits [BR, NBK, 16] of the halves).
+
+    Returns (rlo, rhi, amax, special, idx1, ob1, idx2, ob2): the halves with outliers
+    replaced by +0.0 (the rest), the bits of the rest's amax per block (0 in special
+    blocks, which count as 0 for the macro amax), the special flag (a NaN or Inf in the
+    block), and per outlier its in-block index and bf16 bits (int32; 0 when unused).
+    """
+    alo = lo & F32_ABS
+    ahi = hi & F32_ABS
+    amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))
+    special = amax >= F32_INF
+    rlo = lo
+    rhi = hi
+    idx1 = tl.zeros(amax.shape, tl.int32)
+    ob1 = idx1
+    idx2 = idx1
+    ob2 = idx1
+    if N_OUT >= 1:
+        lane = tl.arange(0, 16)[None, None, :] * 2
+        klo = _outlier_key(alo, lane, IN_KIND)
+        khi = _outlier_key(ahi, lane + 1, IN_KIND)
+        idx1, ob1, hit_lo, hit_hi = _take_outlier(klo, khi, lo, hi)
+        rlo = tl.where(hit_lo, 0, rlo)
+        rhi = tl.where(hit_hi, 0, rhi)
+        if N_OUT == 2:
+            idx2, ob2, hit_lo, hit_hi = _take_outlier(tl.where(hit_lo, -1, klo), tl.where(hit_hi, -1, khi), lo, hi)
+            rlo = tl.where(hit_lo, 0, rlo)
+            rhi = tl.where(hit_hi, 0, rhi)
+        amax = tl.maximum(tl.max(rlo & F32_ABS, axis=2), tl.max(rhi & F32_ABS, axis=2))
+    amax = tl.where(special, 0, amax)
+    return rlo, rhi, amax, special, idx1, ob1, idx2, ob2
+
+
+@triton.jit
+def group_macro_factors(amax, BLOCK_R: tl.constexpr, NBK: tl.constexpr, GROUP: tl.constexpr):
+    """Macro factors [BR, NBK/GROUP] of the macro blocks of GROUP 32-blocks in a chunk,
+    from the per-block amax bits [BR, NBK], and the same broadcast back to [BR, NBK]."""
+    mg = macro_factor(as_f32(tl.max(tl.reshape(amax, (BLOCK_R, NBK // GROUP, GROUP)), axis=2)))
+    m = tl.reshape(tl.broadcast_to(mg[:, :, None], (BLOCK_R, NBK // GROUP, GROUP)), (BLOCK_R, NBK))
+    return mg, m
+
+
+@triton.jit
+def _evens_odds(t, BLOCK_R: tl.constexpr, NBK: tl.constexpr):
+    """[BR, NBK, 16] -> (even words, odd words) [BR, NBK, 8]."""
+    return tl.split(tl.reshape(t, (BLOCK_R, NBK, 8, 2)))
+
+
+@triton.jit
+def _interleave(even, odd, BLOCK_R: tl.constexpr, NBK: tl.constexpr):
+    """Inverse of :func:`_evens_odds`."""
+    return tl.reshape(tl.join(even, odd), (BLOCK_R, NBK, 16))
+
+
+@triton.jit
+def encode_stochastic(slo, shi, inv, seed, rows, wcol0, KW, BLOCK_R: tl.constexpr, NBK: tl.constexpr):
+    """:func:`encode_half` of both halves with stochastic rounding: (code_lo, code_hi,
+    a_lo, a_hi). The draws follow format.uniform_u24: element i = row * Kp + column takes
+    word i % 4 of Philox at counter i // 4, so the two words 2p, 2p+1 of a row (elements
+    4p .. 4p+3) share the call at counter row * Kp/4 + p: words 0 and 1 round word 2p's
+    halves, words 2 and 3 word 2p+1's. The words are split into even and odd ones for it
+    (in registers), so that each call is made once."""
+    counter = (rows[:, None, None] * (KW // 2) + wcol0 // 2 + tl.arange(0, NBK)[None, :, None] * 8
+               + tl.arange(0, 8)[None, None, :])
+    r0, r1, r2, r3 = philox4x32(seed, counter)
+    le, lo_ = _evens_odds(slo, BLOCK_R, NBK)
+    he, ho = _evens_odds(shi, BLOCK_R, NBK)
+    c_le, a_le = encode_half(le, inv, (r0 >> 8).to(tl.int32), True)
+    c_he, a_he = encode_half(he, inv, (r1 >> 8).to(tl.int32), True)
+    c_lo, a_lo = encode_half(lo_, inv, (r2 >> 8).to(tl.int32), True)
+    c_ho, a_ho = encode_half(ho, inv, (r3 >> 8).to(tl.int32), True)
+    return (_interleave(c_le, c_lo, BLOCK_R, NBK), _interleave(c_he, c_ho, BLOCK_R, NBK),
+            _interleave(a_le, a_lo, BLOCK_R, NBK), _interleave(a_he, a_ho, BLOCK_R, NBK))
+
+
+TINY_BITS = tl.constexpr(9 << 23)
+"""|x| below 2**-118 (exponent field < 9): the fused division may be off there."""
+
+
+@triton.jit
+def _divide_fused(rbits, m, rm):
+    """fp32 bits of rest / m, correctly rounded, by Markstein's correction: q0 = |x| 1/m,
+    r = |x| - q0 m (exact in one fma), q = q0 + r / m (one fma), sign OR-ed from x. Equal
+    to the IEEE division for every |x| >= 2**-118 and every macro factor m = k/128,
+    k in [128, 256], given rm = RN(1/m): checked exhaustively over all 2**23 significands
+    and all m (benchmarks/NOTES-elementwise.md); below 2**-118 the remainder r can be
+    subnormal and inexact."""
+    x = tl.abs(as_f32(rbits))
+    neg_m = tl.broadcast_to(as_f32(f32_bits(m) | F32_SIGN)[:, :, None], rbits.shape)
+    rmb = tl.broadcast_to(rm[:, :, None], rbits.shape)
+    q0 = x * rmb
+    q = tl.fma(tl.fma(q0, neg_m, x), rmb, q0)
+    return f32_bits(q) | (rbits & F32_SIGN)
+
+
+@triton.jit
+def scaled_halves(rlo, rhi, m, HAS_MACRO: tl.constexpr, FMA_DIV: tl.constexpr):
+    """fp32 bits of the rest's halves divided by the macro factors m [BR, NBK] (as the
+    reference's IEEE division), or the rest itself without macro blocks.
+
+    With FMA_DIV, by :func:`_divide_fused` (3 operations an element instead of a
+    division's ~10) unless the chunk holds a nonzero |x| < 2**-118 (then, for the whole
+    chunk, ``div_rn``): one integer min an element decides, a uniform branch."""
+    if HAS_MACRO:
+        mb = tl.broadcast_to(m[:, :, None], rlo.shape)
+        if FMA_DIV:
+            least = tl.minimum(tl.min(((rlo & F32_ABS) - 1).to(tl.uint32), axis=2),
+                               tl.min(((rhi & F32_ABS) - 1).to(tl.uint32), axis=2))
+            if tl.min(tl.min(least, axis=1), axis=0) < TINY_BITS - 1:
+                slo = f32_bits(tl.math.div_rn(as_f32(rlo), mb))
+                shi = f32_bits(tl.math.div_rn(as_f32(rhi), mb))
+            else:
+                rm = tl.math.div_rn(tl.full(m.shape, 1.0, tl.float32), m)
+                slo = _divide_fused(rlo, m, rm)
+                shi = _divide_fused(rhi, m, rm)
+        else:
+            slo = f32_bits(tl.math.div_rn(as_f32(rlo), mb))
+            shi = f32_bits(tl.math.div_rn(as_f32(rhi), mb))
+        return slo, shi
+    else:
+        return rlo, rhi
+
+
+@triton.jit
+def block_exponent(amax, m, RULE: tl.constexpr, HAS_MACRO: tl.constexpr):
+    """Clamped shared exponent e [BR, NBK] (int32, >= -127) of blocks whose rest has amax
+    bits ``amax``; with macro blocks, of the amax divided by m (the max of the divided
+    values: division by m > 0 is monotonic)."""
+    if HAS_MACRO:
+        amax = f32_bits(tl.math.div_rn(as_f32(amax), m))
+    return tl.maximum(scale_exponent(amax, RULE), -127)
+
+
+@triton.jit
+def encode_half(sbits, inv, rand24, STOCHASTIC: tl.constexpr):
+    """E2M1 codes (int32 0..15) of the scaled values with bits ``sbits`` [BR, NBK, 16]
+    times 2**-e (``inv`` [BR, NBK]); returns (codes, bits of |y|) with y the value that
+    was rounded. The sign bit of y is bit 3 of the code (code 8 for -0.0 and for negative
+    values that round or underflow to 0)."""
+    a = f32_bits(tl.abs(as_f32(sbits)) * inv[:, :, None])
+    if STOCHASTIC:
+        code = e2m1_code_stochastic(a, rand24)
+    else:
+        code = e2m1_code_nearest(a)
+    return code | ((sbits >> 28) & 8), a
+
+
+@triton.jit
+def span_macro_factor(w_ptr, rows, col0, R, KW_IN, KW, stride_w, BLOCK_R: tl.constexpr, BW: tl.constexpr,
+                      SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr, IN_KIND: tl.constexpr, N_OUT: tl.constexpr):
     """The macro factor [BR] of a span read in NUM_CHUNKS chunks (a first pass over the
-    span; single-chunk spans compute it from the chunk they already hold instead)."""
-    amax = tl.zeros(rows.shape, tl.float32)
+    span, from L2 on the second read; single-chunk spans compute it from the chunk)."""
+    amax = tl.zeros([BLOCK_R], tl.int32)
     for c in range(NUM_CHUNKS):
-        r2, c2, load_mask, _, _, _ = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
-        _, rest, _, _, _, _, _ = load_blocks(x_ptr, r2, c2, load_mask, stride_r, rows.shape[0], BLOCK_K, N_OUT)
-        amax = tl.maximum(amax, macro_amax(rest))
-    return macro_factor(amax)
-
-
-@triton.jit
-def span_start(x_ptr, R, K, KP, stride_r, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
-               NUM_CHUNKS: tl.constexpr, HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr):
-    """This program's rows (int64 [BR]), first column, and macro factors [BR]: computed
-    here for a span of several chunks, else 1 (the chunk loop computes them)."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    col_base = tl.program_id(1) * SPAN
-    m = tl.full([BLOCK_R], 1.0, tl.float32)
-    if HAS_MACRO and NUM_CHUNKS > 1:
-        m = span_macro_factor(x_ptr, rows, col_base, R, K, KP, stride_r, BLOCK_K, SPAN, NUM_CHUNKS, N_OUT)
-    return rows, col_base, m
+        wcol, lmask, _ = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + wcol, mask=lmask, other=0)
+        lo, hi = unpack_words(blocked(w, BLOCK_R, BW), IN_KIND)
+        _, _, a, _, _, _, _, _ = split_blocks(lo, hi, IN_KIND, N_OUT)
+        amax = tl.maximum(amax, tl.max(a, axis=1))
+    return macro_factor(as_f32(amax))

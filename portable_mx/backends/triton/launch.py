@@ -99,8 +99,8 @@ class GemmConfig(_LaunchOptions):
     num_warps: int = 4
     num_stages: int = 2
     group_m: int = 8
-    extra: tuple[tuple[str, Any], ...] = ()
     split_k: int = 1
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def label(self) -> str:
         split = "" if self.split_k == 1 else f" sk{self.split_k or 'auto'}"

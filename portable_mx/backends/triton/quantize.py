@@ -1,9 +1,14 @@
 """The quantize kernel: x [R, K] (fp32 / bf16 / fp16) -> packed codes, E8M0 scales and,
 per the recipe, macro factors and outliers. Bit-exact with ``reference.encode``.
 
-One program owns ``BLOCK_R`` rows by one span: ``BLOCK_K`` columns, or a whole macro
-block with macro-block scaling. A span of one chunk is read once; a macro block longer
-than ``BLOCK_K`` is read twice (once for its amax, once to encode), from L2.
+One program owns ``BLOCK_R`` rows by one span of columns and reads it as words
+(encode.py): each thread owns whole 32-blocks, loads them with 16-byte loads, computes
+the amax, scale and codes in integers in its registers and writes 16 packed bytes per
+block with one 16-byte store. A span is ``BLOCK_K`` columns; with macro-block scaling a
+power-of-two macro block that divides ``BLOCK_K`` is handled inside the chunk
+(``MACRO_GROUP`` blocks per macro block, one pass); any other macro block is one span per
+program, read once when it fits a chunk and twice (once for its amax, then from L2 to
+encode) when it is longer.
 """
 
 from __future__ import annotations
@@ -15,54 +20,107 @@ import triton
 import triton.language as tl
 
 from ...recipe import QuantRecipe
-from .encode import chunk, encode_blocks, load_blocks, macro_amax, span_start
-from .launch import POINTER_TYPES, KernelLaunch, TileConfig
-from .numerics import RULE_IDS, macro_factor
+from . import interpreting
+from .encode import (
+    IN_KINDS,
+    WORD_POINTERS,
+    as_words,
+    blocked,
+    block_exponent,
+    chunk_blocks,
+    chunk_words,
+    encode_half,
+    flat,
+    group_macro_factors,
+    encode_stochastic,
+    fma_divides,
+    scaled_halves,
+    span_macro_factor,
+    split_blocks,
+    unpack_words,
+)
+from .launch import KernelLaunch, TileConfig
+from .numerics import RULE_IDS, as_f32, inverse_scale, macro_factor
 
 
 @triton.jit
 def quantize_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr,
-    R, K, KP, KP2, NM, stride_r, seed,
+    w_ptr, q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr,
+    R, KW_IN, KW, NM, stride_w, seed,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    RULE: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr,
+    MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
+    HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, FMA_DIV: tl.constexpr,
 ):
-    """q: uint8 [R, KP2 = KP/2]; s: uint8 [R, KP/32]; m: fp32 [R, NM] (HAS_MACRO);
-    ov: int16 (bf16 bits) and oi: uint8 [R, KP/32, N_OUT] (N_OUT > 0)."""
+    """w: the input's words [R, KW_IN valid of stride_w] (int32 for 16-bit input, int64
+    for fp32); q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM] (HAS_MACRO);
+    ov: int16 (bf16 bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT > 0). EVEN: every tile
+    is whole (R % BLOCK_R == 0, K == Kp, Kp % SPAN == 0, SPAN == BLOCK_K): no masks.
+    FMA_DIV: divide by macro factors with fmas (encode.fma_divides)."""
+    BW: tl.constexpr = BLOCK_K // 2
+    NBK: tl.constexpr = BLOCK_K // 32
     pid_k = tl.program_id(1)
-    rows, col_base, m = span_start(x_ptr, R, K, KP, stride_r, BLOCK_R, BLOCK_K, SPAN, NUM_CHUNKS, HAS_MACRO, N_OUT)
-    NB = KP // 32
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    col0 = pid_k * SPAN
+    NB = KW // 16
+    m_span = tl.full([BLOCK_R], 1.0, tl.float32)
+    if HAS_MACRO and MACRO_GROUP == 0 and NUM_CHUNKS > 1:
+        m_span = span_macro_factor(w_ptr, rows, col0, R, KW_IN, KW, stride_w, BLOCK_R, BW, SPAN, NUM_CHUNKS,
+                                   IN_KIND, N_OUT)
     for c in range(NUM_CHUNKS):
-        r2, c2, load_mask, store_mask, bidx, bmask = chunk(rows, col_base, c, R, K, KP, BLOCK_K, SPAN)
-        _, rest, special, idx1, bits1, idx2, bits2 = load_blocks(x_ptr, r2, c2, load_mask, stride_r, BLOCK_R,
-                                                                 BLOCK_K, N_OUT)
-        if HAS_MACRO and NUM_CHUNKS == 1:
-            m = macro_factor(macro_amax(rest))
-        _, code, e = encode_blocks(rest, special, m, r2, c2, KP, seed, RULE, STOCHASTIC, HAS_MACRO, BLOCK_R, BLOCK_K)
+        wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
+        bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
+        if EVEN:
+            w = tl.load(w_ptr + rows[:, None] * stride_w + wcol)
+        else:
+            w = tl.load(w_ptr + rows[:, None] * stride_w + wcol, mask=lmask, other=0)
+        lo, hi = unpack_words(blocked(w, BLOCK_R, BW), IN_KIND)
+        rlo, rhi, amax, special, idx1, ob1, idx2, ob2 = split_blocks(lo, hi, IN_KIND, N_OUT)
 
-        lo, hi = tl.split(tl.reshape(code, (BLOCK_R, BLOCK_K // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        half = c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]  # byte within the span
-        pcol = pid_k * (SPAN // 2) + half
-        tl.store(q_ptr + r2 * KP2 + pcol, packed, mask=(r2 < R) & (half < SPAN // 2) & (pcol < KP2))
+        m = tl.full([BLOCK_R, NBK], 1.0, tl.float32)
+        if HAS_MACRO:
+            if MACRO_GROUP > 0:
+                mg, m = group_macro_factors(amax, BLOCK_R, NBK, MACRO_GROUP)
+                gcol = (col0 + c * BLOCK_K) // (32 * MACRO_GROUP) + tl.arange(0, NBK // MACRO_GROUP)[None, :]
+                if EVEN:
+                    tl.store(m_ptr + rows[:, None] * NM + gcol, mg)
+                else:
+                    tl.store(m_ptr + rows[:, None] * NM + gcol, mg, mask=(rows[:, None] < R) & (gcol < NM))
+            else:
+                if NUM_CHUNKS == 1:
+                    m_span = macro_factor(as_f32(tl.max(amax, axis=1)))
+                m = tl.broadcast_to(m_span[:, None], (BLOCK_R, NBK))
+        e = block_exponent(amax, m, RULE, HAS_MACRO)
+        inv = inverse_scale(e)
+        slo, shi = scaled_halves(rlo, rhi, m, HAS_MACRO, FMA_DIV)
+        if STOCHASTIC:
+            code_lo, code_hi, _, _ = encode_stochastic(slo, shi, inv, seed, rows, col0 // 2 + c * BW, KW, BLOCK_R, NBK)
+        else:
+            code_lo, _ = encode_half(slo, inv, rlo, False)
+            code_hi, _ = encode_half(shi, inv, rhi, False)
+        keep = tl.where(special, 0, 0xFF)[:, :, None]
+        packed = flat((code_lo | (code_hi << 4)) & keep, BLOCK_R, BW).to(tl.uint8)
+        if EVEN:
+            tl.store(q_ptr + rows[:, None] * KW + wcol, packed)
+        else:
+            tl.store(q_ptr + rows[:, None] * KW + wcol, packed, mask=smask)
 
         sbyte = tl.where(special, 255, e + 127).to(tl.uint8)
-        tl.store(s_ptr + rows[:, None] * NB + bidx, sbyte, mask=bmask)
+        boff = rows[:, None] * NB + bidx
+        tl.store(s_ptr + boff, sbyte, mask=bmask)
         if N_OUT >= 1:
-            o = (rows[:, None] * NB + bidx) * N_OUT
-            tl.store(ov_ptr + o, bits1.to(tl.int16), mask=bmask)
-            tl.store(oi_ptr + o, idx1.to(tl.uint8), mask=bmask)
+            tl.store(ov_ptr + boff * N_OUT, ob1.to(tl.int16), mask=bmask)
+            tl.store(oi_ptr + boff * N_OUT, idx1.to(tl.uint8), mask=bmask)
             if N_OUT == 2:
-                tl.store(ov_ptr + o + 1, bits2.to(tl.int16), mask=bmask)
-                tl.store(oi_ptr + o + 1, idx2.to(tl.uint8), mask=bmask)
-    if HAS_MACRO:
-        tl.store(m_ptr + rows * NM + pid_k, m, mask=rows < R)
+                tl.store(ov_ptr + boff * N_OUT + 1, ob2.to(tl.int16), mask=bmask)
+                tl.store(oi_ptr + boff * N_OUT + 1, idx2.to(tl.uint8), mask=bmask)
+    if HAS_MACRO and MACRO_GROUP == 0:
+        tl.store(m_ptr + rows * NM + pid_k, m_span, mask=rows < R)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How a recipe maps onto the kernel for one tile config: the span a program covers,
-    its chunking, and the constexprs."""
+    """How a recipe maps onto the element kernels for one tile config: the span a
+    program covers, its chunking, and the constexprs that do not depend on the input."""
 
     block_r: int
     block_k: int
@@ -74,8 +132,12 @@ class Plan:
     def make(recipe: QuantRecipe, config: TileConfig) -> "Plan":
         mb = recipe.macro_block
         block_r, block_k = config.block_r, config.block_k
+        group = 0
         if mb is None:
             span, chunks = block_k, 1
+        elif mb <= block_k and block_k % mb == 0 and (mb // 32) & (mb // 32 - 1) == 0:
+            # power-of-two macro blocks inside a chunk: one pass, several per chunk
+            span, chunks, group = block_k, 1, mb // 32
         elif mb <= block_k:
             # one macro block per program: a chunk just covering it, more rows to keep
             # the tile's element count
@@ -85,38 +147,56 @@ class Plan:
         else:
             span, chunks = mb, -(-mb // block_k)
         constexprs = {
-            "BLOCK_R": block_r, "BLOCK_K": block_k, "SPAN": span, "NUM_CHUNKS": chunks,
+            "BLOCK_R": block_r, "BLOCK_K": block_k, "SPAN": span, "NUM_CHUNKS": chunks, "MACRO_GROUP": group,
             "RULE": RULE_IDS[recipe.scale_rule], "STOCHASTIC": recipe.rounding == "stochastic",
             "HAS_MACRO": mb is not None, "N_OUT": recipe.outliers_per_block,
         }
         return Plan(block_r, block_k, span, chunks, constexprs)
 
+    def even(self, r: int, k: int) -> bool:
+        """Whether every tile of an [r, k] input is whole (the maskless variant)."""
+        kp = -(-k // 32) * 32
+        return (r % self.block_r == 0 and k == kp and kp % self.span == 0
+                and self.num_chunks * self.block_k == self.span)
 
-_INT_ARGS = ("R", "K", "KP", "KP2", "NM", "stride_r")
+    def grid(self, r: int, k: int) -> tuple[int, int]:
+        kp = -(-k // 32) * 32
+        return triton.cdiv(r, self.block_r), triton.cdiv(kp, self.span)
 
 
-def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, options: dict) -> KernelLaunch:
-    """The launch :func:`quantize` makes for inputs of ``dtype``, as data (for AOT)."""
+_INT_ARGS = ("R", "KW_IN", "KW", "NM", "stride_w")
+
+
+def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, options: dict,
+                even: bool = True) -> KernelLaunch:
+    """The launch :func:`quantize` makes for inputs of ``dtype`` (``even``: whole tiles),
+    as data (for AOT)."""
     plan = Plan.make(recipe, config)
+    constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "FMA_DIV": True}
     # unused outputs are passed the scales tensor (see quantize), hence "*u8"
-    signature = {"x_ptr": POINTER_TYPES[dtype], "q_ptr": "*u8", "s_ptr": "*u8",
+    signature = {"w_ptr": WORD_POINTERS[dtype], "q_ptr": "*u8", "s_ptr": "*u8",
                  "m_ptr": "*fp32" if recipe.macro_block else "*u8",
                  "ov_ptr": "*i16" if recipe.outliers_per_block else "*u8", "oi_ptr": "*u8",
                  **{a: "i32" for a in _INT_ARGS}, "seed": "i64"}
-    signature.update({name: "constexpr" for name in plan.constexprs})
-    return KernelLaunch("quantize", quantize_kernel, signature, dict(plan.constexprs), dict(options),
-                        f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {config.label()}",
-                        divisible_by_16=("K", "KP", "KP2", "stride_r"))
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in quantize_kernel.arg_names}
+    return KernelLaunch("quantize", quantize_kernel, signature, constexprs, dict(options),
+                        f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {config.label()}"
+                        f"{'' if even else ' masked'}",
+                        divisible_by_16=("KW", "stride_w") + (("KW_IN",) if even else ()))
 
 
 def quantize(x: torch.Tensor, recipe: QuantRecipe, config: TileConfig, options: dict):
     """x: float [R, K] on the kernel's device (last dim contiguous) -> (qdata uint8
     [R, Kp/2], scales uint8 [R, Kp/32], macro fp32 [R, ceil(Kp/mb)] or None, outlier
     values bf16 [R, Kp/32, k] or None, outlier indices uint8 [R, Kp/32, k] or None)."""
+    if x.dtype not in IN_KINDS:  # float64: rounded to fp32 first
+        x = x.to(torch.float32)
     r, k = x.shape
     kp = -(-k // 32) * 32
     nb = kp // 32
     plan = Plan.make(recipe, config)
+    words = as_words(x)
     dev = x.device
     qdata = torch.empty(r, kp // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(r, nb, dtype=torch.uint8, device=dev)
@@ -126,13 +206,13 @@ def quantize(x: torch.Tensor, recipe: QuantRecipe, config: TileConfig, options: 
     n_out = recipe.outliers_per_block
     ov = torch.empty(r, nb, n_out, dtype=torch.bfloat16, device=dev) if n_out else None
     oi = torch.empty(r, nb, n_out, dtype=torch.uint8, device=dev) if n_out else None
-    grid = (triton.cdiv(r, plan.block_r), triton.cdiv(kp, plan.span))
-    quantize_kernel[grid](
-        x, qdata, scales,
+    quantize_kernel[plan.grid(r, k)](
+        words, qdata, scales,
         macro if macro is not None else scales,
         ov.view(torch.int16) if ov is not None else scales,
         oi if oi is not None else scales,
-        r, k, kp, kp // 2, nm, x.stride(0), recipe.seed,
-        **plan.constexprs, **options,
+        r, (k + 1) // 2, kp // 2, nm, words.stride(0), recipe.seed,
+        **plan.constexprs, IN_KIND=IN_KINDS[x.dtype], EVEN=plan.even(r, k),
+        FMA_DIV=fma_divides(interpreting()), **options,
     )
     return qdata, scales, macro, ov, oi

@@ -335,6 +335,8 @@ def test_compare_reports_script(tmp_path, report):
 
 
 def _load_benchmark():
+    if str(ROOT / "benchmarks") not in sys.path:  # the script imports its sibling common.py
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_quantize", ROOT / "benchmarks" / "quantize.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -113,7 +113,8 @@ class _Device:
 
 class _QuantizePlan:
     """One quantize launch: x [R, K] of one dtype, row stride and alignment, one recipe;
-    how x becomes the kernel's words, the output shapes and the integer arguments."""
+    how x becomes the kernel's input (``words``: None for x itself, else a function making
+    the padded or fp32 copy), the output shapes and the integer arguments."""
 
     __slots__ = ("launch", "words", "qdata", "scales", "macro", "outliers", "ints")
 
@@ -327,7 +328,7 @@ class TritonBackend(Backend):
         hit = st.quantize_plans.get(key)  # (a recipe's hash and == cost more than its id)
         plan = hit[1] if hit is not None and hit[0] is recipe else self._plan_quantize(st, key, x, recipe)
         dev = x.device
-        words = plan.words(x)
+        words = x if plan.words is None else plan.words(x)
         qdata = torch.empty(*plan.qdata, dtype=torch.uint8, device=dev)  # (*shape: faster to parse)
         scales = torch.empty(*plan.scales, dtype=torch.uint8, device=dev)
         macro = ov = oi = None
@@ -348,12 +349,12 @@ class TritonBackend(Backend):
         """The launch ``quantize.quantize`` makes, decided once per recipe value (a new
         recipe object equal to a known one finds its plan): relies on
         ``quantize.Plan.make(recipe, config)`` (block_r, span, constexprs, grid, even),
-        ``encode.as_words`` and ``quantize_kernel(w, q, s, m, ov, oi, R, KW_IN, KW, NM,
+        ``encode.as_words`` and ``quantize_kernel(x, q, s, m, ov, oi, R, KW_IN, KW, NM,
         stride_w, seed, **constexprs)`` reading the input as words (two 16-bit or two fp32
         elements each)."""
         from . import interpreting
         from . import quantize as kernels
-        from .encode import IN_KINDS, WORD_DTYPES, as_words, fma_divides
+        from .encode import IN_KINDS, as_words, fma_divides, readable_as_words
 
         if len(st.quantize_plans) >= _MAX_PLANS:
             st.quantize_plans.clear()
@@ -371,16 +372,16 @@ class TritonBackend(Backend):
         mb = recipe.macro_block
         nm = -(-kp // mb) if mb else 1
         n_out = recipe.outliers_per_block
-        # the input as words: a view when K, the row stride and the offset are even, else
-        # a zero-padded copy (odd shapes); float64 is rounded to fp32 first
+        # the kernel reads the input as words of two elements: x itself when K, the row
+        # stride and the offset are even, else a zero-padded copy (odd shapes); float64
+        # is rounded to fp32 first
         if x.dtype not in IN_KINDS:
             words, src = (lambda t: as_words(t.to(torch.float32))), torch.float32
-        elif k % 2 == 0 and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0:
-            word = WORD_DTYPES[x.dtype]
-            words, src = (lambda t: t.view(word)), x.dtype
+        elif readable_as_words(x):
+            words, src = None, x.dtype
         else:
             words, src = as_words, x.dtype
-        stride_w = words(x).stride(0)
+        stride_w = (x if words is None else words(x)).stride(0) // 2
         constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[src], "EVEN": plan.even(r, k),
                       "FMA_DIV": fma_divides(interpreting())}
         launch = Launch("quantize", kernels.quantize_kernel, plan.grid(r, k), constexprs, self.options(config), config)

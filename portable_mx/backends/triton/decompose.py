@@ -23,7 +23,8 @@ from ...recipe import QuantRecipe
 from . import interpreting
 from .encode import (
     IN_KINDS,
-    WORD_POINTERS,
+    IN_POINTERS,
+    word_pointer,
     as_words,
     block_exponent,
     chunk_blocks,
@@ -151,11 +152,12 @@ def decompose_kernel(
     HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr,
     COUNTERFACTUAL: tl.constexpr, FULL: tl.constexpr, FMA_DIV: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
 ):
-    """w: the input's words (as quantize_kernel); stats: fp32 [6, R, Kp/32] in the order
+    """w: the input (as quantize_kernel); stats: fp32 [6, R, Kp/32] in the order
     of STATS; counts: int32 [2, R, Kp/32] (COUNTS); full: the fp32 bits (int32) [4, R,
     Kp = 2 KW] in the order of COMPONENTS (written when FULL), FULL_PLANE = R * Kp; bad:
     int64 [1], incremented by the number of NaN/Inf values. WHOLE_BLOCKS: one thread per
     32-block (blocks_per_thread), else VEC words a thread."""
+    w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -307,7 +309,7 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: 
                 options: dict, even: bool = True, warp_size: int = 32) -> KernelLaunch:
     """The launch :func:`decompose` makes, as data (for AOT)."""
     _, constexprs = _constexprs(dtype, recipe, config, definition, full, even, warp_size)
-    signature = {"w_ptr": WORD_POINTERS[dtype], "stats_ptr": "*fp32", "counts_ptr": "*i32", "full_ptr": "*i32",
+    signature = {"w_ptr": IN_POINTERS[dtype], "stats_ptr": "*fp32", "counts_ptr": "*i32", "full_ptr": "*i32",
                  "bad_ptr": "*i64", "R": "i32", "KW_IN": "i32", "KW": "i32", "stride_w": "i32", "FULL_PLANE": "i32",
                  "seed": "i64"}
     signature.update({name: "constexpr" for name in constexprs})
@@ -339,7 +341,7 @@ def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool,
     bad = torch.zeros(1, dtype=torch.int64, device=dev)
     decompose_kernel[plan.grid(r, k)](
         words, stats, counts, full_out.view(torch.int32) if full else counts, bad,
-        r, (k + 1) // 2, kp // 2, words.stride(0), r * kp, recipe.seed,
+        r, (k + 1) // 2, kp // 2, words.stride(0) // 2, r * kp, recipe.seed,
         **{**constexprs, "FMA_DIV": fma_divides(interpreting())}, **options)
     per_block = {**dict(zip(STATS, stats.unbind(0))), **dict(zip(COUNTS, counts.unbind(0)))}
     elements = dict(zip(COMPONENTS, full_out.unbind(0))) if full else {}

@@ -47,8 +47,9 @@ from .numerics import (
 
 IN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 """Constexpr id of each input dtype; its words are int32 (16-bit elements) or int64."""
-WORD_DTYPES = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
-WORD_POINTERS = {torch.bfloat16: "*i32", torch.float16: "*i32", torch.float32: "*i64"}
+IN_POINTERS = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+"""The kernels' input pointer type per dtype: the input tensor itself is passed, and the
+kernel reads it as words (:func:`word_pointer`)."""
 
 
 def fma_divides(interpreted: bool) -> bool:
@@ -63,18 +64,35 @@ def fma_divides(interpreted: bool) -> bool:
     return hasattr(getattr(interpreter, "_interpreter", None), "fma_fp32")
 
 
+def readable_as_words(x: torch.Tensor) -> bool:
+    """Whether the kernels can read x [R, K] (unit stride along K) as words of two
+    elements: K, the row stride and the storage offset even."""
+    return x.shape[1] % 2 == 0 and x.stride(0) % 2 == 0 and x.storage_offset() % 2 == 0
+
+
 def as_words(x: torch.Tensor) -> torch.Tensor:
-    """x [R, K] (fp32 / bf16 / fp16, unit stride along K) -> its words [R, ceil(K/2)]
-    (a view when K, the row stride and the storage offset are even; else a zero-padded
-    copy, the slow path of odd shapes)."""
-    word = WORD_DTYPES[x.dtype]
-    try:
-        return x.view(word)
-    except RuntimeError:
-        r, k = x.shape
-        padded = torch.zeros(r, k + (k & 1), dtype=x.dtype, device=x.device)
-        padded[:, :k] = x
-        return padded.view(word)
+    """x [R, K] (fp32 / bf16 / fp16, unit stride along K) as the kernels read it, pairs
+    of elements as words: x itself when :func:`readable_as_words`, else a zero-padded
+    copy [R, K + 1] (the slow path of odd shapes). Its word row stride is
+    ``stride(0) // 2``."""
+    if readable_as_words(x):
+        return x
+    r, k = x.shape
+    padded = torch.zeros(r, k + (k & 1), dtype=x.dtype, device=x.device)
+    padded[:, :k] = x
+    return padded
+
+
+@triton.jit
+def word_pointer(x_ptr, IN_KIND: tl.constexpr):
+    """The input pointer (bf16, fp16 or fp32 elements) as a pointer to words of two
+    elements: int32 for 16-bit input, int64 for fp32 (the caller guarantees an even
+    element offset, :func:`as_words`)."""
+    if IN_KIND == 2:
+        w = x_ptr.to(tl.pointer_type(tl.int64))
+    else:
+        w = x_ptr.to(tl.pointer_type(tl.int32))
+    return w
 
 
 # ----------------------------------------------------------------------------- tiles

@@ -23,7 +23,8 @@ from ...recipe import QuantRecipe
 from . import interpreting
 from .encode import (
     IN_KINDS,
-    WORD_POINTERS,
+    IN_POINTERS,
+    word_pointer,
     as_words,
     blocked,
     block_exponent,
@@ -51,11 +52,12 @@ def quantize_kernel(
     MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, FMA_DIV: tl.constexpr,
 ):
-    """w: the input's words [R, KW_IN valid of stride_w] (int32 for 16-bit input, int64
-    for fp32); q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM] (HAS_MACRO);
-    ov: int16 (bf16 bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT > 0). EVEN: every tile
+    """w: the input, bf16 / fp16 / fp32 [R, K], read as words of two elements (int32 for
+    16-bit input, int64 for fp32): [R, KW_IN valid words, row stride stride_w words];
+    q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM] (HAS_MACRO); ov: int16 (bf16 bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT > 0). EVEN: every tile
     is whole (R % BLOCK_R == 0, K == Kp, Kp % SPAN == 0, SPAN == BLOCK_K): no masks.
     FMA_DIV: divide by macro factors with fmas (encode.fma_divides)."""
+    w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
     pid_k = tl.program_id(1)
@@ -174,7 +176,7 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, opt
     plan = Plan.make(recipe, config)
     constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "FMA_DIV": True}
     # unused outputs are passed the scales tensor (see quantize), hence "*u8"
-    signature = {"w_ptr": WORD_POINTERS[dtype], "q_ptr": "*u8", "s_ptr": "*u8",
+    signature = {"w_ptr": IN_POINTERS[dtype], "q_ptr": "*u8", "s_ptr": "*u8",
                  "m_ptr": "*fp32" if recipe.macro_block else "*u8",
                  "ov_ptr": "*i16" if recipe.outliers_per_block else "*u8", "oi_ptr": "*u8",
                  **{a: "i32" for a in _INT_ARGS}, "seed": "i64"}
@@ -211,7 +213,7 @@ def quantize(x: torch.Tensor, recipe: QuantRecipe, config: TileConfig, options: 
         macro if macro is not None else scales,
         ov.view(torch.int16) if ov is not None else scales,
         oi if oi is not None else scales,
-        r, (k + 1) // 2, kp // 2, nm, words.stride(0), recipe.seed,
+        r, (k + 1) // 2, kp // 2, nm, words.stride(0) // 2, recipe.seed,
         **plan.constexprs, IN_KIND=IN_KINDS[x.dtype], EVEN=plan.even(r, k),
         FMA_DIV=fma_divides(interpreting()), **options,
     )

@@ -54,6 +54,13 @@ class Backend:
         """None when this backend serves ``device``, else a one-line reason."""
         return None
 
+    def op_problem(self, op: str) -> Optional[str]:
+        """None when this backend can run ``op`` in this process at all, whatever the
+        device, else why not (one line): an op it lists but cannot run here (say, an
+        interpreter too old for one of its kernels) is passed over as if it were not
+        listed, with this reason in ``routes()``."""
+        return None
+
     def path(self, device: torch.device, op: str) -> str:
         """How the op runs on the device: "native", "emulated", "interpreted" or "reference"."""
         return "reference"
@@ -173,7 +180,7 @@ def _decide(op: str, device: torch.device, forced: str) -> Backend:
     _check_op(op)
     if forced:
         backend = get(forced)
-        if op in backend.ops:
+        if op in backend.ops and backend.op_problem(op) is None:
             reason = backend.unavailable_reason(device)
             if reason is not None:
                 raise BackendUnavailableError(
@@ -184,7 +191,7 @@ def _decide(op: str, device: torch.device, forced: str) -> Backend:
     for backend in registered():
         if op not in backend.ops:
             continue
-        reason = backend.unavailable_reason(device)
+        reason = backend.op_problem(op) or backend.unavailable_reason(device)
         if reason is None:
             return backend
         reasons.append(f"{backend.name}: {reason}")
@@ -218,7 +225,7 @@ def routes(devices: list[torch.device]) -> list[Route]:
             if forced == chosen.name:
                 why = f"forced by {ENV_BACKEND}"
             elif passed:
-                why = "; ".join(f"{b.name}: {b.unavailable_reason(device)}" for b in passed)
+                why = "; ".join(f"{b.name}: {b.op_problem(op) or b.unavailable_reason(device)}" for b in passed)
             else:
                 why = "highest priority"
             rows.append(Route(str(device), op, chosen.name, chosen.path(device, op), why))

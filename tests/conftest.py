@@ -44,23 +44,44 @@ def mx_backend(request, monkeypatch):
     return request.param
 
 
-def kernel_backends() -> list[tuple[str, str]]:
-    """(backend name, device) pairs that run the Triton kernels in this process: the
-    interpreter on the CPU, or the compiled kernels on a GPU."""
+def kernel_backends(op: str = "quantize") -> list[tuple[str, str]]:
+    """(backend name, device) pairs that run the Triton kernels of ``op`` in this process:
+    the interpreter on the CPU, or the compiled kernels on a GPU."""
     out = []
     for name, device in (("triton-interpret", "cpu"), ("cuda", "cuda"), ("rocm", "cuda")):
-        if registry.get(name).unavailable_reason(torch.device(device)) is None:
+        backend = registry.get(name)
+        if backend.op_problem(op) is None and backend.unavailable_reason(torch.device(device)) is None:
             out.append((name, device))
     return out
 
 
-def _kernel_params() -> list:
+def no_kernels_reason(op: str = "quantize") -> str:
+    """Why no backend runs the Triton kernels of ``op`` here (the skip reason of kernel
+    tests)."""
+    reasons = []
+    for name, device in (("triton-interpret", "cpu"), ("cuda", "cuda"), ("rocm", "cuda")):
+        backend = registry.get(name)
+        why = backend.op_problem(op) or backend.unavailable_reason(torch.device(device))
+        if why:
+            reasons.append(f"{name}: {why}")
+    return f"no backend runs the Triton {'GEMM' if op == 'matmul' else 'element-wise'} kernels here (" + \
+        "; ".join(reasons) + ")"
+
+
+def _kernel_params(op: str) -> list:
     return [pytest.param((name, device), id=name, marks=[pytest.mark.gpu] if device != "cpu" else [])
-            for name, device in kernel_backends()]
+            for name, device in kernel_backends(op)]
 
 
-@pytest.fixture(params=_kernel_params())
+@pytest.fixture(params=_kernel_params("quantize"))
 def kernel(request):
-    """(backend, device) of each backend that runs the Triton kernels here."""
+    """(backend, device) of each backend that runs the element-wise Triton kernels here."""
+    name, device = request.param
+    return registry.get(name), device
+
+
+@pytest.fixture(params=_kernel_params("matmul"))
+def gemm_kernel(request):
+    """(backend, device) of each backend that runs the GEMM Triton kernels here."""
     name, device = request.param
     return registry.get(name), device

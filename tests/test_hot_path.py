@@ -22,7 +22,7 @@ from portable_mx import _custom_ops, _dispatch, registry
 from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.recipe import QuantRecipe as QR
 
-from conftest import kernel_backends
+from conftest import kernel_backends, no_kernels_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "portable_mx"
@@ -37,7 +37,8 @@ TOOLING = {"portable_mx.cli", "portable_mx.aot", "portable_mx.parity", "portable
 """Modules that may import the runtime but that the runtime never imports."""
 
 KERNELS = kernel_backends()
-needs_kernels = pytest.mark.skipif(not KERNELS, reason="no backend runs the Triton kernels here")
+needs_kernels = pytest.mark.skipif(not KERNELS, reason=no_kernels_reason())
+needs_gemm_kernels = pytest.mark.skipif(not kernel_backends("matmul"), reason=no_kernels_reason("matmul"))
 _no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
 
@@ -209,9 +210,9 @@ def test_a_swapped_registry_dict_is_noticed(monkeypatch):
     assert registry.select("matmul", "cpu").name == "reference"
 
 
-@needs_kernels
-def test_the_target_is_probed_once_per_device(kernel, monkeypatch):
-    backend, device = kernel
+@needs_gemm_kernels
+def test_the_target_is_probed_once_per_device(gemm_kernel, monkeypatch):
+    backend, device = gemm_kernel
     calls = []
     real = type(backend).target
     monkeypatch.setattr(type(backend), "target", lambda self, d: calls.append(d) or real(self, d))
@@ -290,16 +291,16 @@ def _close(got, a_rows, b_rows, k, out_dtype):
     assert (err <= bound).all(), f"max error {err.max():.3g}"
 
 
-@needs_kernels
+@needs_gemm_kernels
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["a4w4", "w4a16", "a4w4-mbs-of"])
-def test_gemm_writes_the_requested_dtype(kernel, kind, out_dtype):
+def test_gemm_writes_the_requested_dtype(gemm_kernel, kind, out_dtype):
     """Backend.matmul(a, b, out_dtype): the fp32-accumulated product rounded once to
     out_dtype, bit-identical to the kernel module's host function in fp32 cast afterwards
     (same kernel and config: the same fp32 sums, rounded to nearest even either way)."""
     from portable_mx.backends.triton import gemm
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     m, n, k = 17, 40, 300
     ra = QR(macro_block=64, outliers_per_block=1) if kind == "a4w4-mbs-of" else QR()
     rb = QR(outliers_per_block=2, macro_block=128) if kind == "a4w4-mbs-of" else QR()
@@ -317,11 +318,11 @@ def test_gemm_writes_the_requested_dtype(kernel, kind, out_dtype):
     assert torch.equal(got.cpu(), old.to(out_dtype).cpu())
 
 
-@needs_kernels
-def test_public_matmul_returns_a_dtype_without_a_cast_kernel_on_compiled_backends(kernel, monkeypatch):
+@needs_gemm_kernels
+def test_public_matmul_returns_a_dtype_without_a_cast_kernel_on_compiled_backends(gemm_kernel, monkeypatch):
     """pmx.matmul of bf16 operands: the GEMM's plan stores bf16 itself on a GPU (the
     interpreter stores fp32 and casts: its fp32 -> bf16 conversion truncates)."""
-    backend, device = kernel
+    backend, device = gemm_kernel
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
     x, w = randn(5, 64, seed=8, dtype=torch.bfloat16), randn(64, 24, seed=9, dtype=torch.bfloat16)
     out = pmx.matmul(x.to(device), w.to(device))
@@ -332,8 +333,8 @@ def test_public_matmul_returns_a_dtype_without_a_cast_kernel_on_compiled_backend
     _close(out.reshape(5, 24), REF.quantize(x, QR()), REF.quantize(w.T.contiguous(), QR()), 64, torch.bfloat16)
 
 
-@needs_kernels
-def test_a_recorded_tuned_config_replaces_the_plan(kernel, tmp_path, monkeypatch):
+@needs_gemm_kernels
+def test_a_recorded_tuned_config_replaces_the_plan(gemm_kernel, tmp_path, monkeypatch):
     """Plans hold the resolved GEMM config; writing the config cache (record) bumps its
     generation and the next call plans again with the tuned config."""
     from portable_mx.backends.triton import launch as L
@@ -341,7 +342,7 @@ def test_a_recorded_tuned_config_replaces_the_plan(kernel, tmp_path, monkeypatch
     from portable_mx.backends.triton.launch import GemmConfig
     from portable_mx.tuning import cache
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     if device != "cpu":
         pytest.skip("the interpreter's identity is known without a GPU")
     monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path))

@@ -7,7 +7,7 @@ worst-case bound of a length-K fp32 sum, with the promotion multiplies of MBS ad
 rounding per K tile, covered because a K tile holds at least 32 terms).
 
 On a machine without a GPU the kernel runs under the Triton interpreter; with one, it
-runs compiled (tests/conftest.py, ``kernel`` fixture).
+runs compiled (tests/conftest.py, ``gemm_kernel`` fixture).
 """
 
 import pytest
@@ -18,11 +18,11 @@ from portable_mx import ops, registry
 from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.recipe import QuantRecipe as QR
 
-from conftest import kernel_backends
+from conftest import kernel_backends, no_kernels_reason
 
 REF = ReferenceBackend()
 EPS = 2.0**-24
-pytestmark = pytest.mark.skipif(not kernel_backends(), reason="no backend runs the Triton kernels here")
+pytestmark = pytest.mark.skipif(not kernel_backends("matmul"), reason=no_kernels_reason("matmul"))
 
 
 def randn(*shape, seed, scale=1.0):
@@ -77,8 +77,8 @@ def _pair_id(pair):
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
-def test_a4w4_equals_dequantized_product(kernel, pair):
-    backend, device = kernel
+def test_a4w4_equals_dequantized_product(gemm_kernel, pair):
+    backend, device = gemm_kernel
     ra, rb = pair
     for i, (m, n, k) in enumerate(SHAPES):
         a = rows_mx(randn(m, k, seed=i), ra)
@@ -89,25 +89,25 @@ def test_a4w4_equals_dequantized_product(kernel, pair):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rb", [QR(), QR(macro_block=128), QR(outliers_per_block=2), QR(macro_block=4096),
                                 QR(outliers_per_block=1, macro_block=64)], ids=lambda r: r.describe())
-def test_w4a16_equals_dequantized_product(kernel, dtype, rb):
-    backend, device = kernel
+def test_w4a16_equals_dequantized_product(gemm_kernel, dtype, rb):
+    backend, device = gemm_kernel
     for i, (m, n, k) in enumerate(SHAPES):
         a = randn(m, k, seed=i).to(dtype)
         b = rows_mx(randn(n, k, seed=100 + i, scale=3.0), rb)
         assert_accumulation_close(backend.matmul(a.to(device), b.to(device)), a, b, k)
 
 
-def test_w4a16_strided_left_operand(kernel):
+def test_w4a16_strided_left_operand(gemm_kernel):
     """A column slice of a wider activation (row stride > K) is read in place."""
-    backend, device = kernel
+    backend, device = gemm_kernel
     wide = randn(20, 300, seed=7).to(torch.bfloat16)
     a = wide[:, 40:240]
     b = rows_mx(randn(9, 200, seed=8), QR())
     assert_accumulation_close(backend.matmul(a.to(device), b.to(device)), a, b, 200)
 
 
-def test_nan_block_poisons_its_row_and_column(kernel):
-    backend, device = kernel
+def test_nan_block_poisons_its_row_and_column(gemm_kernel):
+    backend, device = gemm_kernel
     x, w = randn(4, 96, seed=1), randn(5, 96, seed=2)
     x[1, 40] = float("nan")
     w[3, 70] = float("inf")
@@ -118,18 +118,20 @@ def test_nan_block_poisons_its_row_and_column(kernel):
     assert torch.equal(out.isnan(), nan)
 
 
-def test_public_matmul_through_the_kernel(kernel, monkeypatch):
+def test_public_matmul_through_the_kernel(gemm_kernel, monkeypatch):
     """pmx.matmul with the kernel backend forced: batched a, K padding, W4A16 recipe,
     prequantized weight; the result in a's dtype, equal to the reference backend's up to
     accumulation order."""
-    backend, device = kernel
+    backend, device = gemm_kernel
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
     a, w = randn(2, 3, 9, 100, seed=3), randn(100, 11, seed=4)
     for recipe in (QR(), QR(macro_block=64, outliers_per_block=1), QR(activations="bf16")):
         w_mx = pmx.quantize(w.to(device), recipe, axis=0)
         out = pmx.matmul(a.to(device), w_mx, recipe)
         assert out.shape == (2, 3, 9, 11) and out.dtype == torch.float32 and out.device.type == device
-        left = ops.left_operand(a.reshape(-1, 100), recipe)
+        # the left operand as the forced backend makes it, on its device (on a GPU the
+        # forced backend serves no CPU tensor), compared on the CPU
+        left = ops.left_operand(a.reshape(-1, 100).to(device), recipe).to("cpu")
         left = left if isinstance(left, torch.Tensor) else ops._mx_rows(left)
         assert_accumulation_close(out.reshape(-1, 11), left, ops._mx_rows(w_mx.to("cpu")), 100)
     out16 = pmx.matmul(a.to(device).bfloat16(), w.to(device).bfloat16())
@@ -185,7 +187,7 @@ def test_blackwell_layout_golden_offsets():
 
 
 @pytest.mark.parametrize("layout", ["blackwell", "cdna4"])
-def test_gemm_reads_swizzled_scales(kernel, layout, monkeypatch):
+def test_gemm_reads_swizzled_scales(gemm_kernel, layout, monkeypatch):
     """The kernel reading the weight's scales swizzled multiplies the same operand; the
     swizzled copy is made once per scales tensor (a view of it finds the same copy)."""
     from portable_mx.backends.triton import gemm
@@ -195,7 +197,7 @@ def test_gemm_reads_swizzled_scales(kernel, layout, monkeypatch):
     swizzles = []
     real = ScaleLayout.swizzle
     monkeypatch.setattr(ScaleLayout, "swizzle", lambda self, s: swizzles.append(s.shape) or real(self, s))
-    backend, device = kernel
+    backend, device = gemm_kernel
     config = GemmConfig(64, 64, 128)
     options = backend.options(config)
     for i, (m, n, k) in enumerate([(17, 200, 300), (5, 130, 1000)]):

@@ -22,11 +22,11 @@ from portable_mx.backends.targets import TARGETS
 from portable_mx.recipe import QuantRecipe as QR
 from portable_mx.tensor import MXTensor
 
-from conftest import kernel_backends
+from conftest import kernel_backends, no_kernels_reason
 from test_triton_gemm import assert_accumulation_close, randn, rows_mx
 
 REF = ReferenceBackend()
-needs_kernels = pytest.mark.skipif(not kernel_backends(), reason="no backend runs the Triton kernels here")
+needs_kernels = pytest.mark.skipif(not kernel_backends("matmul"), reason=no_kernels_reason("matmul"))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
@@ -37,11 +37,11 @@ def _routes():
     return {"plain": UpcastRoute(PLAIN_VALUES), "hopper": UpcastRoute(HOPPER_VALUES)}
 
 
-def upcast(kernel, a, b, config, route, **kw):
+def upcast(gemm_kernel, a, b, config, route, **kw):
     """The upcast GEMM on the kernel backend's device (interpreted on the CPU)."""
     from portable_mx.backends.triton import gemm_upcast
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     a = a.to(device)
     b = b.to(device)
     with backend.running():
@@ -119,12 +119,12 @@ def test_hopper_scale_layout():
 
 @needs_kernels
 @pytest.mark.parametrize("layout", ["plain", "hopper"])
-def test_decoded_tiles_equal_the_reference_bit_for_bit(kernel, layout):
+def test_decoded_tiles_equal_the_reference_bit_for_bit(gemm_kernel, layout):
     """Every code and scale byte (NaN, 2**-127, overflow, ±0): the GEMM's weight tiles
     decode to the reference's values exactly (fp32 dot dtype; bf16 on a GPU too)."""
     from portable_mx.backends.triton.gemm_upcast import decode_tiles
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     b = any_bytes(130, 512, seed=4)
     want = REF.dequantize(b)
     for block_n, block_k in ((64, 64), (128, 256)):
@@ -170,7 +170,7 @@ SHAPES = [(1, 7, 70), (17, 65, 300), (33, 130, 250)]
     (QR(outliers_per_block=2, macro_block=64), QR(macro_block=128, outliers_per_block=1)),
     (QR(outliers_per_block=1), QR(macro_block=64)),
 ], ids=lambda p: f"{p[0].describe()}x{p[1].describe()}")
-def test_a4w4_equals_dequantized_product(kernel, layout, pair):
+def test_a4w4_equals_dequantized_product(gemm_kernel, layout, pair):
     """Both operands decoded in registers (exact), with MBS promotion, MBS in the
     epilogue, outliers folded into their tile or as correction dots, split-K."""
     from portable_mx.backends.triton.launch import GemmConfig
@@ -180,7 +180,7 @@ def test_a4w4_equals_dequantized_product(kernel, layout, pair):
         a = rows_mx(randn(m, k, seed=i), ra)
         b = rows_mx(randn(n, k, seed=100 + i, scale=3.0), rb)
         config = GemmConfig(16, 64, 128, split_k=1 + i)
-        assert_accumulation_close(upcast(kernel, a, b, config, _routes()[layout]), a, b, k)
+        assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()[layout]), a, b, k)
 
 
 @needs_kernels
@@ -188,46 +188,46 @@ def test_a4w4_equals_dequantized_product(kernel, layout, pair):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rb", [QR(), QR(macro_block=128), QR(outliers_per_block=2),
                                 QR(outliers_per_block=1, macro_block=64)], ids=lambda r: r.describe())
-def test_w4a16_equals_dequantized_product(kernel, layout, dtype, rb):
+def test_w4a16_equals_dequantized_product(gemm_kernel, layout, dtype, rb):
     """bf16 and fp16 activations (the fp16 dot decodes the weight to fp16; in the
     interpreter both the fp32 and the fp16 dot are checked), weight MBS and OF, split-K."""
     from portable_mx.backends.triton.launch import GemmConfig
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     for i, (m, n, k) in enumerate(SHAPES):
         a = randn(m, k, seed=i).to(dtype)
         b = rows_mx(randn(n, k, seed=100 + i, scale=3.0), rb)
         config = GemmConfig(16, 64, 64, split_k=3 - i)
-        assert_accumulation_close(upcast(kernel, a, b, config, _routes()[layout]), a, b, k)
+        assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()[layout]), a, b, k)
         if device == "cpu" and dtype == torch.float16 and i == 1:
-            assert_accumulation_close(upcast(kernel, a, b, config, _routes()[layout], dot="fp16"), a, b, k)
+            assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()[layout], dot="fp16"), a, b, k)
 
 
 @needs_kernels
-def test_split_k_is_deterministic_and_leaves_counters_at_zero(kernel):
+def test_split_k_is_deterministic_and_leaves_counters_at_zero(gemm_kernel):
     """Several split counts, including more splits than K tiles (empty splits), give
     results within the bound, the same bits on a second call, and counters back at 0."""
     from portable_mx.backends.triton import splitk
     from portable_mx.backends.triton.launch import GemmConfig
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     a = randn(5, 1000, seed=1).bfloat16()
     b = rows_mx(randn(70, 1000, seed=2), QR())
     for split in (2, 5, 8, 12):
         config = GemmConfig(16, 64, 128, split_k=split)
-        got = upcast(kernel, a, b, config, _routes()["hopper"])
+        got = upcast(gemm_kernel, a, b, config, _routes()["hopper"])
         assert_accumulation_close(got, a, b, 1000)
-        assert torch.equal(got, upcast(kernel, a, b, config, _routes()["hopper"]))
+        assert torch.equal(got, upcast(gemm_kernel, a, b, config, _routes()["hopper"]))
         assert int(splitk.counters(device).abs().sum()) == 0
 
 
 @needs_kernels
-def test_output_dtypes(kernel):
+def test_output_dtypes(gemm_kernel):
     """fp32, bf16 and fp16 outputs: the fp32 result rounded to nearest (the kernel's store
     on a GPU, the host cast in the interpreter, whose casts truncate)."""
     from portable_mx.backends.triton.launch import GemmConfig
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     a = rows_mx(randn(17, 300, seed=3), QR())
     b = rows_mx(randn(65, 300, seed=4), QR())
     for config in (GemmConfig(16, 64, 128), GemmConfig(16, 64, 128, split_k=2)):
@@ -241,13 +241,13 @@ def test_output_dtypes(kernel):
 
 
 @needs_kernels
-def test_scaled_kernel_split_k(kernel):
+def test_scaled_kernel_split_k(gemm_kernel):
     """The tl.dot_scaled kernel (native targets' decode path) with split-K: A4W4 with MBS
     and OF, W4A16."""
     from portable_mx.backends.triton import gemm, splitk
     from portable_mx.backends.triton.launch import GemmConfig
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     for ra, rb in ((QR(), QR()), (QR(outliers_per_block=1, macro_block=64), QR(macro_block=128))):
         a = rows_mx(randn(3, 500, seed=5), ra)
         b = rows_mx(randn(40, 500, seed=6), rb)
@@ -263,13 +263,13 @@ def test_scaled_kernel_split_k(kernel):
 
 
 @needs_kernels
-def test_public_matmul_through_the_upcast_route(kernel, monkeypatch):
+def test_public_matmul_through_the_upcast_route(gemm_kernel, monkeypatch):
     """pmx.matmul with the backend routed to the upcast kernel (as on sm_90 and gfx942)
     and a split-K decode config: W4A16 and A4W4, a prequantized weight."""
     from portable_mx.backends.triton.backend import GemmRoute
     from portable_mx.backends.triton.launch import GemmConfig
 
-    backend, device = kernel
+    backend, device = gemm_kernel
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
     monkeypatch.setattr(backend, "_devices", {})  # no plan made by another test with another route
     monkeypatch.setattr(type(backend), "gemm_route",
@@ -384,10 +384,10 @@ def test_sm90_assembly():
 
 
 def _interpreter_usable() -> bool:
-    from portable_mx.backends.triton import MIN_TRITON_INTERPRET, triton_version
+    from portable_mx.backends.triton import MIN_TRITON_INTERPRET_GEMM, triton_version
 
     version = triton_version()
-    return version is not None and version >= MIN_TRITON_INTERPRET
+    return version is not None and version >= MIN_TRITON_INTERPRET_GEMM
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or not _interpreter_usable(),

@@ -20,14 +20,14 @@ from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.backends.triton import mode_problem
 from portable_mx.recipe import QuantRecipe as QR
 
-from conftest import kernel_backends
+from conftest import kernel_backends, no_kernels_reason
 
 REF = ReferenceBackend()
 EPS = 2.0**-24  # fp32 unit roundoff
 
 
 KERNELS = kernel_backends()
-pytestmark = pytest.mark.skipif(not KERNELS, reason="no backend runs the Triton kernels here")
+pytestmark = pytest.mark.skipif(not KERNELS, reason=no_kernels_reason())
 
 
 def sample(shape, seed, dtype=torch.float32, specials=True):

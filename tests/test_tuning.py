@@ -34,7 +34,7 @@ CPU = torch.device("cpu")
 INTERPRET = registry.get("triton-interpret")
 MX = Operand(None, None, 0)
 interpreted = pytest.mark.skipif(INTERPRET.unavailable_reason(CPU) is not None,
-                                 reason="the Triton interpreter does not run here (TRITON_INTERPRET unset)")
+                                 reason=f"the Triton interpreter does not run here: {INTERPRET.unavailable_reason(CPU)}")
 PROBLEM = search.Problem(32, 64, 128)  # one 32 x 64 x 128 GEMM: the interpreter runs it in ms
 OPTIMUM = (32, 32, 64, 1)  # (block_m, block_n, block_k, group_m) of the fake timer's minimum
 

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .targets import Target
-from .triton import mode_problem
+from .triton import MIN_TRITON_INTERPRET_GEMM, mode_problem, triton_problem
 from .triton.backend import TritonBackend
 from .triton.launch import GemmConfig, TileConfig
 
@@ -32,6 +32,12 @@ class InterpretBackend(TritonBackend):
         if device.type != "cpu":
             return f"serves CPU tensors only (got {device.type})"
         return mode_problem(interpreted=True)
+
+    def op_problem(self, op: str) -> Optional[str]:
+        """The GEMMs need the interpreter of triton 3.8 or later (MIN_TRITON_INTERPRET_GEMM)."""
+        if op != "matmul":
+            return None
+        return triton_problem(MIN_TRITON_INTERPRET_GEMM, "the oldest whose interpreter runs the GEMM kernels")
 
     def target(self, device: torch.device) -> Optional[Target]:
         return None

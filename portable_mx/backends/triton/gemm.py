@@ -156,19 +156,7 @@ def gemm_kernel(
     operand; EPILOGUE: one macro block spans K and there are no outliers, so the factors
     scale the finished sum. With SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero)
     are splitk.buffers."""
-    pid = tl.program_id(0)
-    if SPLIT_K > 1:
-        pid_k = pid % SPLIT_K
-        pid = pid // SPLIT_K
-    else:
-        pid_k = 0
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * grid_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n, pid_k, grid_n = splitk.program_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     NB = KP // 32

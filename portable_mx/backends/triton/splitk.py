@@ -24,6 +24,28 @@ import triton.language as tl
 
 
 @triton.jit
+def program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    """(pid_m, pid_n, pid_k, grid_n) of this program: its output tile, its K split and the
+    number of tiles along N. The SPLIT_K programs of one tile are adjacent; tiles go
+    GROUP_M row tiles at a time (programs in flight share B's column tiles in L2)."""
+    pid = tl.program_id(0)
+    if SPLIT_K > 1:
+        pid_k = pid % SPLIT_K
+        pid = pid // SPLIT_K
+    else:
+        pid_k = 0
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * grid_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    return pid_m, pid_n, pid_k, grid_n
+
+
+@triton.jit
 def tile_k_range(pid_k, KP, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """[first, last) K tile of split ``pid_k``: the K tiles split in contiguous ranges, the
     first ones one tile longer."""

@@ -352,6 +352,14 @@ def test_tune_sweep_args():
 def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
     """The sweep on the interpreter: exhaustive study, recording, replay of every strategy,
     the config cache and the JSON (times are host-clock noise; nothing about them is asserted)."""
+    import torch
+
+    from portable_mx import registry
+
+    interpret = registry.get("triton-interpret")
+    why = interpret.op_problem("matmul") or interpret.unavailable_reason(torch.device("cpu"))
+    if why:
+        pytest.skip(f"the Triton interpreter does not run the GEMM here: {why}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PORTABLE_MX_BACKEND", "triton-interpret")
     monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path / "user-cache"))

@@ -33,8 +33,9 @@ from portable_mx.tuning.space import GemmSpace, gemm_space
 CPU = torch.device("cpu")
 INTERPRET = registry.get("triton-interpret")
 MX = Operand(None, None, 0)
-interpreted = pytest.mark.skipif(INTERPRET.unavailable_reason(CPU) is not None,
-                                 reason=f"the Triton interpreter does not run here: {INTERPRET.unavailable_reason(CPU)}")
+_NO_INTERPRETED_GEMM = INTERPRET.op_problem("matmul") or INTERPRET.unavailable_reason(CPU)
+interpreted = pytest.mark.skipif(_NO_INTERPRETED_GEMM is not None,
+                                 reason=f"the Triton interpreter does not run the GEMM here: {_NO_INTERPRETED_GEMM}")
 PROBLEM = search.Problem(32, 64, 128)  # one 32 x 64 x 128 GEMM: the interpreter runs it in ms
 OPTIMUM = (32, 32, 64, 1)  # (block_m, block_n, block_k, group_m) of the fake timer's minimum
 

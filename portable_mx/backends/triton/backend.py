@@ -272,8 +272,17 @@ class TritonBackend(Backend):
         return GemmRoute("upcast", upcast=UpcastRoute(values, asm=target.name in self.upcast_asm))
 
     def sm_count(self, device: torch.device, target: Optional[Target]) -> int:
-        """Streaming multiprocessors (CUs) of ``device``: what ``split_k = 0`` fills."""
-        return self.gemm_sms.get(target.name, 132) if target is not None else 4
+        """Streaming multiprocessors (CUs) of ``device``: what ``split_k = 0`` fills (read
+        from a live GPU; the target's nominal count otherwise; 4 for the interpreter).
+        Asked once per GEMM plan, never per call."""
+        if target is None:
+            return 4
+        if torch.device(device).type == "cuda" and torch.cuda.is_available():
+            try:
+                return torch.cuda.get_device_properties(device).multi_processor_count
+            except (RuntimeError, AssertionError, AttributeError):  # a simulated device
+                pass
+        return self.gemm_sms.get(target.name, 132)
 
     def resolve_split_k(self, config: GemmConfig, m: int, n: int, kp: int, sms: int) -> GemmConfig:
         """``config`` with ``split_k = 0`` (auto) made concrete for an M x N output and

@@ -324,6 +324,35 @@ def test_shape_bucket_and_keys():
         "matmul|a:e2m1/MBS-128/OF-1 b:bf16|M4xN5xK64"
 
 
+def _triton_package_imports(path: Path) -> set[str]:
+    """The modules of ``path``'s package (``backends/triton``) that ``path`` imports, as file
+    names: ``from . import x``, ``from .x import y`` (read from the source, not from the
+    tuner's list)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            mods = [node.module] if node.module else [alias.name for alias in node.names]
+            names |= {f"{mod.split('.')[0]}.py" for mod in mods if (path.parent / f"{mod.split('.')[0]}.py").exists()}
+    return names
+
+
+def test_the_kernel_hash_covers_every_source_the_gemm_kernels_are_built_from():
+    """A tuned config or a static verdict is keyed by the kernel hash: every module of
+    backends/triton the GEMM kernels import, transitively, must be hashed (the upcast
+    kernel's gemm_upcast.py, upcast.py and splitk.py once were not)."""
+    root = Path(cache.__file__).resolve().parent.parent / "backends" / "triton"
+    seen, todo = set(), list(cache.KERNEL_ENTRY_POINTS)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(_triton_package_imports(root / name))
+    assert set(cache.KERNEL_SOURCES) == seen
+    assert {"gemm.py", "gemm_upcast.py", "upcast.py", "splitk.py"} <= seen
+
+
 def test_cache_lookup_and_the_backend_config(cache_env):
     tuned = GemmConfig(32, 32, 64, group_m=1)
     cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(tuned, 1.0, baseline_ms=2.0, trials=5)})

@@ -45,7 +45,12 @@ SCHEMA_VERSION = 2
 configs carry every GemmConfig field (``split_k``). Version 1 files are ignored."""
 ENV_CACHE_DIR = "PORTABLE_MX_CACHE_DIR"
 SHIPPED_DIR = Path(__file__).with_name("configs")
-_KERNEL_SOURCES = ("gemm.py", "layouts.py", "launch.py")
+KERNEL_ENTRY_POINTS = ("gemm.py", "gemm_upcast.py")
+"""The modules of ``backends/triton`` that define the GEMM kernels a config is tuned for
+(``tl.dot_scaled`` and the upcast kernel)."""
+KERNEL_SOURCES = ("gemm.py", "gemm_upcast.py", "layouts.py", "launch.py", "splitk.py", "upcast.py")
+"""Those modules and every module of ``backends/triton`` they import (the tests check the
+list against the imports): a change to any of them is a new kernel hash."""
 
 
 class ConfigEntry(BaseModel):
@@ -120,7 +125,7 @@ def kernel_hash() -> str:
     """sha256 (16 hex digits) of the GEMM kernel sources a tuned config was measured with."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent / "backends" / "triton"
-    for name in _KERNEL_SOURCES:
+    for name in KERNEL_SOURCES:
         h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
 

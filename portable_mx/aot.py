@@ -21,7 +21,11 @@ How each toolchain is read (one entry per triton backend in ``_TOOLCHAINS``):
   the cubin (``REG``, ``STACK``, ``LOCAL``), the same for cached and fresh compiles on
   sm_90/100/120. A stack frame is not always spill (LLVM also packs bytes through small
   stack buffers), so only when there is one is the PTX assembled again with ``ptxas -v``
-  and Triton's flags, whose "bytes spill stores" are ``spill_bytes``. MMA instructions
+  and Triton's flags, whose "bytes spill stores" are ``spill_bytes``. A kernel with
+  ``wgmma.mma_async`` (sm_90) is always assembled so: ptxas's C7515 note, that it
+  serialized the wgmma chain (no MMA overlaps what follows it), is
+  ``resources["wgmma_serialized"]`` (1 or 0), a figure, not a problem: what it costs a
+  given kernel is for a GPU to measure. MMA instructions
   and the native block-scaled instruction are read from the PTX: ptxas cannot emulate
   ``tcgen05.mma``/``mma.sync ... block_scale`` (the SASS shows them as UTCOMMA and
   OMMA.SF).
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import os
 import re
@@ -127,9 +132,30 @@ def _run_tool(cmd: list[str]) -> str:
     return proc.stdout + proc.stderr
 
 
-def _ptxas_spills(kernel, tmp: str) -> tuple[int, int]:
-    """(spill store bytes, spill load bytes) from ``ptxas -v`` on the kernel's PTX, with
-    the flags Triton assembles it with (backends/nvidia/compiler.py make_cubin)."""
+WGMMA_SERIALIZED = "C7515"
+"""ptxas's note (``-v``) that it serialized a kernel's ``wgmma.mma_async`` chain ("Potential
+Performance Loss: wgmma.mma_async instructions are serialized due to ...")."""
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_reg_alloc_flags() -> tuple[str, ...]:
+    """``--regAllocOptLevel=2`` where this triton assembles with it (3.9 does, a ptxas 13
+    workaround; 3.6 does not): the register allocation, and with it the spills and the
+    C7515 note, depend on it."""
+    try:
+        import inspect
+
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        return ("--regAllocOptLevel=2",) if "regAllocOptLevel=2" in inspect.getsource(CUDABackend.make_cubin) else ()
+    except Exception:  # noqa: BLE001  (source not readable: the newer releases' flag)
+        return ("--regAllocOptLevel=2",)
+
+
+def ptxas_log(kernel, tmp: str) -> str:
+    """What ``ptxas -v`` says of the kernel's PTX, assembled with the flags Triton uses
+    (backends/nvidia/compiler.py make_cubin): register and spill figures, and notes such
+    as :data:`WGMMA_SERIALIZED`."""
     import triton
 
     md = kernel.metadata
@@ -143,11 +169,15 @@ def _ptxas_spills(kernel, tmp: str) -> tuple[int, int]:
     src = os.path.join(tmp, "kernel.ptx")
     with open(src, "w") as f:
         f.write(kernel.asm["ptx"])
-    cmd = [ptxas, "-v", "-lineinfo", "--regAllocOptLevel=2"]
+    cmd = [ptxas, "-v", "-lineinfo", *_triton_reg_alloc_flags()]
     cmd += [] if md.enable_fp_fusion else ["--fmad=false"]
     cmd += md.ptx_options.split() if getattr(md, "ptx_options", None) else []
     cmd += [f"--gpu-name={gpu_name}", src, "-o", os.path.join(tmp, "kernel.o")]
-    log = _run_tool(cmd)
+    return _run_tool(cmd)
+
+
+def _ptxas_spills(log: str) -> tuple[int, int]:
+    """(spill store bytes, spill load bytes) of a :func:`ptxas_log`."""
     m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if m is None:
         raise RuntimeError(f"no spill figures in ptxas -v output: {log[:300]!r}")
@@ -173,14 +203,21 @@ def _nvidia_resources(kernel) -> _Resources:
             return _Resources(None, None, {}, f"no resource usage in cuobjdump output: {out[:200]!r}")
         reg, stack, static_shared, local = (int(g) for g in usage.groups())
         extra = {"stack_bytes": stack, "local_bytes": local, "static_shared_bytes": static_shared}
-        if stack == 0 and local == 0:
+        wgmma = "wgmma.mma_async" in kernel.asm.get("ptx", "")
+        if stack == 0 and local == 0 and not wgmma:
             return _Resources(reg, 0, extra)
         try:
-            stores, loads = _ptxas_spills(kernel, tmp)
+            log = ptxas_log(kernel, tmp)
+            stores, loads = _ptxas_spills(log) if stack or local else (0, 0)
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            if not (stack or local):  # only the serialization note is missing: a figure, not a problem
+                return _Resources(reg, 0, extra)
             return _Resources(reg, None, extra, f"{stack + local} bytes of stack/local memory, "
                                                 f"spill share unknown ({err})")
-    return _Resources(reg, stores, {**extra, "spill_store_bytes": stores, "spill_load_bytes": loads})
+    extra = {**extra, "spill_store_bytes": stores, "spill_load_bytes": loads}
+    if wgmma:
+        extra["wgmma_serialized"] = int(WGMMA_SERIALIZED in log)
+    return _Resources(reg, stores, extra)
 
 
 _AMD_FIELDS = {  # resources key -> pattern in the amdgcn text after "; Kernel info:"

@@ -6,8 +6,10 @@ A backend takes part when it has ``targets`` (the names, in
 ``launches(target) -> list[KernelLaunch]`` (the launches it would make there). Each
 (launch, target) is compiled by :func:`portable_mx.aot.compile_all`; a row has problems
 when the compile failed, spilled, overflowed shared memory, or missed the native MX
-instruction (:class:`portable_mx.aot.CompileResult`). The exit status is 0 when no row
-has problems, 1 when some have (the last line names them), 2 on a usage error.
+instruction (:class:`portable_mx.aot.CompileResult`). A wgmma chain that ptxas serialized
+(sm_90, ``resources["wgmma_serialized"]``) is noted in the table and counted in the
+summary, not a problem. The exit status is 0 when no row has problems, 1 when some have
+(the last line names them), 2 on a usage error.
 
 JSON written by ``--json PATH`` (``SCHEMA``)::
 
@@ -19,7 +21,7 @@ JSON written by ``--json PATH`` (``SCHEMA``)::
                "shared_limit", "registers", "spill_bytes", "native_mx",
                "mma_instructions", "resources", "seconds", "problems",
                "options", "constexprs"}],
-     "summary": {"rows", "with_problems", "seconds"}}
+     "summary": {"rows", "with_problems", "wgmma_serialized", "seconds"}}
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ def report(items: Sequence[MatrixItem], results: Sequence["CompileResult"], seco
                     for name, t in targets.items()},
         "rows": [row(item, result) for item, result in zip(items, results)],
         "summary": {"rows": len(results), "with_problems": sum(bool(r.problems) for r in results),
+                    "wgmma_serialized": sum(bool(r.resources.get("wgmma_serialized")) for r in results),
                     "seconds": round(seconds, 3)},
     }
 
@@ -159,18 +162,25 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         shared = "-" if r["shared_bytes"] is None else f"{r['shared_bytes'] / 1024:g}"
         lines.append((r["kernel"], r["label"], r["target"], _cell(r["ok"]),
                       f"{shared}/{r['shared_limit'] / 1024:g}", _cell(r["registers"]), _cell(r["spill_bytes"]),
-                      _cell(r["native_mx"]), "; ".join(r["problems"]) or "ok"))
+                      _cell(r["native_mx"]), ("; ".join(r["problems"]) or "ok") + _note(r)))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1] for line in lines)
 
 
+def _note(row: dict[str, Any]) -> str:
+    return " (ptxas serialized the wgmma chain: C7515)" if (row.get("resources") or {}).get("wgmma_serialized") else ""
+
+
 def summary_line(rows: Sequence[dict[str, Any]]) -> str:
-    """One line: all ok, or which (kernel, label, target) have problems."""
+    """One line: all ok, or which (kernel, label, target) have problems; and how many rows
+    have their wgmma chain serialized."""
     bad = [r for r in rows if r["problems"]]
+    serial = sum(bool((r.get("resources") or {}).get("wgmma_serialized")) for r in rows)
+    tail = f"; {serial} with a serialized wgmma chain (C7515)" if serial else ""
     if not bad:
-        return f"compile matrix: {len(rows)} rows, no problems"
+        return f"compile matrix: {len(rows)} rows, no problems{tail}"
     cells = "; ".join(f"{r['kernel']} [{r['label']}] @ {r['target']}" for r in bad)
-    return f"compile matrix: {len(bad)} of {len(rows)} rows have problems: {cells}"
+    return f"compile matrix: {len(bad)} of {len(rows)} rows have problems: {cells}{tail}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -135,6 +135,78 @@ def test_compile_error_is_recorded_not_raised(compiled):
     json.dumps(r.to_dict())
 
 
+def test_a_wgmma_kernel_is_assembled_with_ptxas_v_and_its_serialization_recorded(compiled):
+    """sm_90's upcast dot is wgmma: ptxas -v runs on it even with no stack frame, and
+    whether ptxas serialized the chain is a figure of the result, not a problem."""
+    r = compiled["mx_dot@sm_90"]
+    assert any(m.startswith("wgmma.mma_async") for m in r.mma_instructions), r.mma_instructions
+    assert r.resources["wgmma_serialized"] in (0, 1)
+    assert not any("C7515" in p for p in r.problems), r.problems
+    assert "wgmma_serialized" not in compiled["mx_dot@sm_100"].resources  # tcgen05: not assembled again
+
+
+class _FakeNvidiaKernel:
+    """What _nvidia_resources reads of a compiled kernel: the cubin, the PTX, the metadata."""
+
+    def __init__(self, ptx):
+        self.asm = {"cubin": b"", "ptx": ptx}
+        self.metadata = type("Metadata", (), {"target": type("Target", (), {"arch": 90})(),
+                                              "enable_fp_fusion": True, "ptx_options": None})()
+
+
+@pytest.mark.parametrize("stack, ptx, log, spill, serialized", [
+    (0, "wgmma.mma_async.sync.aligned.m64n16k16", "ptxas info : (C7515) Potential Performance Loss: "
+     "wgmma.mma_async instructions are serialized due to ...", 0, 1),
+    (0, "wgmma.mma_async.sync.aligned.m64n16k16", "ptxas info : Used 80 registers", 0, 0),
+    (16, "wgmma.mma_async.sync.aligned.m64n16k16", "8 bytes spill stores, 8 bytes spill loads (C7515)", 8, 1),
+    (16, "mma.sync.aligned.m16n8k16", "0 bytes spill stores, 0 bytes spill loads", 0, None),
+])
+def test_ptxas_notes_decide_spills_and_a_serialized_wgmma_chain(monkeypatch, stack, ptx, log, spill, serialized):
+    """The reading of cuobjdump and ptxas -v output, with both tools faked: spill bytes come
+    from ptxas only where there is a stack frame; a wgmma kernel's C7515 note is recorded."""
+    from portable_mx import aot
+
+    def fake_tool(cmd):
+        if "--dump-resource-usage" in cmd:
+            return f"Function k: REG:80 STACK:{stack} SHARED:0 LOCAL:0"
+        assert "-v" in cmd
+        return log
+
+    monkeypatch.setattr(aot, "_run_tool", fake_tool)
+    got = aot._nvidia_resources(_FakeNvidiaKernel(ptx))
+    assert (got.registers, got.spill_bytes, got.problem) == (80, spill, None)
+    assert got.extra.get("wgmma_serialized") == serialized
+
+
+def test_ptxas_failing_on_a_wgmma_kernel_without_a_stack_frame_is_not_a_problem(monkeypatch):
+    from portable_mx import aot
+
+    def fake_tool(cmd):
+        if "--dump-resource-usage" in cmd:
+            return "Function k: REG:80 STACK:0 SHARED:0 LOCAL:0"
+        raise RuntimeError("ptxas exited 1")
+
+    monkeypatch.setattr(aot, "_run_tool", fake_tool)
+    got = aot._nvidia_resources(_FakeNvidiaKernel("wgmma.mma_async.sync.aligned.m64n16k16"))
+    assert (got.registers, got.spill_bytes, got.problem) == (80, 0, None)
+    assert "wgmma_serialized" not in got.extra
+
+
+def test_the_matrix_notes_and_counts_serialized_wgmma_chains_without_failing():
+    from portable_mx.compile_matrix import summary_line, table
+
+    def row(label, problems, serialized):
+        return {"kernel": "gemm-upcast", "label": label, "target": "sm_90", "ok": True, "shared_bytes": 1024,
+                "shared_limit": 232448, "registers": 80, "spill_bytes": 0, "native_mx": None,
+                "problems": problems, "resources": {"wgmma_serialized": serialized}}
+
+    rows = [row("a", [], 1), row("b", [], 0)]
+    assert summary_line(rows) == "compile matrix: 2 rows, no problems; 1 with a serialized wgmma chain (C7515)"
+    lines = table(rows).splitlines()
+    assert lines[1].endswith("ok (ptxas serialized the wgmma chain: C7515)") and lines[2].endswith("  ok")
+    assert summary_line([row("b", ["spills 8 bytes per thread"], 0)]).startswith("compile matrix: 1 of 1 rows have")
+
+
 def test_worker_crash_is_recorded_and_the_rest_survive():
     items = [(probes.scale_launch(), TARGETS["sm_90"]), (probes.scale_launch(), TARGETS["gfx950"]),
              (probes.crashing_launch(), TARGETS["sm_90"])]

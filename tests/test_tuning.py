@@ -218,6 +218,16 @@ def test_static_pruning_records_verdicts_and_never_compiles_twice(tmp_path):
     assert key.startswith(f"sm_100|triton {cache.triton_version()}|kernel {cache.kernel_hash()}|a:e2m1 b:e2m1|")
 
 
+@pytest.mark.parametrize("flag, expected", [(1, True), (0, False), (None, None)])
+def test_a_serialized_wgmma_chain_is_kept_with_the_verdict_and_does_not_prune(flag, expected):
+    resources = {} if flag is None else {"wgmma_serialized": flag}
+    result = CompileResult("gemm-upcast", "x", "sm_90", True, None, 1000, 232448, 80, 0, None,
+                           ("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16",), resources)
+    verdict = static.Verdict.of(result)
+    assert verdict.ok and verdict.wgmma_serialized is expected
+    assert static.Verdict.from_json(json.loads(json.dumps(verdict.to_json()))) == verdict
+
+
 def test_statically_pruned_candidates_are_pruned_trials_never_timed(tmp_path):
     import optuna
 

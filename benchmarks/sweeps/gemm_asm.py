@@ -53,20 +53,18 @@ def _sass_loop(sass: str) -> Counter:
 
 def facts(launch, target) -> dict:
     import triton
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
+
+    from portable_mx.aot import WGMMA_SERIALIZED, ptxas_log
 
     k = triton.compile(ASTSource(launch.fn, dict(launch.signature), constexprs=dict(launch.constexprs),
                                  attrs=launch.attrs()), target=target.gpu_target(), options=dict(launch.options))
     ptx, c = k.asm["ptx"], launch.constexprs
     with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(src, "w") as f:
-            f.write(ptx)
+        cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
             f.write(k.asm["cubin"])
-        log = subprocess.run([get_ptxas(target.arch).path, "-v", f"--gpu-name=sm_{target.arch}a", src, "-o",
-                              os.path.join(tmp, "k.o")], capture_output=True, text=True).stderr
+        log = ptxas_log(k, tmp)
         sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", cubin], capture_output=True,
                               text=True).stdout
     regs = re.search(r"Used (\d+) registers", log)
@@ -86,7 +84,7 @@ def facts(launch, target) -> dict:
         "wgmma": wgmma.group(1) if wgmma else None, "wgmma_a_from_registers": bool(wgmma) and wgmma.group(2) == "{",
         "cp_async_16B": ptx.count("cp.async.cg.shared.global"), "ld_shared_v4": ptx.count("ld.shared.v4"),
         "narrow_global_loads": len(re.findall(r"ld\.global\.(?:b8|b16)\b", ptx)),
-        "wgmma_serialized": "C7515" in log,
+        "wgmma_serialized": WGMMA_SERIALIZED in log,
         "loop_instructions_per_8_values": round(8 * sum(loop.values()) / values, 1),
         "loop_per_8_values": per8, "loop_top": dict(loop.most_common(12)),
         "values_per_thread_per_k_step": values,

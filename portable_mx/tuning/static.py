@@ -6,7 +6,9 @@ A candidate is compiled exactly as the backend would launch it,
 by :func:`portable_mx.aot.compile_all` (parallel worker processes), and pruned when the
 :class:`~portable_mx.aot.CompileResult` has problems: it did not compile, overflows
 shared memory / LDS, spills registers, or (A4W4 on sm_100, sm_120, gfx950) misses the
-native block-scaled instruction.
+native block-scaled instruction. Whether ptxas serialized a survivor's wgmma chain (sm_90,
+C7515) is kept with its verdict (``wgmma_serialized``), for the recordings to show what
+it costs; it does not prune.
 
 Verdicts persist in a JSON file (:class:`VerdictStore`, ``static-verdicts.json`` in the
 study directory), keyed by target, triton version, GEMM kernel source hash
@@ -44,7 +46,9 @@ if TYPE_CHECKING:
     from ..backends.triton.launch import KernelLaunch
 
 STORE_NAME = "static-verdicts.json"
-STORE_SCHEMA = "portable_mx.static_verdicts/2"
+STORE_SCHEMA = "portable_mx.static_verdicts/3"
+"""3: verdicts say whether ptxas serialized the wgmma chain (sm_90); schema 2 verdicts
+did not look, and are compiled again."""
 CANONICAL_GROUP_M = 8
 DEFAULT_KP = 8192
 """The padded K a static run compiles for when no shape is given (any multiple of the
@@ -70,13 +74,17 @@ class Verdict:
     total_registers: Optional[int] = None
     """Registers per thread that count against the register file where that differs from
     ``registers`` (AMD: architectural VGPRs plus AGPRs); None: as ``registers``."""
+    wgmma_serialized: Optional[bool] = None
+    """Whether ptxas serialized the wgmma chain (sm_90; None: no wgmma, or not known)."""
 
     @classmethod
     def of(cls, result: "CompileResult") -> "Verdict":
         reasons = tuple(result.problems) or (() if result.ok else ("not compiled",))
+        resources = result.resources or {}
+        serialized = resources.get("wgmma_serialized")
         return cls(result.ok and not reasons, reasons, result.label, result.shared_bytes, result.registers,
-                   result.spill_bytes, result.native_mx, round(result.seconds, 3),
-                   (result.resources or {}).get("total_vgprs"))
+                   result.spill_bytes, result.native_mx, round(result.seconds, 3), resources.get("total_vgprs"),
+                   None if serialized is None else bool(serialized))
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -401,10 +401,11 @@ def test_gemm_sweep_cpu_smoke(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "gemm_sweep.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--shapes", "m16", "--kinds", "a4w4",
+    proc = subprocess.run([sys.executable, str(script), "--cpu-smoke", "--shapes", "m16", "--kinds", "a4w4,w4a16-of2",
                            "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "gemm_sweep.json").read_text())
     assert result["smoke"] and set(result["shapes"]) == {"m16"}
+    assert {r["kind"] for r in result["candidates"]} == {"a4w4", "w4a16-of2"}
     assert result["candidates"] and all(r["check_small"] and r["check_rows"] and "ms" in r
                                         for r in result["candidates"])

@@ -1,12 +1,13 @@
 """Sweep of the MXFP4 GEMM kernels' configs on one GPU, against torch.matmul in bf16.
 
-    python benchmarks/sweeps/gemm_sweep.py --out DIR [--budget 240] [--shapes ...] [--kinds w4a16,a4w4]
+    python benchmarks/sweeps/gemm_sweep.py --out DIR [--budget 240] [--shapes ...] [--kinds w4a16,a4w4,w4a16-of2]
     python benchmarks/sweeps/gemm_sweep.py --cpu-smoke --out DIR      # no GPU: tiny shapes, the interpreter
 
 Per shape M x N x K (default: M = 1, 16, 128 with N = K = 8192, and 4096^3, 8192^3) and
 kind (W4A16: bf16 activations x MXFP4 weight; A4W4: both MXFP4, the activations
-quantized beforehand: kernel-only), a handful of candidate launches (benchmarks/NOTES-gemm.md
-says why these):
+quantized beforehand: kernel-only; W4A16-OF2, decode shapes only: a weight with two
+outliers per block, whose default split-K tile ptxas serializes), a handful of candidate
+launches (benchmarks/NOTES-gemm.md says why these):
 
 - ``default``: what ``Backend.matmul`` launches (its plan: route, config, split-K);
 - ``upcast ...``: gemm_upcast.py with explicit tiles, warps, stages, split-K, weight
@@ -39,7 +40,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -57,6 +57,8 @@ SHAPES = {"m1": (1, 8192, 8192), "m16": (16, 8192, 8192), "m128": (128, 8192, 81
 SMOKE_SHAPES = {"m1": (1, 128, 256), "m16": (16, 128, 256), "m128": (128, 128, 256)}
 # the issue's goals (speedup over torch bf16, kernel-only): W4A16, A4W4
 GOALS = {"m1": (3.0, 2.5), "m16": (3.0, 2.5), "m128": (2.0, 1.5), "4096^3": (0.9, 0.8), "8192^3": (0.9, 0.8)}
+KINDS = ("w4a16", "a4w4", "w4a16-of2")
+WEIGHT_OUTLIERS = {"w4a16-of2": 2}  # kind -> outliers per block of the weight (others: 0)
 L2_BYTES = 50 << 20  # H100: copies rotate until they exceed twice this
 CHECK_ROWS = 64
 
@@ -66,7 +68,7 @@ class Candidate:
     """One launch to time: ``kernel`` "default" (Backend.matmul), "upcast" or "scaled";
     for the last two a GemmConfig's fields, and for "upcast" the weight layout and decode."""
 
-    kind: str  # "w4a16" | "a4w4"
+    kind: str  # one of KINDS
     shape: str
     kernel: str
     block: tuple = ()  # (block_m, block_n, block_k, warps, stages, split_k)
@@ -91,6 +93,14 @@ class Candidate:
 
 def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
     """The launches tried for one kind and shape (NOTES-gemm.md: what each tests)."""
+    if kind == "w4a16-of2":  # does split-K with a serialized wgmma chain (the default) beat no split?
+        if smoke:
+            return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1))]
+        if m > 16:
+            return []
+        return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 1)),
+                Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 2)),
+                Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 4))]
     if smoke:  # the interpreter: a few, small
         return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 2)),
                 Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1), layout="plain", asm=False),
@@ -142,8 +152,9 @@ def make_operands(kind: str, m: int, n: int, k: int, device, seed: int, copies: 
     weights = []
     for i in range(copies):
         w = (torch.randn(n, k, generator=g) * 0.05).to(device=device, dtype=torch.bfloat16)
-        weights.append(ops._mx_rows(backend.quantize(w, QuantRecipe())))
-    a = x if kind == "w4a16" else ops._mx_rows(backend.quantize(x, QuantRecipe()))
+        weights.append(ops._mx_rows(backend.quantize(w, QuantRecipe(
+            outliers_per_block=WEIGHT_OUTLIERS.get(kind, 0)))))
+    a = x if kind.startswith("w4a16") else ops._mx_rows(backend.quantize(x, QuantRecipe()))
     return a, weights
 
 
@@ -207,21 +218,14 @@ def runner(cand: Candidate, device):
 def _ptxas_serialized(compiled) -> Optional[bool]:
     """Whether ptxas serialized the kernel's wgmma chain (its C7515 note), or None."""
     try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptx = compiled.asm.get("ptx")
-        if ptx is None:
-            return None
         import tempfile
 
+        from portable_mx.aot import WGMMA_SERIALIZED, ptxas_log
+
+        if "ptx" not in compiled.asm:
+            return None
         with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            arch = compiled.metadata.target.arch
-            proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", src, "-o",
-                                   os.path.join(tmp, "k.o")], capture_output=True, text=True, timeout=120)
-        return "C7515" in proc.stdout + proc.stderr
+            return WGMMA_SERIALIZED in ptxas_log(compiled, tmp)
     except Exception:  # noqa: BLE001  (a fact we may not get: never fatal)
         return None
 
@@ -434,15 +438,15 @@ def table(result: dict[str, Any]) -> str:
     for name, sh in result["shapes"].items():
         lines.append(f"\n{name}: M={sh['m']} N={sh['n']} K={sh['k']}  torch bf16 {sh['bf16_ms'] * 1e3:.1f} us")
         for rec in (r for r in result["candidates"] if r["shape"] == name):
-            goal = sh["goal_w4a16"] if rec["kind"] == "w4a16" else sh["goal_a4w4"]
+            goal = sh["goal_w4a16"] if rec["kind"] == "w4a16" else sh["goal_a4w4"] if rec["kind"] == "a4w4" else None
             if "ms" in rec:
                 met = "" if goal is None else ("  goal met" if rec["speedup"] >= goal else f"  goal {goal}x")
                 serial = " serialized-wgmma" if rec.get("wgmma_serialized") else ""
-                lines.append(f"  {rec['kind']:6s} {rec['candidate']:42s} {rec['ms'] * 1e3:9.1f} us  "
+                lines.append(f"  {rec['kind']:9s} {rec['candidate']:42s} {rec['ms'] * 1e3:9.1f} us  "
                              f"{rec['speedup']:5.2f}x  regs {rec.get('registers', '-')}{serial}{met}")
             else:
                 why = rec.get("compile_error") or rec.get("error") or rec.get("skipped") or "?"
-                lines.append(f"  {rec['kind']:6s} {rec['candidate']:42s} {why.splitlines()[0][:60]}")
+                lines.append(f"  {rec['kind']:9s} {rec['candidate']:42s} {why.splitlines()[0][:60]}")
     lines.append(f"\ncompile {result['compile_seconds']} s, total {result['seconds']} s"
                  + (" (smoke run: the times are not measurements)" if result["smoke"] else ""))
     return "\n".join(lines)
@@ -455,13 +459,13 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=240.0, help="seconds; past it remaining timings are skipped")
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help=f"comma-separated subset of {','.join(SHAPES)} (the smoke run has {','.join(SMOKE_SHAPES)})")
-    p.add_argument("--kinds", default="w4a16,a4w4", help="comma-separated subset of w4a16,a4w4")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
     p.add_argument("--workers", type=int, default=0, help="compile processes (default min(12, CPUs - 2))")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny shapes in the Triton interpreter")
     args = p.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.kinds = [s for s in args.kinds.split(",") if s]
-    unknown = (set(args.shapes) - set(SHAPES)) | (set(args.kinds) - {"w4a16", "a4w4"})
+    unknown = (set(args.shapes) - set(SHAPES)) | (set(args.kinds) - set(KINDS))
     if unknown:
         p.error(f"unknown shapes or kinds: {sorted(unknown)}")
     return args

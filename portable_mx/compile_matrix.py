@@ -130,6 +130,7 @@ def versions() -> dict[str, Optional[str]]:
 def report(items: Sequence[MatrixItem], results: Sequence["CompileResult"], seconds: float) -> dict[str, Any]:
     """The JSON document (module doc) of a compiled matrix."""
     targets = {item.target.name: item.target for item in items}
+    rows = [row(item, result) for item, result in zip(items, results)]
     return {
         "schema": SCHEMA,
         "versions": versions(),
@@ -137,10 +138,9 @@ def report(items: Sequence[MatrixItem], results: Sequence["CompileResult"], seco
                            "warp_size": t.warp_size, "shared_memory": t.shared_memory,
                            "native_mx_pattern": t.native_mx_pattern, "description": t.description}
                     for name, t in targets.items()},
-        "rows": [row(item, result) for item, result in zip(items, results)],
-        "summary": {"rows": len(results), "with_problems": sum(bool(r.problems) for r in results),
-                    "wgmma_serialized": sum(bool(r.resources.get("wgmma_serialized")) for r in results),
-                    "seconds": round(seconds, 3)},
+        "rows": rows,
+        "summary": {"rows": len(rows), "with_problems": sum(bool(r["problems"]) for r in rows),
+                    "wgmma_serialized": sum(map(_serialized, rows)), "seconds": round(seconds, 3)},
     }
 
 
@@ -167,15 +167,20 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1] for line in lines)
 
 
+def _serialized(row: dict[str, Any]) -> bool:
+    """Whether ptxas serialized the row's wgmma chain (sm_90's C7515 note)."""
+    return bool((row.get("resources") or {}).get("wgmma_serialized"))
+
+
 def _note(row: dict[str, Any]) -> str:
-    return " (ptxas serialized the wgmma chain: C7515)" if (row.get("resources") or {}).get("wgmma_serialized") else ""
+    return " (ptxas serialized the wgmma chain: C7515)" if _serialized(row) else ""
 
 
 def summary_line(rows: Sequence[dict[str, Any]]) -> str:
     """One line: all ok, or which (kernel, label, target) have problems; and how many rows
     have their wgmma chain serialized."""
     bad = [r for r in rows if r["problems"]]
-    serial = sum(bool((r.get("resources") or {}).get("wgmma_serialized")) for r in rows)
+    serial = sum(map(_serialized, rows))
     tail = f"; {serial} with a serialized wgmma chain (C7515)" if serial else ""
     if not bad:
         return f"compile matrix: {len(rows)} rows, no problems{tail}"

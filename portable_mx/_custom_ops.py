@@ -29,7 +29,8 @@ str a_recipe, str b_recipe) -> Tensor``
     exact up to fp32 accumulation order. Otherwise high precision: on the CPU an fp32
     matmul (fp64 for fp64 tensors) under ``float32_matmul_precision("highest")``,
     rounded once to a's dtype; on a GPU ``a @ b`` in the tensors' dtype under torch's
-    CUDA matmul settings. No autograd formula: double backward is not supported.
+    CUDA matmul settings. Its own backward raises: double backward is not supported
+    (``create_graph=True`` works; differentiating the resulting gradient raises).
 
 ``portable_mx::quantize(Tensor x, str recipe) -> Tensor[]``
     x float ``[R, K]`` quantized along K: the parts of the MXTensor (rows layout).
@@ -268,6 +269,23 @@ def _mm_backward(ctx, grad: Tensor):
 
 
 torch.library.register_autograd("portable_mx::mm", _mm_backward, setup_context=_mm_setup_context, lib=_LIB)
+
+
+def _grad_mm_setup_context(ctx, inputs, output) -> None:
+    pass
+
+
+def _grad_mm_double_backward(ctx, grad: Tensor):
+    raise RuntimeError(
+        "double backward through the MXFP4 GEMM is not supported: portable_mx::mm has a "
+        "straight-through first derivative only (a gradient of a gradient, e.g. a gradient "
+        "penalty, through pmx.matmul or MXLinear). Compute that term with a high-precision "
+        "model, or detach it."
+    )
+
+
+torch.library.register_autograd("portable_mx::grad_mm", _grad_mm_double_backward,
+                                setup_context=_grad_mm_setup_context, lib=_LIB)
 
 
 # ----------------------------------------------------------------------------- the op paths

@@ -162,7 +162,8 @@ def generate(
     on the CPU from ``generator`` so that a seed gives the same samples on every device.
     """
     out, logps, ents = [], [], []
-    with torch.no_grad():
+    # one weight version serves every decode step: quantize each MXLinear weight once
+    with torch.no_grad(), pmx.nn.weight_cache(model):
         pos = prompts.shape[1]
         logits, cache = model(prompts, positions[:pos], cache=[])
         for i in range(n_new):

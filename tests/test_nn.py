@@ -242,51 +242,60 @@ def test_mxlinear_rejects_bad_input():
         MXLinear.from_linear(nn.Conv1d(3, 3, 1))
 
 
-def test_weight_cache(monkeypatch):
-    calls = []
-    real = pmx.ops.quantize
+def test_weight_cache_block(monkeypatch):
+    """Inside pmx.nn.weight_cache the quantized weight is built once and reused until an
+    optimizer step, a version-bumping update, a new weight or a new recipe; leaving the
+    block frees it, and outside it every forward quantizes afresh."""
+    builds = []
+    real = MXLinear._quantize_weight
 
-    def counting(x, recipe=None, *, axis=-1):
-        calls.append((tuple(x.shape), axis))
-        return real(x, recipe, axis=axis)
+    def counting(self, w):
+        builds.append(1)
+        return real(self, w)
 
-    monkeypatch.setattr(pmx.ops, "quantize", counting)
+    monkeypatch.setattr(MXLinear, "_quantize_weight", counting)
     layer = MXLinear(64, 16, recipe=pmx.QuantRecipe(scale_rule="even"))
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = rand(8, 64, seed=27)
 
     def forward():
         """Run a forward; return its output and how many times it quantized the weight."""
-        calls.clear()
+        builds.clear()
         out = layer(x)
-        return out, calls.count(((64, 16), 0))
+        return out, len(builds)
 
-    y1, n = forward()
-    assert n == 1
-    y2, n = forward()
-    assert n == 0 and torch.equal(y1, y2)
-    cached = layer.quantized_weight()
-    fresh = real(layer.weight.detach(), layer.recipe, axis=1)  # [out, in] along in
-    assert torch.equal(cached.qdata, fresh.qdata) and torch.equal(cached.scales, fresh.scales)
+    with pmx.nn.weight_cache(layer) as n_layers:
+        assert n_layers == 1
+        y1, n = forward()
+        assert n == 1
+        y2, n = forward()
+        assert n == 0 and torch.equal(y1, y2)
+        cached = layer.quantized_weight()
+        fresh = pmx.quantize(layer.weight.detach(), layer.recipe, axis=1)  # [out, in] along in
+        assert torch.equal(cached.qdata, fresh.qdata) and torch.equal(cached.scales, fresh.scales)
 
-    y2.sum().backward()
-    opt.step()
-    y3, n = forward()
-    assert n == 1 and not torch.equal(y3, y2)
-    assert forward()[1] == 0
+        y2.sum().backward()
+        opt.step()
+        y3, n = forward()
+        assert n == 1 and not torch.equal(y3, y2)
+        assert forward()[1] == 0
 
+        with torch.no_grad():
+            layer.weight.mul_(2)  # any in-place update bumps _version
+        assert forward()[1] == 1
+        layer.recipe = pmx.QuantRecipe(outliers_per_block=1)
+        assert forward()[1] == 1
+        layer.weight = nn.Parameter(layer.weight.detach().clone())
+        assert forward()[1] == 1
+        layer.load_state_dict(MXLinear(64, 16).state_dict())
+        y4, n = forward()
+        assert n == 1
+        clone = copy.deepcopy(layer)  # the cache is not copied, nor is the block
+        assert not clone._pmx_weight_cache.active and torch.equal(clone(x), y4)
+    assert not layer._pmx_weight_cache.entries  # freed on leaving the block
     with torch.no_grad():
-        layer.weight.mul_(2)  # any in-place update bumps _version
-    assert forward()[1] == 1
-    layer.recipe = pmx.QuantRecipe(outliers_per_block=1)
-    assert forward()[1] == 1
-    layer.weight = nn.Parameter(layer.weight.detach().clone())
-    assert forward()[1] == 1
-    layer.load_state_dict(MXLinear(64, 16).state_dict())
-    y4, n = forward()
-    assert n == 1
-    clone = copy.deepcopy(layer)  # the cache is not copied
-    assert torch.equal(clone(x), y4)
+        assert forward()[1] == 0  # outside: no build kept, the GEMM quantizes the weight itself
+        assert torch.equal(forward()[0], y4)
 
 
 # ----------------------------------------------------------------------------- convert

@@ -1,0 +1,16 @@
+"""Modules for training and inference with MXFP4 GEMMs.
+
+- :class:`MXLinear`: ``torch.nn.Linear`` whose GEMMs are MXFP4 (:mod:`.linear`).
+- :func:`convert`: swap the ``nn.Linear`` layers of a model for MXLinear (:mod:`.convert`).
+- :func:`weight_cache`: a block inside which MX layers reuse their quantized weights
+  (:mod:`.weight_cache`: when that is safe, and what it asks of the caller).
+- :func:`mx_matmul`, :func:`mx_parts`: the differentiable GEMM and an MXTensor's tensors
+  in the order the custom ops take them.
+"""
+
+from .._custom_ops import mx_matmul
+from .convert import convert
+from .linear import MXLinear, mx_parts
+from .weight_cache import weight_cache
+
+__all__ = ["MXLinear", "convert", "mx_matmul", "mx_parts", "weight_cache"]

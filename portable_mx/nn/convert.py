@@ -1,0 +1,73 @@
+"""convert: swap the ``torch.nn.Linear`` layers of a model for :class:`MXLinear`."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+
+from .. import ops
+from .linear import MXLinear
+
+SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
+
+__all__ = ["convert"]
+
+
+def _skip_rules(skip: Any) -> list[SkipRule]:
+    if skip is None:
+        return []
+    rules = [skip] if isinstance(skip, str) or callable(skip) else skip
+    try:
+        rules = list(rules)
+    except TypeError:
+        raise TypeError(f"skip must be a pattern, a predicate or an iterable of them; got {type(skip).__name__}") from None
+    for r in rules:
+        if not (isinstance(r, str) or callable(r)):
+            raise TypeError(f"skip entries must be fnmatch patterns (str) or predicates (name, module) -> bool; got {r!r}")
+    return rules
+
+
+def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> torch.nn.Module:
+    """Swap every ``torch.nn.Linear`` of ``model`` for an :class:`MXLinear` sharing its
+    Parameters, in place, and return the model.
+
+    Only modules whose type is exactly ``nn.Linear`` are swapped (a subclass may override
+    ``forward``; existing MXLinear layers are left as they are, so converting twice is a
+    no-op). Embeddings, norms etc. are not Linear and stay. ``skip`` excludes layers: a
+    fnmatch pattern matched against the qualified module name (as in
+    ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``), a
+    predicate ``(name, module) -> bool``, or an iterable of both; a layer matching any
+    rule is kept. A Linear shared by several parents becomes one shared MXLinear. When
+    ``model`` itself is an ``nn.Linear`` a new MXLinear is returned (use the return
+    value). Count the converted layers with
+    ``sum(isinstance(m, MXLinear) for m in model.modules())``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert expects a torch.nn.Module; got {type(model).__name__}")
+    recipe = ops._recipe(recipe)
+    rules = _skip_rules(skip)
+
+    def keep(name: str, module: torch.nn.Module) -> bool:
+        if type(module) is not torch.nn.Linear:
+            return True
+        return any(fnmatch.fnmatchcase(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
+
+    if not keep("", model):
+        return MXLinear.from_linear(model, recipe)
+    swapped: dict[int, MXLinear] = {}
+    for parent_name, parent in list(model.named_modules()):
+        # _modules, not named_children(): that skips a child registered twice in one parent
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if id(child) in swapped:
+                setattr(parent, child_name, swapped[id(child)])
+            elif not keep(name, child):
+                swapped[id(child)] = MXLinear.from_linear(child, recipe)
+                setattr(parent, child_name, swapped[id(child)])
+    return model
+

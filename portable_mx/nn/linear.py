@@ -1,0 +1,164 @@
+"""MXLinear: ``torch.nn.Linear`` with an MXFP4 GEMM, for training and inference.
+
+An MXLinear forward that needs a gradient (or runs under ``torch.compile``) is the
+``portable_mx::mm`` custom op with its autograd rule (:mod:`portable_mx._custom_ops`
+documents the op and its backward GEMMs); one that needs none (``torch.no_grad()``,
+inference) calls the dispatch layer directly: validation, the weight's quantize (or the
+cached quantized weight inside :func:`~portable_mx.nn.weight_cache`), one GEMM launch
+(plus the quantize of x for A4W4 recipes) and the bias add.
+
+``torch.compile``: the custom ops trace without graph breaks (dynamo sees their fake
+implementations, AOTAutograd traces the backward through ``grad_mm``), and a model of
+:class:`MXLinear` layers compiles with ``fullgraph=True``, inductor included. CUDA
+graphs: nothing on these paths synchronises with the host, so forward and backward can
+be captured and replayed; a captured forward outside ``weight_cache`` quantizes the
+weight inside the graph, so a replay after an optimizer step sees the new weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import _dispatch, ops
+from .._custom_ops import recipe_json
+from ..recipe import QuantRecipe
+from ..tensor import MXTensor
+from .weight_cache import WeightCache
+
+Operand = Union[Tensor, MXTensor]
+
+__all__ = ["MXLinear", "mx_parts"]
+
+
+def mx_parts(mx: MXTensor) -> list[Tensor]:
+    """The tensors of a 2-D MXTensor in the order the custom ops take them
+    (:meth:`MXTensor.parts`), detached."""
+    if not isinstance(mx, MXTensor):
+        raise TypeError(f"mx_parts expects an MXTensor; got {type(mx).__name__}")
+    return [p.detach() for p in mx.parts()]
+
+
+class MXLinear(torch.nn.Linear):
+    """``torch.nn.Linear`` whose GEMM is MXFP4: ``y = x @ W^T + bias``.
+
+    Same constructor arguments as ``nn.Linear`` plus ``recipe`` (a :class:`QuantRecipe`,
+    a mapping of its fields, or None for the default); the same ``weight``
+    ``[out_features, in_features]`` and ``bias`` ``[out_features]`` Parameters, in fp32
+    or bf16 (or fp16) as the master copy the optimizer updates; the same state dict.
+
+    Forward: x ``[..., in_features]`` in the weight's dtype -> ``[..., out_features]``
+    in that dtype. ``x @ W^T`` with W quantized along ``in_features`` (K) and x per
+    ``recipe.activations``; the bias is added afterwards in the output dtype. With a
+    gradient to compute (or under ``torch.compile``) the GEMM is ``portable_mx::mm``
+    (backward: :mod:`portable_mx._custom_ops`; bias: exact, by autograd); without one it
+    is the same GEMM called directly, on the cached weight.
+
+    The quantized weight: outside a :func:`~portable_mx.nn.weight_cache` block the
+    weight is quantized on every forward, so a forward always uses the weight's current
+    values, however they were changed (any optimizer, fused included; writes through
+    ``weight.data`` or numpy views; FSDP2's in-place refills). Inside such a block the
+    quantized weight (4.25 bits per element, plus macro factors / outliers) is kept and
+    reused until an optimizer step, a version-bumping in-place update or a replaced
+    weight (the exact rule, and what the block asks of the caller, are in
+    :mod:`portable_mx.nn.weight_cache`): use it where one weight serves many forwards
+    (generation, rollouts, inference). Compiled code quantizes inside its graph.
+
+    Double backward (``create_graph=True`` and differentiating the gradient) is not
+    supported: differentiating a gradient of the MXFP4 GEMM raises a RuntimeError.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        recipe: Any = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe
+
+    @property
+    def recipe(self) -> QuantRecipe:
+        """The :class:`QuantRecipe` of the forward and backward GEMMs (assignable)."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Any) -> None:
+        recipe = ops._recipe(recipe)
+        self._recipe = recipe
+        self._recipe_json = recipe_json(recipe)
+        cache = self.__dict__.get("_pmx_weight_cache")
+        if cache is None:
+            self._pmx_weight_cache = WeightCache()
+        else:
+            cache.clear()
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None) -> "MXLinear":
+        """An MXLinear that shares ``linear``'s weight and bias Parameters (no copy) and
+        its training mode."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"from_linear expects a torch.nn.Linear; got {type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta", dtype=linear.weight.dtype, recipe=recipe)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def quantized_weight(self) -> MXTensor:
+        """``weight.T`` ``[in_features, out_features]`` quantized along axis 0
+        (in_features, K) with the recipe: the MXTensor the forward GEMM uses (the cached
+        one inside :func:`~portable_mx.nn.weight_cache`, else quantized now)."""
+        return self._pmx_weight_cache.get("weight", self.weight, self._recipe, self._quantize_weight)
+
+    def _quantize_weight(self, w: Tensor) -> MXTensor:
+        with torch.no_grad():
+            return ops.quantize(w.detach().T, self._recipe, axis=0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if not isinstance(x, Tensor):
+            raise TypeError(f"MXLinear expects a torch.Tensor; got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"MXLinear: x must be [..., {self.in_features}]; got shape {tuple(x.shape)}")
+        if x.dtype != w.dtype:
+            raise TypeError(
+                f"MXLinear: x is {x.dtype} but the weight is {w.dtype}; cast one of them "
+                "(autocast does not apply to the MXFP4 GEMM)"
+            )
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        bias = self.bias
+        rj = self._recipe_json
+        if torch.compiler.is_compiling():
+            y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "")
+        elif torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
+                                          (bias is not None and bias.requires_grad)):
+            if self._pmx_weight_cache.depth:
+                parts = self.quantized_weight().rows().parts()
+                y = torch.ops.portable_mx.mm(x2, w.T, [], parts, rj, "", rj)
+            else:  # the op quantizes the weight itself
+                y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "")
+        else:  # no autograd: the dispatch layer directly, the bias added in place
+            b = self.quantized_weight() if self._pmx_weight_cache.depth else w.detach().T
+            y = _dispatch.gemm(x2, b, self._recipe, x.dtype)
+            if bias is not None:
+                y.add_(bias)
+                bias = None
+        if x2 is not x:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self._recipe.describe()}"
+
+    def __setstate__(self, state: dict) -> None:
+        state.pop("_weight_cache", None)  # pickles of older versions held a weakref here
+        super().__setstate__(state)
+        if not isinstance(self.__dict__.get("_pmx_weight_cache"), WeightCache):
+            self._pmx_weight_cache = WeightCache()

@@ -1,0 +1,176 @@
+"""Reusing a layer's quantized weight between forwards, where that is safe by promise.
+
+Quantizing a weight reads all of it (4 bytes per element in fp32, 2 in bf16) and writes
+4.25 bits per element; a decode-size W4A16 GEMM reads only the 4.25 bits. Re-quantizing
+the weight on every forward therefore costs more than the GEMM itself when the batch is
+small (generation, RL rollouts), and reusing the quantized copy is what makes MXFP4
+inference fast. Reusing it is only correct while the weight's values have not changed,
+and no cheap test can see every change: ``optimizer.step()`` with ``fused=True``, writes
+through ``weight.data`` (``.data.copy_``, ``.data.mul_``, ``.data[:] = ...``), numpy views
+and FSDP2's refill of its unsharded weights all leave the version counter as it was, and
+the allocator hands a freed address to the next tensor of the same size.
+
+So the rule is: **outside** a :func:`weight_cache` block, MX layers quantize their weight
+on every forward (always correct, whoever changed it). **Inside** one, each layer keeps
+its quantized weight and reuses it until one of these happens, each of which it sees:
+
+- any ``torch.optim`` optimizer steps (foreach, fused or single-tensor; a global step
+  hook counts the steps),
+- an in-place update that bumps the weight's version counter (``with torch.no_grad():
+  weight.mul_(...)``, ``weight.copy_(...)``, ``load_state_dict``),
+- the weight is replaced by another Parameter or tensor (another object, address, shape,
+  dtype or device), or the layer's recipe changes.
+
+By entering the block the caller promises that nothing else changes the weights inside
+it: no writes through ``.data`` or numpy views, no code running under
+``torch.autograd._unsafe_preserve_version_counter``. Layers managed by FSDP (FSDP2's
+``fully_shard``, FSDP1) never cache, in or out of the block: FSDP refills their unsharded
+weights in place without a version bump. ``torch.compile``d code never consults the
+cache (it quantizes inside its graph).
+
+Typical use: around rollout generation or an inference loop, where one weight version
+serves many forwards::
+
+    with pmx.nn.weight_cache(policy):
+        tokens = generate(policy, prompts)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["WeightCache", "weight_cache"]
+
+_STEPS = [0]  # optimizer steps taken since the hook was installed (any optimizer)
+_HOOK: list[Any] = []
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _STEPS[0] += 1
+
+
+def _install_step_hook() -> None:
+    """Count every ``Optimizer.step()`` in the process (once; the hook is global)."""
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(_count_step))
+
+
+class WeightCache:
+    """The quantized weights of one layer, kept only while a :func:`weight_cache` block
+    covers the layer (``active``). Entries are keyed by a name (a layer may quantize
+    several weights, or one weight along two axes) and validated on every lookup against
+    the weight object, its version counter, address, shape, dtype, device, the recipe
+    and the process-wide optimizer step count. Copies and pickles of a layer get an
+    empty, inactive cache."""
+
+    __slots__ = ("depth", "entries", "__weakref__")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.entries: dict[str, tuple] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+    def get(self, name: str, w: torch.Tensor, recipe: Any, build: Callable[[torch.Tensor], Any]) -> Any:
+        """``build(w)``, or the value built for this same ``(w, recipe)`` earlier in the
+        block when nothing the cache can see has changed since."""
+        if self.depth <= 0:
+            return build(w)
+        key = _key(w, recipe)
+        hit = self.entries.get(name)
+        if key is not None and hit is not None and hit[0] == key and hit[1]() is w:
+            return hit[2]
+        value = build(w)
+        if key is None:
+            self.entries.pop(name, None)
+        else:
+            self.entries[name] = (key, weakref.ref(w), value)
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    # a copy of a layer (copy.deepcopy, pickle) starts with nothing cached and no block
+    def __deepcopy__(self, memo: dict) -> "WeightCache":
+        return WeightCache()
+
+    def __copy__(self) -> "WeightCache":
+        return WeightCache()
+
+    def __reduce__(self) -> tuple:
+        return (WeightCache, ())
+
+
+def _key(w: torch.Tensor, recipe: Any) -> Optional[tuple]:
+    try:
+        version = w._version
+    except RuntimeError:  # an inference tensor has no version counter: no caching
+        return None
+    return (version, _STEPS[0], w.data_ptr(), w.shape, w.stride(), w.dtype, w.device, recipe)
+
+
+def _fsdp_types() -> tuple[type, ...]:
+    types: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        types.append(FSDPModule)
+    except Exception:  # a torch without distributed support
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        types.append(FullyShardedDataParallel)
+    except Exception:
+        pass
+    return tuple(types)
+
+
+def layer_caches(model: torch.nn.Module) -> list[tuple[str, WeightCache]]:
+    """(qualified name, cache) of every MX layer in ``model`` that may cache: those with
+    a ``_pmx_weight_cache`` and no FSDP-managed module among them or their parents."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"weight_cache expects a torch.nn.Module; got {type(model).__name__}")
+    fsdp = _fsdp_types()
+    managed: set[str] = set()
+    out = []
+    for name, module in model.named_modules():
+        if fsdp and isinstance(module, fsdp):
+            managed.add(name)
+        if any(name == p or name.startswith(p + ".") or p == "" for p in managed):
+            continue
+        cache = getattr(module, "_pmx_weight_cache", None)
+        if isinstance(cache, WeightCache):
+            out.append((name, cache))
+    return out
+
+
+@contextlib.contextmanager
+def weight_cache(model: torch.nn.Module) -> Iterator[int]:
+    """Inside this block, every MX layer of ``model`` (MXLinear and the other
+    ``portable_mx.nn`` layers) quantizes its weight once and reuses it until an
+    optimizer step, a version-bumping in-place update or a replaced weight (see the
+    module doc for the exact rule, and what the caller promises). Yields the number of
+    layers that cache (FSDP-managed layers do not). Blocks nest; leaving the outermost
+    block frees the cached weights."""
+    caches = [c for _, c in layer_caches(model)]
+    _install_step_hook()
+    for c in caches:
+        c.depth += 1
+    try:
+        yield len(caches)
+    finally:
+        for c in caches:
+            c.depth -= 1
+            if c.depth <= 0:
+                c.depth = 0
+                c.clear()

@@ -142,7 +142,9 @@ def assert_stats_close(got, want):
     survivors have Q x >= 0) within 4 * 31 eps relative; energies of identically computed
     elements within 2 * 31 eps; components that depend on beta move by |d beta| |x| per
     element, so their energies within 2 * 31 eps relative plus 4 * 4 * 31 eps of the
-    signal energy, and their elements within 4 * 31 eps |x| * max(1, |beta|).
+    signal energy, and their elements within 4 * 31 eps |x| * max(1, |beta|) plus 2 eps of
+    the element (the kernel computes them in fp32, rounding twice; the reference rounds its
+    float64 value once).
     """
     assert torch.equal(got.dead_count.cpu(), want.dead_count)
     assert torch.equal(got.clip_count.cpu(), want.clip_count)
@@ -162,7 +164,8 @@ def assert_stats_close(got, want):
         x = want.dequantized - (want.scale_bias + want.deadzone + want.grid_noise)  # = x up to fp32 rounding
         bound = (beta_tol * x.abs() * want.beta.repeat_interleave(32, -1).abs().clamp(min=1)).nan_to_num(0.0) + 1e-30
         for name in ("scale_bias", "grid_noise"):
-            assert_close(getattr(got, name), getattr(want, name), 2 * bound, name)
+            want_e = getattr(want, name)
+            assert_close(getattr(got, name), want_e, 2 * bound + 2 * EPS * want_e.abs().nan_to_num(0.0), name)
 
 
 @pytest.mark.parametrize("definition", ["gain", "counterfactual"])

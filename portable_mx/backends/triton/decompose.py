@@ -3,13 +3,29 @@ error decomposition (numerics.md section 3) in one pass over x; the four element
 only on request (``full``).
 
 The encoding is the quantize kernel's (bit-exact; encode.py, word layout); Q, the counts
-and the element tensors are bit-exact with ``decompose.decompose_blocks``, the float
-statistics equal to it up to fp32 summation order (and the scale energy of definition
-"gain" is summed factored, as (beta - 1)**2 times the survivors' energy). The counts are
-written as int32 and a block holding NaN/Inf gets NaN statistics, counts 0 and NaN
-elements, as the reference; the program adds the number of NaN/Inf values of its tile to
-a device counter (one atomic per tile, only in tiles that hold any), which the
-Decomposition carries instead of a host check.
+and the element tensors are bit-exact with ``decompose.decompose_blocks`` or within fp32
+rounding of its float64 components (scale bias and grid noise, computed here in fp32 as
+(beta - 1) x and (Q - x) - (beta - 1) x), the float statistics equal to it up to fp32
+summation order (and the scale energy of definition "gain" is summed factored, as
+(beta - 1)**2 times the survivors' energy). The counts are written as int32 and a block
+holding NaN/Inf gets NaN statistics, counts 0 and NaN elements, as the reference; the
+program adds the number of NaN/Inf values of its tile to a device counter (one atomic per
+tile, only in tiles that hold any), which the Decomposition carries instead of a host
+check.
+
+Range. Every sum is an fp32 sum of squares taken in units of 2**n, n (in [-126, 126]) the
+exponent of the block's max |x|: x and Q are multiplied by 2**-n (exact), so no square
+overflows, and the block's statistics are the same at every scale, from fp32 subnormals
+(which 2**126 makes normal) to the fp32 maximum. An energy leaves the kernel as the
+float64 s * 2**(2n) (its bits built with 32-bit integer operations: no fp64 arithmetic),
+beta as fp32 (a ratio of two such sums). Squares underflow only for values below 2**-63
+in these units, and a nonzero component value is that small only in a block holding a
+nonzero |x| below 2**(n - 32) (every other nonzero one is at least 2**-60: values are
+>= 2**-32, Q within a factor 2 of x or 0, beta >= 1/2, and a difference of two fp32 values
+at least 2**-24 of the smaller). Such *wide* blocks are found by one integer min per
+element; a tile holding one (a uniform branch) sums their deadzone, error and grid (and
+counterfactual scale) energies again from the unscaled values, each in units of its own
+largest element, so that none is lost however far below the block's max it lies.
 """
 
 from __future__ import annotations
@@ -112,41 +128,39 @@ def _counterfactual(q, x, s, lane, idx1, idx2, N_OUT: tl.constexpr):
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
-def _normaliser(amax, ob1, ob2, N_OUT: tl.constexpr):
-    """The block's unit for the statistics: (n, 2**-n) [BR, NBK], n (int32 in [-126, 126])
-    the exponent of its max |x|, outliers included (by their bf16 value: at most one binade
-    above), and 2**-n an fp32 normal. ``amax``: bits of the rest's amax."""
+def _units(amax, ob1, ob2, N_OUT: tl.constexpr):
+    """The block's unit for the statistics: (w, 2**-w) [BR, NBK], w = max(n - 56, -126) with
+    n the exponent of its max |x|, outliers included (by their bf16 value: at most one
+    binade above), and 2**-w an fp32 normal. In these units |x| < 2**58, so no sum of 32
+    squares or products overflows (< 2**122), and a value down to 2**(n - 119) still
+    squares to a normal. ``amax``: bits of the rest's amax."""
     top = amax
     if N_OUT >= 1:
         top = tl.maximum(top, (ob1 << 16) & F32_ABS)
         if N_OUT == 2:
             top = tl.maximum(top, (ob2 << 16) & F32_ABS)
-    n = tl.minimum(tl.maximum((top >> 23) - 127, -126), 126)
-    return n, as_f32((127 - n) << 23)
+    w = tl.minimum(tl.maximum((top >> 23) - 127 - 56, -126), 126)
+    return w, as_f32((127 - w) << 23)
 
 
 @triton.jit
-def _wide(lo, hi, n):
-    """The blocks [BR, NBK] holding a nonzero |x| below 2**(n - 32) (fp32 bits lo, hi of
-    the halves [BR, NBK, 16]): only there can an error component be too small for its
-    squares in units of 2**n (the module doc, "Range")."""
-    least = tl.minimum(tl.min(((lo & F32_ABS) - 1).to(tl.uint32), axis=2),
-                       tl.min(((hi & F32_ABS) - 1).to(tl.uint32), axis=2))  # |x| - 1 unsigned: a zero is the largest
-    limit = f32_bits(exp2i(n - 32))  # >= 1: below the subnormals 2**-149 it is 1, which no nonzero |x| is under
-    return least < (limit - 1).to(tl.uint32)
+def _wide(dead_n, e_dead, amax, w, special, N_OUT: tl.constexpr):
+    """The blocks [BR, NBK] whose error components may hold values too small for their
+    squares in units of 2**w (the module doc, "Range"): a deadzone (``dead_n`` > 0) whose
+    energy in those units ``e_dead`` is below 2**-60, or, with outliers, a rest whose amax
+    (bits ``amax``) is nonzero and below 2**(w - 30)."""
+    wide = (dead_n > 0) & (e_dead < 8.673617379884035e-19)  # 2**-60
+    if N_OUT >= 1:
+        wide = wide | ((amax > 0) & (amax < f32_bits(exp2i(tl.maximum(w - 30, -149)))))
+    return wide & (special == 0)
 
 
 @triton.jit
-def _sumsq_own_units(v_lo, v_hi):
-    """(s, x2): the block sums [BR, NBK] of the squares of the halves v [BR, NBK, 16] as
-    s * 2**x2, s summed in units of 2**j, j (in [-126, 126]) the exponent of the block's
-    largest |v|: the largest square is in [1, 16) (in [2**-46, 1) below the normals), so
-    none that matters under- or overflows."""
+def _own_unit_energy(v_lo, v_hi):
+    """The block sums [BR, NBK] of the squares of an unscaled fp32 tensor (halves
+    [BR, NBK, 16]) as (s, x2) = s * 2**x2, s summed in units of 2**j, j (in [-126, 126])
+    the exponent of the block's largest |v|: the largest square is in [1, 16) (in
+    [2**-46, 1) below the normals), so none that matters under- or overflows."""
     top = tl.maximum(tl.max(f32_bits(v_lo) & F32_ABS, axis=2), tl.max(f32_bits(v_hi) & F32_ABS, axis=2))
     j = tl.minimum(tl.maximum((top >> 23) - 127, -126), 126)
     u = as_f32((127 - j) << 23)[:, :, None]
@@ -156,26 +170,40 @@ def _sumsq_own_units(v_lo, v_hi):
 
 
 @triton.jit
-def _wide_energies(x_lo, x_hi, q_lo, q_hi, qs_lo, qs_hi, dead_lo, dead_hi, bm1, COUNTERFACTUAL: tl.constexpr):
-    """The energies of blocks whose values span more than 32 binades, as (s, x2) pairs
-    (scale, dead, grid, error; see :func:`_sumsq_own_units`), from the unscaled fp32 x, Q
-    and Q* [BR, NBK, 16] (Q* only for definition C), each summed in units of its own
-    largest element: none is lost however far below the block's max it lies. Definition
-    G's scale energy, (beta - 1)**2 times the survivors' energy, is right in units of
-    2**n and comes back as a zero placeholder."""
-    d_lo = q_lo - x_lo
-    d_hi = q_hi - x_hi
-    s_err, x_err = _sumsq_own_units(d_lo, d_hi)
-    s_dead, x_dead = _sumsq_own_units(tl.where(dead_lo, x_lo, 0.0), tl.where(dead_hi, x_hi, 0.0))
+def _beta_and_signal(xn_lo, xn_hi, qn_lo, qn_hi, gdead_lo, gdead_hi):
+    """From x and Q in units of 2**w [BR, NBK, 16] and definition G's deadzone: (beta, the
+    survivors' energy, the signal energy) [BR, NBK], the energies in those units. Both are
+    right in these units for every block (the module doc, "Range")."""
+    # definition G's first pass: beta from the survivors (a dead Q x is +-0: no select)
+    xx_lo = xn_lo * xn_lo
+    xx_hi = xn_hi * xn_hi
+    num = _sum2(qn_lo * xn_lo, qn_hi * xn_hi)
+    den = _sum2(tl.where(gdead_lo, 0.0, xx_lo), tl.where(gdead_hi, 0.0, xx_hi))
+    beta = tl.where(den > 0, tl.math.div_rn(num, tl.where(den > 0, den, 1.0)), 1.0)
+    return beta, den, _sum2(xx_lo, xx_hi)
+
+
+@triton.jit
+def _error_energies(xn_lo, xn_hi, qn_lo, qn_hi, qsn_lo, qsn_hi, dead_lo, dead_hi, bm1, COUNTERFACTUAL: tl.constexpr):
+    """The deadzone, grid, error and (definition C) scale energies [BR, NBK] in units of
+    2**(2w), from x, Q and Q* (C only) in units of 2**w [BR, NBK, 16] and the definition's
+    deadzone; ``bm1`` = beta - 1 [BR, NBK, 1]. Definition G's scale energy is not among
+    them (0: it is (beta - 1)**2 times the survivors' energy)."""
+    d_lo = qn_lo - xn_lo
+    d_hi = qn_hi - xn_hi
+    e_error = _sum2(d_lo * d_lo, d_hi * d_hi)
+    e_dead = _sum2(tl.where(dead_lo, xn_lo * xn_lo, 0.0), tl.where(dead_hi, xn_hi * xn_hi, 0.0))  # the signal's squares
     if COUNTERFACTUAL:
-        s_scale, x_scale = _sumsq_own_units(q_lo - qs_lo, q_hi - qs_hi)
-        s_grid, x_grid = _sumsq_own_units(tl.where(dead_lo, 0.0, qs_lo - x_lo), tl.where(dead_hi, 0.0, qs_hi - x_hi))
+        es_lo = qn_lo - qsn_lo
+        es_hi = qn_hi - qsn_hi
+        e_scale = _sum2(es_lo * es_lo, es_hi * es_hi)
+        eg_lo = tl.where(dead_lo, 0.0, qsn_lo - xn_lo)
+        eg_hi = tl.where(dead_hi, 0.0, qsn_hi - xn_hi)
     else:
-        s_scale = tl.zeros(s_err.shape, tl.float32)
-        x_scale = x_err
-        s_grid, x_grid = _sumsq_own_units(tl.where(dead_lo, 0.0, d_lo - bm1 * x_lo),
-                                          tl.where(dead_hi, 0.0, d_hi - bm1 * x_hi))
-    return s_scale, x_scale, s_dead, x_dead, s_grid, x_grid, s_err, x_err
+        e_scale = tl.zeros(e_error.shape, tl.float32)
+        eg_lo = tl.where(dead_lo, 0.0, d_lo - bm1 * xn_lo)  # Q - beta x as (Q - x) - (beta - 1) x
+        eg_hi = tl.where(dead_hi, 0.0, d_hi - bm1 * xn_hi)
+    return e_scale, e_dead, _sum2(eg_lo * eg_lo, eg_hi * eg_hi), e_error
 
 
 F64_QNAN = tl.constexpr(0x7FF8000000000000)
@@ -184,21 +212,34 @@ F64_QNAN = tl.constexpr(0x7FF8000000000000)
 @triton.jit
 def _f64_bits(s, x2):
     """int64 bits of the float64 s * 2**x2, exact: s [BR, NBK] an fp32 sum of squares
-    (zero, positive below 2**10, inf or NaN), x2 int32 in [-504, 504]. Integer
-    operations on 32-bit halves: no fp64 arithmetic in the kernel."""
-    t = f32_bits(s * 18446744073709551616.0) & F32_ABS  # s * 2**64: exact, and a subnormal s turns normal
+    (+0, positive, inf or NaN), x2 int32 in [-252, 252]. Integer operations on 32-bit
+    halves (no fp64 arithmetic in the kernel); a subnormal s is made normal first."""
+    tiny = s < 1.1754943508222875e-38  # below 2**-126
+    s = tl.where(tiny, s * 18446744073709551616.0, s)  # * 2**64: exact
+    x2 = tl.where(tiny, x2 - 64, x2)
+    t = f32_bits(s) & F32_ABS  # a NaN may carry the sign bit (x86's inf - inf does)
     field = t >> 23
-    frac = t & 0x7FFFFF
-    hi = ((field + (1023 - 127 - 64) + x2) << 20) | (frac >> 3)
-    hi = tl.where(field == 0, 0, tl.where(field == 255, 0x7FF00000 | (frac >> 3), hi))
-    lo = frac << 29
+    e = tl.where(field == 255, 2047, field + (1023 - 127) + x2)  # inf and NaN keep theirs
+    hi = (tl.where(t == 0, 0, e) << 20) | ((t >> 3) & 0xFFFFF)
+    lo = t << 29  # the fraction's last 3 bits
     return (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+
+
+WIDE_MARK = tl.constexpr(-4616189618054758400)
+"""The bits of float64 -1.0: the first loop's mark, in the deadzone energy plane, of a
+wide block whose error energies the second loop writes (an energy is never negative)."""
+
+
+@triton.jit
+def _energy_bits(s, x2, special):
+    """The float64 bits (int64) of the energy s * 2**x2, NaN in special blocks."""
+    return tl.where(special, F64_QNAN, _f64_bits(s, x2))
 
 
 @triton.jit
 def _store_energy(energy_ptr, boff, plane, i: tl.constexpr, s, x2, special, bmask):
     """Plane ``i`` of the float64 energies (int64 bits): s * 2**x2, NaN in special blocks."""
-    tl.store(energy_ptr + i * plane + boff, tl.where(special, F64_QNAN, _f64_bits(s, x2)), mask=bmask)
+    tl.store(energy_ptr + i * plane + boff, _energy_bits(s, x2, special), mask=bmask)
 
 
 @triton.jit
@@ -234,6 +275,119 @@ def _load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w, BLOCK_R: 
 
 
 @triton.jit
+def _components(x_lo, x_hi, q_lo, q_hi, qs_lo, qs_hi, dead_lo, dead_hi, bm1, COUNTERFACTUAL: tl.constexpr):
+    """The scale and grid components (the element tensors' values) and the error Q - x of
+    the halves [BR, NBK, 16] (fp32 x; fp32 bits of Q and Q*; the definition's deadzone;
+    ``bm1`` = beta - 1 [BR, NBK, 1]): (es_lo, es_hi, eg_lo, eg_hi, d_lo, d_hi)."""
+    d_lo = as_f32(q_lo) - x_lo
+    d_hi = as_f32(q_hi) - x_hi
+    if COUNTERFACTUAL:
+        es_lo = as_f32(q_lo) - as_f32(qs_lo)
+        es_hi = as_f32(q_hi) - as_f32(qs_hi)
+        eg_lo = tl.where(dead_lo, 0.0, as_f32(qs_lo) - x_lo)
+        eg_hi = tl.where(dead_hi, 0.0, as_f32(qs_hi) - x_hi)
+    else:
+        es_lo = tl.where(dead_lo, 0.0, bm1 * x_lo)
+        es_hi = tl.where(dead_hi, 0.0, bm1 * x_hi)
+        eg_lo = tl.where(dead_lo, 0.0, d_lo - es_lo)  # Q - beta x as (Q - x) - (beta - 1) x
+        eg_hi = tl.where(dead_hi, 0.0, d_hi - es_hi)
+    return es_lo, es_hi, eg_lo, eg_hi, d_lo, d_hi
+
+
+@triton.jit
+def _load_plane(planes, i: tl.constexpr, PLANE_WORDS, rows, wcol, smask, c, col0, R, KW, BLOCK_R: tl.constexpr,
+                BW: tl.constexpr, NBK: tl.constexpr, SPAN: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
+    """The fp32 bits (lo, hi halves [BR, NBK, 16]) of chunk ``c`` of element plane ``i``
+    that this program wrote (``planes``: the full output as int64 words of two fp32)."""
+    w = _load_words(planes + i * PLANE_WORDS, rows, wcol, smask, c, col0, R, KW, KW, BLOCK_R, BW, SPAN, VEC, EVEN)
+    return unpack_words(tl.reshape(w, (BLOCK_R, NBK, 16)), 2)
+
+
+@triton.jit
+def _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_lo,
+           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+           MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
+           HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr,
+           COUNTERFACTUAL: tl.constexpr, FMA_DIV: tl.constexpr, WHOLE_BLOCKS: tl.constexpr):
+    """Chunk ``c`` of the program's span, loaded and quantized: the fp32 bits of x, Q and
+    Q* (definition C; Q for G) of the halves [BR, NBK, 16], definition G's and the
+    definition's deadzone masks, the bits of |y| (the scaled values rounded), and per
+    block [BR, NBK] the rest's amax bits, the special flag, the statistics' unit 2**w and
+    2**-w (:func:`_units`); the block indices and mask (:func:`chunk_blocks`)."""
+    BW: tl.constexpr = BLOCK_K // 2
+    NBK: tl.constexpr = BLOCK_K // 32
+    wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
+    if WHOLE_BLOCKS:
+        w = load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R, NBK, SPAN, VEC, EVEN)
+    else:
+        w = tl.reshape(_load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w, BLOCK_R, BW, SPAN, VEC,
+                                   EVEN), (BLOCK_R, NBK, 16))
+    bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
+    lo, hi = unpack_words(w, IN_KIND)
+    rlo, rhi, amax, special, idx1, ob1, idx2, ob2 = split_blocks(lo, hi, IN_KIND, N_OUT)
+    m = tl.full([BLOCK_R, NBK], 1.0, tl.float32)
+    if HAS_MACRO:
+        if MACRO_GROUP > 0:
+            _, m = group_macro_factors(amax, BLOCK_R, NBK, MACRO_GROUP)
+        else:
+            if NUM_CHUNKS == 1:
+                m_span = macro_factor(as_f32(tl.max(amax, axis=1)))
+            m = tl.broadcast_to(m_span[:, None], (BLOCK_R, NBK))
+    e = block_exponent(amax, m, RULE, HAS_MACRO)
+    inv = inverse_scale(e)
+    factor = (exp2i(e) * m)[:, :, None]
+    slo, shi = scaled_halves(rlo, rhi, m, HAS_MACRO, FMA_DIV)
+    if STOCHASTIC:
+        code_lo, code_hi, a_lo, a_hi = encode_stochastic(slo, shi, inv, seed, rows, col0 // 2 + c * BW, KW, BLOCK_R,
+                                                         NBK)
+        q_lo = decode_bits(code_lo, factor)
+        q_hi = decode_bits(code_hi, factor)
+    else:
+        q_lo, a_lo = _q_nearest(slo, inv, factor)
+        q_hi, a_hi = _q_nearest(shi, inv, factor)
+    q_lo = _with_outliers(q_lo, idx1, ob1, idx2, ob2, lane_lo, N_OUT)
+    q_hi = _with_outliers(q_hi, idx1, ob1, idx2, ob2, lane_lo + 1, N_OUT)
+    gdead_lo = _dead(q_lo, lo)  # definition G's deadzone (beta's survivors in both definitions)
+    gdead_hi = _dead(q_hi, hi)
+    qs_lo = q_lo
+    qs_hi = q_hi
+    dead_lo = gdead_lo
+    dead_hi = gdead_hi
+    if COUNTERFACTUAL:
+        s = tl.math.div_rn(as_f32(amax), tl.full([BLOCK_R, NBK], 6.0, tl.float32))  # rest_amax / 6
+        qs_lo = _counterfactual(q_lo, lo, s, lane_lo, idx1, idx2, N_OUT)
+        qs_hi = _counterfactual(q_hi, hi, s, lane_lo + 1, idx1, idx2, N_OUT)
+        dead_lo = _dead(qs_lo, lo)
+        dead_hi = _dead(qs_hi, hi)
+    w, u = _units(amax, ob1, ob2, N_OUT)
+    return (lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, a_lo, a_hi, amax, special, w, u,
+            bidx, bmask)
+
+
+@triton.jit
+def _fast_stats(lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, amax, special, w, u,
+                COUNTERFACTUAL: tl.constexpr, N_OUT: tl.constexpr):
+    """The statistics of a chunk (:func:`_chunk`'s values) in units of 2**w: beta, the
+    definition's deadzone count, the scale, deadzone, grid, error and signal energies
+    [BR, NBK] in units of 2**(2w), and the wide blocks (:func:`_wide`), whose error
+    energies are not right here."""
+    un = u[:, :, None]
+    xn_lo = as_f32(lo) * un
+    xn_hi = as_f32(hi) * un
+    qn_lo = as_f32(q_lo) * un
+    qn_hi = as_f32(q_hi) * un
+    dead_n = _sum2(dead_lo.to(tl.int32), dead_hi.to(tl.int32))
+    beta, den, e_signal = _beta_and_signal(xn_lo, xn_hi, qn_lo, qn_hi, gdead_lo, gdead_hi)
+    bm1 = (beta - 1.0)[:, :, None]
+    e_scale, e_dead, e_grid, e_error = _error_energies(xn_lo, xn_hi, qn_lo, qn_hi, as_f32(qs_lo) * un,
+                                                       as_f32(qs_hi) * un, dead_lo, dead_hi, bm1, COUNTERFACTUAL)
+    if not COUNTERFACTUAL:
+        e_scale = (beta - 1.0) * (beta - 1.0) * den  # ||(beta - 1) x||^2 over the survivors, factored
+    wide = _wide(dead_n, e_dead, amax, w, special, N_OUT)
+    return beta, dead_n, e_scale, e_dead, e_grid, e_error, e_signal, wide
+
+
+@triton.jit
 def decompose_kernel(
     w_ptr, beta_ptr, energy_ptr, counts_ptr, full_ptr, bad_ptr,
     R, KW_IN, KW, stride_w, FULL_PLANE, seed,
@@ -260,140 +414,50 @@ def decompose_kernel(
     if HAS_MACRO and MACRO_GROUP == 0 and NUM_CHUNKS > 1:
         m_span = span_macro_factor(w_ptr, rows, col0, R, KW_IN, KW, stride_w, BLOCK_R, BW, SPAN, NUM_CHUNKS,
                                    IN_KIND, N_OUT)
+    any_wide = tl.zeros([], tl.int32)
     for c in range(NUM_CHUNKS):
-        wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
-        if WHOLE_BLOCKS:
-            w = load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R, NBK, SPAN, VEC, EVEN)
-        else:
-            w = tl.reshape(_load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w, BLOCK_R, BW, SPAN, VEC,
-                                       EVEN), (BLOCK_R, NBK, 16))
-        bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
-        lo, hi = unpack_words(w, IN_KIND)
-        rlo, rhi, amax, special, idx1, ob1, idx2, ob2 = split_blocks(lo, hi, IN_KIND, N_OUT)
-        m = tl.full([BLOCK_R, NBK], 1.0, tl.float32)
-        if HAS_MACRO:
-            if MACRO_GROUP > 0:
-                _, m = group_macro_factors(amax, BLOCK_R, NBK, MACRO_GROUP)
-            else:
-                if NUM_CHUNKS == 1:
-                    m_span = macro_factor(as_f32(tl.max(amax, axis=1)))
-                m = tl.broadcast_to(m_span[:, None], (BLOCK_R, NBK))
-        e = block_exponent(amax, m, RULE, HAS_MACRO)
-        inv = inverse_scale(e)
-        factor = (exp2i(e) * m)[:, :, None]
-        slo, shi = scaled_halves(rlo, rhi, m, HAS_MACRO, FMA_DIV)
-        if STOCHASTIC:
-            code_lo, code_hi, a_lo, a_hi = encode_stochastic(slo, shi, inv, seed, rows, col0 // 2 + c * BW, KW, BLOCK_R,
-                                                             NBK)
-            q_lo = decode_bits(code_lo, factor)
-            q_hi = decode_bits(code_hi, factor)
-        else:
-            q_lo, a_lo = _q_nearest(slo, inv, factor)
-            q_hi, a_hi = _q_nearest(shi, inv, factor)
-        q_lo = _with_outliers(q_lo, idx1, ob1, idx2, ob2, lane_lo, N_OUT)
-        q_hi = _with_outliers(q_hi, idx1, ob1, idx2, ob2, lane_lo + 1, N_OUT)
-
-        # The statistics are summed in fp32 in units of 2**n, n the exponent of the block's
-        # max |x|: exact scalings that keep every square in range (module doc, "Range").
-        x_lo = as_f32(lo)
-        x_hi = as_f32(hi)
-        n, u = _normaliser(amax, ob1, ob2, N_OUT)
-        un = u[:, :, None]
-        xn_lo = x_lo * un
-        xn_hi = x_hi * un
-        qn_lo = as_f32(q_lo) * un
-        qn_hi = as_f32(q_hi) * un
-        wide = _wide(lo, hi, n) & (special == 0)
-        flags = tl.reduce(tl.reduce(special.to(tl.int32) | (wide.to(tl.int32) << 1), 1, _or), 0, _or)
-
-        # definition G's first pass: beta from the survivors (a dead Q x is +-0: no select)
-        dead_lo = _dead(q_lo, lo)
-        dead_hi = _dead(q_hi, hi)
-        xx_lo = xn_lo * xn_lo
-        xx_hi = xn_hi * xn_hi
-        num = _sum2(qn_lo * xn_lo, qn_hi * xn_hi)
-        den = _sum2(tl.where(dead_lo, 0.0, xx_lo), tl.where(dead_hi, 0.0, xx_hi))
-        d_lo = qn_lo - xn_lo
-        d_hi = qn_hi - xn_hi
-        e_error = _sum2(d_lo * d_lo, d_hi * d_hi)
-        e_signal = _sum2(xx_lo, xx_hi)
-        beta = tl.where(den > 0, tl.math.div_rn(num, tl.where(den > 0, den, 1.0)), 1.0)
-        bm1 = (beta - 1.0)[:, :, None]
-        qs_lo = q_lo
-        qs_hi = q_hi
-        if COUNTERFACTUAL:
-            s = tl.math.div_rn(as_f32(amax), tl.full([BLOCK_R, NBK], 6.0, tl.float32))  # rest_amax / 6
-            qs_lo = _counterfactual(q_lo, lo, s, lane_lo, idx1, idx2, N_OUT)
-            qs_hi = _counterfactual(q_hi, hi, s, lane_lo + 1, idx1, idx2, N_OUT)
-            dead_lo = _dead(qs_lo, lo)
-            dead_hi = _dead(qs_hi, hi)
-            qsn_lo = as_f32(qs_lo) * un
-            qsn_hi = as_f32(qs_hi) * un
-            es_lo = qn_lo - qsn_lo
-            es_hi = qn_hi - qsn_hi
-            eg_lo = tl.where(dead_lo, 0.0, qsn_lo - xn_lo)
-            eg_hi = tl.where(dead_hi, 0.0, qsn_hi - xn_hi)
-            e_scale = _sum2(es_lo * es_lo, es_hi * es_hi)
-        else:
-            eg_lo = tl.where(dead_lo, 0.0, d_lo - bm1 * xn_lo)  # Q - beta x as (Q - x) - (beta - 1) x
-            eg_hi = tl.where(dead_hi, 0.0, d_hi - bm1 * xn_hi)
-            e_scale = (beta - 1.0) * (beta - 1.0) * den
-        e_dead = _sum2(tl.where(dead_lo, xx_lo, 0.0), tl.where(dead_hi, xx_hi, 0.0))
-        e_grid = _sum2(eg_lo * eg_lo, eg_hi * eg_hi)
-        n2 = 2 * n
-        x2_scale = n2
-        x2_dead = n2
-        x2_grid = n2
-        x2_error = n2
-        if (flags & 2) != 0:
-            # a block of this tile spans more than 32 binades: its error components are
-            # summed again from unscaled values, each in units of its own largest element
-            ws_scale, wx_scale, ws_dead, wx_dead, ws_grid, wx_grid, ws_error, wx_error = _wide_energies(
-                x_lo, x_hi, as_f32(q_lo), as_f32(q_hi), as_f32(qs_lo), as_f32(qs_hi), dead_lo, dead_hi, bm1,
-                COUNTERFACTUAL)
-            if COUNTERFACTUAL:
-                e_scale = tl.where(wide, ws_scale, e_scale)
-                x2_scale = tl.where(wide, wx_scale, x2_scale)
-            e_dead = tl.where(wide, ws_dead, e_dead)
-            x2_dead = tl.where(wide, wx_dead, x2_dead)
-            e_grid = tl.where(wide, ws_grid, e_grid)
-            x2_grid = tl.where(wide, wx_grid, x2_grid)
-            e_error = tl.where(wide, ws_error, e_error)
-            x2_error = tl.where(wide, wx_error, x2_error)
+        lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, a_lo, a_hi, amax, special, w, u, \
+            bidx, bmask = _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_lo, BLOCK_R,
+                                 BLOCK_K, SPAN, NUM_CHUNKS, MACRO_GROUP, IN_KIND, RULE, STOCHASTIC, HAS_MACRO, N_OUT,
+                                 EVEN, VEC, COUNTERFACTUAL, FMA_DIV, WHOLE_BLOCKS)
+        # the statistics in units of 2**w (module doc, "Range"); wide blocks' error energies
+        # come from the second loop below
+        beta, dead_n, e_scale, e_dead, e_grid, e_error, e_signal, wide = _fast_stats(
+            lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, amax, special, w, u,
+            COUNTERFACTUAL, N_OUT)
+        x2 = 2 * w
+        flags = tl.sum(tl.sum((special.to(tl.int32) << 16) + wide.to(tl.int32), axis=1), axis=0)  # one reduction
+        any_wide = any_wide + (flags & 0xFFFF)
+        if flags > 0xFFFF:  # a special block
+            nonfinite = ((lo & F32_ABS) >= F32_INF).to(tl.int64) + ((hi & F32_ABS) >= F32_INF).to(tl.int64)
+            tl.atomic_add(bad_ptr, tl.sum(tl.sum(tl.sum(nonfinite, axis=2), axis=1), axis=0))
 
         boff = rows[:, None] * NB + bidx
         nan = tl.full([BLOCK_R, NBK], float("nan"), tl.float32)
         tl.store(beta_ptr + boff, tl.where(special, nan, beta), mask=bmask)
-        _store_energy(energy_ptr, boff, plane, 0, e_scale, x2_scale, special, bmask)
-        _store_energy(energy_ptr, boff, plane, 1, e_dead, x2_dead, special, bmask)
-        _store_energy(energy_ptr, boff, plane, 2, e_grid, x2_grid, special, bmask)
-        _store_energy(energy_ptr, boff, plane, 3, e_error, x2_error, special, bmask)
-        _store_energy(energy_ptr, boff, plane, 4, e_signal, n2, special, bmask)
-        dead_n = _sum2(dead_lo.to(tl.int32), dead_hi.to(tl.int32))
+        _store_energy(energy_ptr, boff, plane, 0, e_scale, x2, special, bmask)
+        tl.store(energy_ptr + plane + boff, tl.where(wide, WIDE_MARK, _energy_bits(e_dead, x2, special)),
+                 mask=bmask)  # a wide block's error energies come from the second loop
+        _store_energy(energy_ptr, boff, plane, 2, e_grid, x2, special, bmask)
+        _store_energy(energy_ptr, boff, plane, 3, e_error, x2, special, bmask)
+        _store_energy(energy_ptr, boff, plane, 4, e_signal, x2, special, bmask)
         clip_n = _sum2((a_lo > 0x40C00000).to(tl.int32), (a_hi > 0x40C00000).to(tl.int32))  # |y| > 6
         tl.store(counts_ptr + boff, tl.where(special, 0, dead_n), mask=bmask)
         tl.store(counts_ptr + plane + boff, tl.where(special, 0, clip_n), mask=bmask)
 
-        if (flags & 1) != 0:
-            nonfinite = ((lo & F32_ABS) >= F32_INF).to(tl.int64) + ((hi & F32_ABS) >= F32_INF).to(tl.int64)
-            tl.atomic_add(bad_ptr, tl.sum(tl.sum(tl.sum(nonfinite, axis=2), axis=1), axis=0))
-
         if FULL:
+            x_lo = as_f32(lo)
+            x_hi = as_f32(hi)
+            bm1 = (beta - 1.0)[:, :, None]
             sp = special[:, :, None]
             ed_lo = tl.where(dead_lo, lo ^ F32_SIGN, 0)
             ed_hi = tl.where(dead_hi, hi ^ F32_SIGN, 0)
-            if COUNTERFACTUAL:
-                es_lo_bits = f32_bits(as_f32(q_lo) - as_f32(qs_lo))
-                es_hi_bits = f32_bits(as_f32(q_hi) - as_f32(qs_hi))
-                eg_lo_bits = f32_bits(tl.where(dead_lo, 0.0, as_f32(qs_lo) - x_lo))
-                eg_hi_bits = f32_bits(tl.where(dead_hi, 0.0, as_f32(qs_hi) - x_hi))
-            else:
-                sb_lo = tl.where(dead_lo, 0.0, bm1 * x_lo)
-                sb_hi = tl.where(dead_hi, 0.0, bm1 * x_hi)
-                es_lo_bits = f32_bits(sb_lo)
-                es_hi_bits = f32_bits(sb_hi)
-                eg_lo_bits = f32_bits(tl.where(dead_lo, 0.0, (as_f32(q_lo) - x_lo) - sb_lo))
-                eg_hi_bits = f32_bits(tl.where(dead_hi, 0.0, (as_f32(q_hi) - x_hi) - sb_hi))
+            es_lo, es_hi, eg_lo, eg_hi, d_lo, d_hi = _components(x_lo, x_hi, q_lo, q_hi, qs_lo, qs_hi, dead_lo, dead_hi,
+                                                                 bm1, COUNTERFACTUAL)
+            es_lo_bits = f32_bits(es_lo)
+            es_hi_bits = f32_bits(es_hi)
+            eg_lo_bits = f32_bits(eg_lo)
+            eg_hi_bits = f32_bits(eg_hi)
             fp = full_ptr
             KP = 2 * KW
             inner = c * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -407,6 +471,57 @@ def decompose_kernel(
                          tl.where(sp, F32_QNAN, ed_hi), emask, BLOCK_R, BLOCK_K, EVEN)
             _store_pairs(fp + 3 * FULL_PLANE, rows, ecol, KP, tl.where(sp, F32_QNAN, eg_lo_bits),
                          tl.where(sp, F32_QNAN, eg_hi_bits), emask, BLOCK_R, BLOCK_K, EVEN)
+
+    if any_wide > 0:
+        # Rare: a block of this program spans too many binades for units of 2**w (a deadzone
+        # or an outlier rest far below its max). Its error energies are summed again from
+        # the unscaled elements (the element tensors when FULL wrote them, else the chunk
+        # read and quantized again: the same bits), each in units of its own largest value.
+        tl.debug_barrier()  # this program's stores above are visible to all its threads
+        for c in range(NUM_CHUNKS):
+            bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
+            boff = rows[:, None] * NB + bidx
+            wide = bmask & (tl.load(energy_ptr + plane + boff, mask=bmask, other=0) == WIDE_MARK)
+            if FULL:
+                wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
+                x_lo, x_hi = unpack_words(tl.reshape(_load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w,
+                                                                 BLOCK_R, BW, SPAN, VEC, EVEN), (BLOCK_R, NBK, 16)),
+                                          IN_KIND)
+                planes = full_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+                q_lo, q_hi = _load_plane(planes, 0, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
+                                         NBK, SPAN, VEC, EVEN)
+                es_lo, es_hi = _load_plane(planes, 1, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
+                                           NBK, SPAN, VEC, EVEN)
+                ed_lo, ed_hi = _load_plane(planes, 2, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
+                                           NBK, SPAN, VEC, EVEN)
+                eg_lo, eg_hi = _load_plane(planes, 3, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
+                                           NBK, SPAN, VEC, EVEN)
+                d_lo = as_f32(q_lo) - as_f32(x_lo)
+                d_hi = as_f32(q_hi) - as_f32(x_hi)
+                es_lo = as_f32(es_lo)
+                es_hi = as_f32(es_hi)
+                eg_lo = as_f32(eg_lo)
+                eg_hi = as_f32(eg_hi)
+            else:
+                lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, a_lo, a_hi, amax, special, w, \
+                    u, bidx, bmask = _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_lo,
+                                            BLOCK_R, BLOCK_K, SPAN, NUM_CHUNKS, MACRO_GROUP, IN_KIND, RULE,
+                                            STOCHASTIC, HAS_MACRO, N_OUT, EVEN, VEC, COUNTERFACTUAL, FMA_DIV,
+                                            WHOLE_BLOCKS)
+                bm1 = (tl.load(beta_ptr + boff, mask=bmask, other=1.0) - 1.0)[:, :, None]
+                es_lo, es_hi, eg_lo, eg_hi, d_lo, d_hi = _components(as_f32(lo), as_f32(hi), q_lo, q_hi, qs_lo, qs_hi,
+                                                                     dead_lo, dead_hi, bm1, COUNTERFACTUAL)
+                ed_lo = tl.where(dead_lo, lo, 0)  # |e_dead| = |x| on the deadzone
+                ed_hi = tl.where(dead_hi, hi, 0)
+            if COUNTERFACTUAL:
+                s, x2 = _own_unit_energy(es_lo, es_hi)
+                tl.store(energy_ptr + boff, _f64_bits(s, x2), mask=wide)
+            s, x2 = _own_unit_energy(as_f32(ed_lo), as_f32(ed_hi))
+            tl.store(energy_ptr + plane + boff, _f64_bits(s, x2), mask=wide)
+            s, x2 = _own_unit_energy(eg_lo, eg_hi)
+            tl.store(energy_ptr + 2 * plane + boff, _f64_bits(s, x2), mask=wide)
+            s, x2 = _own_unit_energy(d_lo, d_hi)
+            tl.store(energy_ptr + 3 * plane + boff, _f64_bits(s, x2), mask=wide)
 
 
 FULL_VEC = 2

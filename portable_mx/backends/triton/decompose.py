@@ -1,6 +1,6 @@
 """The decompose kernel: quantize, dequantize and the per-block statistics of the exact
-error decomposition (numerics.md section 3) in one pass over x; the four element tensors
-only on request (``full``).
+error decomposition (numerics.md section 3) in one pass over x (a second one only for the
+rare *wide* blocks, below); the four element tensors only on request (``full``).
 
 The encoding is the quantize kernel's (bit-exact; encode.py, word layout); Q, the counts
 and the element tensors are bit-exact with ``decompose.decompose_blocks`` or within fp32
@@ -13,19 +13,24 @@ program adds the number of NaN/Inf values of its tile to a device counter (one a
 tile, only in tiles that hold any), which the Decomposition carries instead of a host
 check.
 
-Range. Every sum is an fp32 sum of squares taken in units of 2**n, n (in [-126, 126]) the
-exponent of the block's max |x|: x and Q are multiplied by 2**-n (exact), so no square
-overflows, and the block's statistics are the same at every scale, from fp32 subnormals
-(which 2**126 makes normal) to the fp32 maximum. An energy leaves the kernel as the
-float64 s * 2**(2n) (its bits built with 32-bit integer operations: no fp64 arithmetic),
-beta as fp32 (a ratio of two such sums). Squares underflow only for values below 2**-63
-in these units, and a nonzero component value is that small only in a block holding a
-nonzero |x| below 2**(n - 32) (every other nonzero one is at least 2**-60: values are
->= 2**-32, Q within a factor 2 of x or 0, beta >= 1/2, and a difference of two fp32 values
-at least 2**-24 of the smaller). Such *wide* blocks are found by one integer min per
-element; a tile holding one (a uniform branch) sums their deadzone, error and grid (and
-counterfactual scale) energies again from the unscaled values, each in units of its own
-largest element, so that none is lost however far below the block's max it lies.
+Range. The statistics are fp32 sums taken in units of 2**w, w = max(n - 56, -126) with n
+the exponent of the block's max |x|: x, Q and Q* are multiplied by 2**-w (exact), so that
+|x| < 2**58 (no sum of 32 squares or products overflows: < 2**122), fp32 subnormals become
+normal, and the statistics are the same at every scale up to the fp32 maximum. Beta, the
+signal energy and definition G's scale energy, (beta - 1)**2 times the survivors' energy,
+are right in these units for every block. The error components can hold values too
+small to square there (below 2**-63) only in a *wide* block: a deadzone whose energy in
+these units is below 2**-60 (all its values more than ~2**86 below the block's max), or an
+outlier rest more than 2**86 below its outliers. Elsewhere every nonzero component value
+is at least 2**-60 (a survivor is at least 1/32 of its scale's amax, |Q| >= |x|/2 or
+Q = 0, beta >= 1/2, a difference of two fp32 values at least 2**-24 of the smaller).
+Wide blocks cost one comparison per block to find; a program holding one (rare) runs a
+second loop over its chunks after the first, which takes their deadzone, grid, error and
+(C) scale energies from the unscaled fp32 element values (read back from the element
+tensors with ``full``, else from the chunk read and quantized again: the same bits), each
+summed in units of its own largest value, so that none is lost however far below the
+block's max it lies. An energy leaves the kernel as float64 (s * 2**x2, its bits built
+with 32-bit integer operations: no fp64 arithmetic), beta as fp32.
 """
 
 from __future__ import annotations

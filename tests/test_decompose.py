@@ -343,6 +343,9 @@ def mixed_blocks() -> torch.Tensor:
     x[2, 64:96] = n01(shape=(1, 32), seed=16) * 1e-44
     x[2, 70] = 3e38  # the fp32 maximum's binade over subnormals
     x[3, 96] = 2.0**-149  # the smallest subnormal in an ordinary block
+    u = torch.rand(32, generator=torch.Generator().manual_seed(20))
+    x[4, 32:64] = (0.5 + 0.5 * u) * torch.where(u < 0.5, -1e-30, 1e-30)  # a rest with no deadzone ...
+    x[4, 33] = 2.0**100  # ... under one outlier (exact in bf16): the error is the rest's alone
     return x
 
 

@@ -68,6 +68,11 @@ def _gathered_bytes_equal_quantize(rank, world, recipe, dtype):
             same = all(torch.equal(a, b) for a, b in zip(w._payload.k_parts, want_k)) and \
                 len(w._payload.k_parts) == len(want_k) and len(w._payload.n_parts) == len(want_n) and \
                 all(torch.equal(a, b) for a, b in zip(w._payload.n_parts, want_n))
+            try:
+                w.sum()
+                same = False  # the high-precision values are not there: any other op must raise
+            except RuntimeError as e:
+                same = same and f"layer {name!r}" in str(e) and "holds only its MXFP4 bytes" in str(e)
         else:
             same = torch.equal(w.detach(), full)
         layer.reshard()
@@ -183,8 +188,9 @@ def test_mx_gather_falls_back_to_high_precision_with_one_warning_per_layer(mx_re
 @pytest.mark.parametrize("recipe", ["default", "mbs", "of"])
 def test_gathered_bytes_are_the_full_weight_quantized(mx_results, recipe):
     """An unsharded layer holds exactly quantize(full weight) along K (the forward's
-    copy) and along N (the dX GEMM's copy): MBS-64's layer 2 holds its high-precision
-    weight (fallback); OF runs under bf16 param_dtype (the shard cast before quantizing)."""
+    copy) and along N (the dX GEMM's copy), and refuses other ops with an error naming
+    it: MBS-64's layer 2 holds its high-precision weight (fallback); OF runs under bf16
+    param_dtype (the shard cast before quantizing)."""
     got = result(mx_results, f"bytes_equal/{recipe}")
     want_kind = {"0": "MXGathered", "2": "Parameter" if recipe == "mbs" else "MXGathered"}
     assert {k: v[0] for k, v in got.items()} == {"0": want_kind["0"], "2": want_kind["2"]}
@@ -232,3 +238,60 @@ def test_ranks_that_disagree_on_a_layer_get_a_clear_error(mx_results, what):
 def test_a_recipe_change_after_the_first_gather_raises(mx_results):
     message = result(mx_results, "recipe_change")
     assert message is not None and "layer '0'" in message and "changed after its first all-gather" in message
+
+
+# ----------------------------------------------------------------------------- one process, no process group
+
+
+def test_prepared_model_trains_like_the_plain_model_outside_fsdp():
+    """enable_fsdp_mx_all_gather changes nothing outside FSDP2: the wrapped weights train
+    bit for bit like the plain ones, the state dict holds plain tensors, and the
+    optimizer's state is plain."""
+    from dist_training import batch, loss_fn, make_model
+
+    plain, wrapped = make_model(RECIPES["default"]), make_model(RECIPES["default"])
+    assert pmx.nn.enable_fsdp_mx_all_gather(wrapped) == 2
+    assert pmx.nn.enable_fsdp_mx_all_gather(wrapped) == 2  # idempotent
+    assert type(wrapped[0].weight).__name__ == "MXWeight" and wrapped[0].weight.requires_grad
+    assert all(type(v) is torch.Tensor for v in wrapped.state_dict().values())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, wrapped)]
+    for step in range(2):
+        x, y = batch(step)
+        for model, opt in zip((plain, wrapped), opts):
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_params(wrapped.state_dict(), plain.state_dict())
+    assert type(opts[1].state[wrapped[0].weight]["exp_avg"]) is torch.Tensor
+    wrapped.load_state_dict(make_model(RECIPES["default"], seed=3).state_dict())  # in place, into the wrapper
+    assert type(wrapped[0].weight).__name__ == "MXWeight"
+    assert torch.equal(wrapped.state_dict()["0.weight"], make_model(RECIPES["default"], seed=3)[0].weight)
+
+
+def test_enable_rejects_bad_input_and_skips_tied_weights():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+        pmx.nn.enable_fsdp_mx_all_gather("model")
+    model = pmx.nn.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)))
+    model[1].weight = model[0].weight
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert pmx.nn.enable_fsdp_mx_all_gather(model) == 0
+    assert [str(w.message).split(" shares")[0] for w in caught] == [
+        "MXFP4 all-gather: layer '0'", "MXFP4 all-gather: layer '1'"]
+    assert model[1].weight is model[0].weight
+
+
+def test_the_single_process_path_never_loads_the_distributed_code():
+    """import portable_mx, convert, forward and backward: portable_mx.distributed stays
+    unloaded (the pmx.nn names load it on first use)."""
+    code = ("import sys, torch, portable_mx as pmx\n"
+            "m = pmx.nn.convert(torch.nn.Linear(32, 16))\n"
+            "m(torch.randn(4, 32)).sum().backward()\n"
+            "assert 'portable_mx.distributed' not in sys.modules, 'loaded'\n"
+            "pmx.nn.enable_fsdp_mx_all_gather\n"
+            "assert 'portable_mx.distributed.fsdp' in sys.modules\n")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

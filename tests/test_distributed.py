@@ -85,8 +85,8 @@ def test_fsdp2_inside_weight_cache_block(fsdp_results):
     """The same inside ``pmx.nn.weight_cache(model)``: FSDP-managed layers never cache
     (the block reports 0 caching layers) and training is unchanged."""
     cached_layers, got = result(fsdp_results, "cache_block")
-    assert cached_layers == 0
     assert_params(got, train_reference(DEFAULT), FP32_ORDER)
+    assert cached_layers == 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

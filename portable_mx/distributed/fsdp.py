@@ -232,7 +232,7 @@ class MXWeight(Tensor):
         plan = state.plan
         if plan is None:
             plan = state.plan = _make_plan(state, mesh, outer_size, recipe, dtype)
-        elif recipe != plan.recipe or dtype != plan.dtype:
+        elif (recipe is not plan.recipe and recipe != plan.recipe) or dtype != plan.dtype:
             raise RuntimeError(
                 f"MXFP4 all-gather of layer {state.name!r}: its recipe or dtype changed after its first all-gather "
                 f"({plan.recipe.describe()}, {plan.dtype} -> {recipe.describe()}, {dtype}); FSDP2 sizes the "

@@ -3,7 +3,8 @@ on 2 gloo ranks on the CPU: bit-identical training to FSDP2's high-precision gat
 (fp32 and bf16 param_dtype, each recipe that can use it), the gathered bytes equal to
 quantizing the full weight, the fallbacks with their one warning per layer, the bytes on
 the wire against the bf16 and fp32 gathers, and a clear error where ranks disagree.
-One spawned job runs every check; the tests read its results."""
+Activation checkpointing works with it. One spawned job runs every check; the tests read
+its results."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import portable_mx as pmx
 
 from dist_harness import run_ranks
-from dist_training import DIMS, MATRIX_STEPS, RECIPES, assert_params, check, fsdp_model, result, train_ranks
+from dist_training import DIMS, MATRIX_STEPS, RECIPES, assert_params, check, fsdp_model, make_model, result, train_ranks
 
 MX_RECIPES = ("default", "mbs", "of", "w4a16")
 """Recipes the MXFP4 gather serves (with DIMS, MBS-64 serves layer 0, N = 128, and falls
@@ -103,6 +104,38 @@ def _wire_bytes(rank, world, mx_gather, dtype):
     return sent[0], pmx.nn.gathered_bytes(model)
 
 
+class _Checkpointed(torch.nn.Module):
+    """Activation checkpointing around ``inner`` (recomputed in the backward)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _activation_checkpointing(rank, world):
+    """(high-precision gather, MXFP4 gather) parameters with layer 0 and the GELU under
+    activation checkpointing (the forward recomputed from the re-gathered weight)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build(mx_gather):
+        model = make_model(RECIPES["default"])
+        if mx_gather:
+            pmx.nn.enable_fsdp_mx_all_gather(model)
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        model = torch.nn.Sequential(_Checkpointed(torch.nn.Sequential(model[0], model[1])), model[2])
+        fully_shard(model)
+        return model
+
+    rename = {"0.inner.0.weight": "0.weight", "0.inner.0.bias": "0.bias", "1.weight": "2.weight", "1.bias": "2.bias"}
+    return [{rename[k]: v for k, v in train_ranks(build(m), rank, world, MATRIX_STEPS).items()} for m in (False, True)]
+
+
 def _disagree(rank, world, what):
     """Rank 1 builds layer 0 differently; the first forward must raise on every rank,
     after which the process group still works."""
@@ -146,6 +179,7 @@ def mx_job(rank, world):
               "bf16" if name == "of" else "fp32")
     for mx_gather, dtype in ((True, "fp32"), (True, "bf16"), (False, "fp32"), (False, "bf16")):
         check(results, f"wire/{'mx' if mx_gather else 'hp'}/{dtype}", _wire_bytes, rank, world, mx_gather, dtype)
+    check(results, "activation_checkpointing", _activation_checkpointing, rank, world)
     for what in ("recipe", "shape"):
         check(results, f"disagree/{what}", _disagree, rank, world, what)
     check(results, "recipe_change", _recipe_changes_after_first_gather, rank, world)
@@ -183,6 +217,16 @@ def test_mx_gather_falls_back_to_high_precision_with_one_warning_per_layer(mx_re
         assert len(warned) == 2, (name, warned)
         for (_, message), layer, reason in zip(warned, ("'0'", "'2'"), expected):
             assert layer in message and reason in message and "high precision" in message, message
+
+
+def test_mx_gather_under_activation_checkpointing(mx_results):
+    """With layer 0 under activation checkpointing (its forward recomputed in the
+    backward from the re-gathered weight) both gathers give the parameters of the run
+    without checkpointing, bit for bit."""
+    hp, mx = result(mx_results, "activation_checkpointing")
+    plain, _, _ = result(mx_results, "pair/default/fp32")
+    assert_params(hp, plain, what="high-precision gather:")
+    assert_params(mx, plain, what="MXFP4 gather:")
 
 
 @pytest.mark.parametrize("recipe", ["default", "mbs", "of"])

@@ -16,8 +16,8 @@ from .convert import convert
 from .linear import MXLinear, mx_parts
 from .weight_cache import weight_cache
 
-__all__ = ["MXLinear", "convert", "enable_fsdp_mx_all_gather", "gathered_bytes", "mx_matmul", "mx_parts",
-           "weight_cache"]
+__all__ = ["MXAllGatherFallback", "MXLinear", "convert", "enable_fsdp_mx_all_gather", "gathered_bytes", "mx_matmul",
+           "mx_parts", "weight_cache"]
 
 _DISTRIBUTED = ("enable_fsdp_mx_all_gather", "gathered_bytes", "MXAllGatherFallback")
 

@@ -13,7 +13,8 @@ makes each rank quantize its own shard instead and gather only MXFP4 bytes:
   consecutive rows of one column, whole on one rank iff ``n`` is a multiple of 32 (and
   of the macro block under MBS, whose factor is a function of the macro block alone).
 
-Both are sent (codes and E8M0 scales, plus macro factors / outliers): 1.0625 bytes per
+Both are sent at every gather (codes and E8M0 scales, plus macro factors / outliers), so
+a forward recomputed under activation checkpointing finds its copy: 1.0625 bytes per
 weight element for the default recipe (K a multiple of 32), against 2 for a bf16 gather
 and 4 for fp32. Under those conditions the gathered bytes are exactly those of
 quantizing the gathered high-precision weight, so training is **bit-identical** to

@@ -34,8 +34,9 @@ The expert weights are held in one of two ways:
   :func:`portable_mx.checkpoints.gpt_oss.load_experts`): buffers ``gate_up_proj_blocks``
   uint8 [E, N, K/32, 16] and ``gate_up_proj_scales`` uint8 [E, N, K/32] (the gpt-oss
   checkpoint's own names and bytes: the module's ``state_dict`` *is* that layout), plus
-  ``_macro_scales`` / ``_outlier_values`` / ``_outlier_indices`` where the MXTensor has
-  them; never dequantized. Gradients reach x, the biases and the router weights.
+  ``_macro_scales`` (fp32 bits as int32) / ``_outlier_values`` (bf16 bits as int16) /
+  ``_outlier_indices`` where the MXTensor has them (as bits, so that ``model.to(dtype)``
+  leaves them alone); never dequantized. Gradients reach x, the biases and the router weights.
 
 Biases ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H] are optional
 Parameters. What is exact: each expert's GEMM is the fp32-accumulated product of the
@@ -160,8 +161,11 @@ class MXExperts(torch.nn.Module):
     def _set_mx(self, proj: str, w: MXTensor) -> None:
         e, n, k = w.shape
         g = w.k_padded // BLOCK_SIZE
-        parts = {"blocks": w.qdata.reshape(e, n, g, 16), "scales": w.scales, "macro_scales": w.macro_scales,
-                 "outlier_values": w.outlier_values, "outlier_indices": w.outlier_indices}
+        # float parts stored as their bits (int32, int16) so that model.to(dtype) / .half() leave them alone
+        parts = {"blocks": w.qdata.reshape(e, n, g, 16), "scales": w.scales,
+                 "macro_scales": None if w.macro_scales is None else w.macro_scales.view(torch.int32),
+                 "outlier_values": None if w.outlier_values is None else w.outlier_values.view(torch.int16),
+                 "outlier_indices": w.outlier_indices}
         for part in _PARTS:
             self.register_buffer(f"{proj}_{part}", parts[part])
         self._mx_meta[proj] = (w.shape, w.dtype, w.recipe)
@@ -209,7 +213,8 @@ class MXExperts(torch.nn.Module):
         blocks, scales, macro, ov, oi = bufs
         e, n, g, _ = blocks.shape
         mx = MXTensor(qdata=blocks.reshape(e, n, g * 16), scales=scales, shape=shape, dtype=dtype, axis=2,
-                      recipe=recipe, macro_scales=macro, outlier_values=ov, outlier_indices=oi)
+                      recipe=recipe, macro_scales=None if macro is None else macro.view(torch.float32),
+                      outlier_values=None if ov is None else ov.view(torch.bfloat16), outlier_indices=oi)
         self._mx_memo[proj] = (bufs, mx)
         return mx
 

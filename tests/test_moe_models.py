@@ -92,8 +92,8 @@ def test_gpt_oss_logits_match_transformers_and_save_is_byte_identical(gpt_oss_ch
     import portable_mx.nn.experts as experts_module
 
     calls = []
-    real = experts_module._grouped.grouped_matmul
-    monkeypatch.setattr(experts_module._grouped, "grouped_matmul",
+    real = experts_module.grouped_matmul
+    monkeypatch.setattr(experts_module, "grouped_matmul",
                         lambda *a, **k: (calls.append(k.get("activation")), real(*a, **k))[1])
     with torch.no_grad():
         ours = ours_model(ids).logits.float()

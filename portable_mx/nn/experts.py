@@ -55,10 +55,10 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..moe import grouped_matmul, route
 from ..format import BLOCK_SIZE
 from ..recipe import QuantRecipe
 from ..tensor import MXTensor
-from . import _grouped_fallback as _grouped
 from .weight_cache import WeightCache
 
 __all__ = ["ACTIVATIONS", "MXExperts"]
@@ -256,13 +256,12 @@ class MXExperts(torch.nn.Module):
         x2 = x.reshape(t, h)
         ids = k_ids.reshape(t, k)
         wts = None if top_k_weights is None else top_k_weights.reshape(t, k)
-        routing = _grouped.route(ids, wts, self.num_experts)
+        routing = route(ids, wts, self.num_experts)
         w1, w2 = self._gemm_weights(x2)
         act = self.activation
-        mid = _grouped.grouped_matmul(x2, w1, routing=routing, gather=True, bias=self.gate_up_proj_bias,
-                                      activation=act, recipe=self._recipe)
-        y = _grouped.grouped_matmul(mid, w2, routing=routing, scatter=True, bias=self.down_proj_bias,
-                                    recipe=self._recipe)
+        mid = grouped_matmul(x2, w1, routing=routing, gather=True, bias=self.gate_up_proj_bias, activation=act,
+                             recipe=self._recipe)
+        y = grouped_matmul(mid, w2, routing=routing, scatter=True, bias=self.down_proj_bias, recipe=self._recipe)
         return y.reshape(x.shape)
 
     def _gemm_weights(self, x: Tensor) -> tuple[Any, Any]:

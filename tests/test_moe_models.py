@@ -145,3 +145,34 @@ def test_qwen3_moe_layer_matches_the_block_on_dequantized_weights(via):
     with torch.no_grad():
         ours = block(x).float()
     assert (ours - ref).abs().max() <= 4 * BF16_ULP * ref.abs().max()
+
+
+def readme_blocks(marker: str = "readme-gpt-oss") -> list[str]:
+    """The ```python blocks of README.md between `<!-- {marker}: ...` and its end marker."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index(f"<!-- {marker}:")
+    section = text[start:text.index(f"<!-- {marker}: end -->", start)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_gpt_oss_example_runs(gpt_oss_checkpoint, tmp_path, monkeypatch):
+    """The README's gpt-oss code, as written, on the tiny checkpoint named gpt-oss-20b."""
+    import shutil
+
+    _, path = gpt_oss_checkpoint
+    shutil.copytree(path, tmp_path / "gpt-oss-20b")
+    monkeypatch.chdir(tmp_path)
+    blocks = readme_blocks()
+    assert len(blocks) == 2
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md (gpt-oss layer)", "exec"), scope)
+    assert scope["y"].shape == (16, 64) and scope["y"].dtype == torch.bfloat16 and scope["y"].isfinite().all()
+    exec(compile(blocks[1], "README.md (gpt-oss model)", "exec"), scope)
+    assert scope["logits"].shape == (1, 3, 128)
+    layer0 = scope["model"].model.layers[0].mlp.experts  # the model's layer-0 experts: the example's
+    with torch.no_grad():
+        assert torch.equal(layer0(scope["x"], scope["ids"], scope["top"].softmax(dim=-1)), scope["y"])
+    assert digests(tmp_path / "gpt-oss-20b-copy") == digests(tmp_path / "gpt-oss-20b")

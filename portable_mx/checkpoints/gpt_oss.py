@@ -57,8 +57,10 @@ from ..tensor import MXTensor
 from ._optional import require
 
 __all__ = [
+    "CheckpointError",
     "GptOssCheckpoint",
     "QUANTIZATION_CONFIG",
+    "check_layout",
     "load_experts",
     "quantize_experts",
     "save",
@@ -218,6 +220,51 @@ def _expected_shapes(config: Optional[Mapping[str, Any]]) -> dict[str, tuple[int
     return {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
 
 
+_BIAS_RE = re.compile(r"^(?P<base>.*\.experts\.(?:gate_up_proj|down_proj))_bias$")
+
+
+def check_layout(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optional[Mapping[str, Any]]) -> None:
+    """Check stored tensors against the gpt-oss layout, from their dtypes and shapes alone
+    (stored name -> (safetensors dtype such as "U8" / "BF16", shape)); ``config``:
+    config.json's content or None. What :class:`GptOssCheckpoint` checks on opening and
+    :func:`save` before writing: each ``X_blocks`` has its ``X_scales`` and the reverse,
+    both uint8 and shaped [E, N, K/32, 16] and [E, N, K/32]; the expert weights as the
+    config says (E = ``num_local_experts``; gate_up N = 2 ``intermediate_size``, K =
+    ``hidden_size``; down the other way round); an expert bias float [E, N]. Raises a
+    ValueError naming the first tensor that does not fit."""
+    expected = _expected_shapes(config)
+    for name, (dtype, shape) in infos.items():
+        for suffix, partner in ((_BLOCKS, _SCALES), (_SCALES, _BLOCKS)):
+            if name.endswith(suffix) and name[: -len(suffix)] + partner not in infos:
+                base = name[: -len(suffix)]
+                raise CheckpointError(
+                    f"{base}{partner} is missing: {name} is stored without it, and MXFP4 "
+                    f"{'codes need their E8M0 scales' if suffix == _BLOCKS else 'scales need their codes'} "
+                    f"(a gpt-oss checkpoint stores {base}{_BLOCKS} and {base}{_SCALES} together)"
+                )
+        if name.endswith(_BLOCKS):
+            base = name[: -len(_BLOCKS)]
+            s_dtype, s_shape = infos[base + _SCALES]
+            _check_pair(base, shape, dtype, s_shape, s_dtype)
+            m = _PROJ_RE.match(base)
+            if m and m["proj"] in expected:
+                e, n, k = expected[m["proj"]]
+                want = (e, n, k // BLOCK_SIZE, 16)
+                if tuple(shape) != want:
+                    raise CheckpointError(
+                        f"{name}: shape {list(shape)}, expected {list(want)} from config.json (E={e}, N={n}, "
+                        f"K={k}: {m['proj']} is [E, N, K] stored as [E, N, K/32, 16])"
+                    )
+        m = _BIAS_RE.match(name)
+        if m and m["base"] + _BLOCKS in infos:
+            want = tuple(infos[m["base"] + _BLOCKS][1][:2])
+            if tuple(shape) != want:
+                raise CheckpointError(f"{name}: shape {list(shape)}, expected {list(want)} ([E, N] of "
+                                      f"{m['base']}{_BLOCKS})")
+            if not _DTYPES.get(dtype, torch.uint8).is_floating_point:
+                raise CheckpointError(f"{name}: dtype {dtype}, expected a float bias (gpt-oss: BF16)")
+
+
 # ----------------------------------------------------------------------------- reading
 
 
@@ -285,45 +332,10 @@ class GptOssCheckpoint(Mapping):
 
     def _check(self) -> list[str]:
         """Validate the layout from the headers; return the logical names in file order."""
-        entries = self._entries
-        expected = _expected_shapes(self.config)
-        keys: list[str] = []
-        for name, (_, dtype, shape) in entries.items():
-            for suffix, partner in ((_BLOCKS, _SCALES), (_SCALES, _BLOCKS)):
-                if name.endswith(suffix) and name[: -len(suffix)] + partner not in entries:
-                    base = name[: -len(suffix)]
-                    raise CheckpointError(
-                        f"{base}{partner} is missing: {name} is stored without it, and MXFP4 "
-                        f"{'codes need their E8M0 scales' if suffix == _BLOCKS else 'scales need their codes'} "
-                        f"(a gpt-oss checkpoint stores {base}{_BLOCKS} and {base}{_SCALES} together)"
-                    )
-            if name.endswith(_SCALES):
-                continue
-            if name.endswith(_BLOCKS):
-                base = name[: -len(_BLOCKS)]
-                _, s_dtype, s_shape = entries[base + _SCALES]
-                _check_pair(base, shape, dtype, s_shape, s_dtype)
-                m = _PROJ_RE.match(base)
-                if m and m["proj"] in expected:
-                    e, n, k = expected[m["proj"]]
-                    want = (e, n, k // BLOCK_SIZE, 16)
-                    if tuple(shape) != want:
-                        raise CheckpointError(
-                            f"{name}: shape {list(shape)}, expected {list(want)} from config.json (E={e}, N={n}, "
-                            f"K={k}: {m['proj']} is [E, N, K] stored as [E, N, K/32, 16])"
-                        )
-                keys.append(base)
-                continue
-            m = re.match(r"^(?P<base>.*\.experts\.(?:gate_up_proj|down_proj))_bias$", name)
-            if m and m["base"] + _BLOCKS in entries:
-                want = entries[m["base"] + _BLOCKS][2][:2]
-                if tuple(shape) != tuple(want):
-                    raise CheckpointError(f"{name}: shape {list(shape)}, expected {list(want)} ([E, N] of "
-                                          f"{m['base']}{_BLOCKS})")
-                if not _DTYPES.get(dtype, torch.uint8).is_floating_point:
-                    raise CheckpointError(f"{name}: dtype {dtype}, expected a float bias (gpt-oss: BF16)")
-            keys.append(name)
-        return keys
+        infos = {name: (dtype, shape) for name, (_, dtype, shape) in self._entries.items()}
+        check_layout(infos, self.config)
+        return [name[: -len(_BLOCKS)] if name.endswith(_BLOCKS) else name
+                for name in infos if not name.endswith(_SCALES)]
 
     # Mapping interface -------------------------------------------------------------
 
@@ -334,7 +346,7 @@ class GptOssCheckpoint(Mapping):
         return len(self._keys)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self._entries and not name.endswith((_BLOCKS, _SCALES))
+        return isinstance(name, str) and ((name in self._entries and not name.endswith((_BLOCKS, _SCALES)))
                                           or name + _BLOCKS in self._entries)
 
     def __getitem__(self, name: str) -> Tensorish:
@@ -407,26 +419,6 @@ def _stored_tensors(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
     return [(name, value)]
 
 
-def _check_stored(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optional[Mapping[str, Any]]) -> None:
-    """The checks of :class:`GptOssCheckpoint` on what is about to be written:
-    stored name -> (safetensors dtype, shape)."""
-    expected = _expected_shapes(config)
-    for name, (dtype, shape) in infos.items():
-        for suffix, partner in ((_BLOCKS, _SCALES), (_SCALES, _BLOCKS)):
-            if name.endswith(suffix) and name[: -len(suffix)] + partner not in infos:
-                raise CheckpointError(f"{name[: -len(suffix)]}{partner} is missing: {name} cannot be written without it")
-        if name.endswith(_BLOCKS):
-            base = name[: -len(_BLOCKS)]
-            s_dtype, s_shape = infos[base + _SCALES]
-            _check_pair(base, shape, dtype, s_shape, s_dtype)
-            m = _PROJ_RE.match(base)
-            if m and m["proj"] in expected:
-                e, n, k = expected[m["proj"]]
-                if tuple(shape) != (e, n, k // BLOCK_SIZE, 16):
-                    raise CheckpointError(f"{name}: shape {list(shape)}, expected {[e, n, k // BLOCK_SIZE, 16]} from "
-                                          f"the config (E={e}, N={n}, K={k})")
-
-
 def _json_text(obj: Any) -> str:
     """transformers' JSON formatting (``indent=2, sort_keys=True``, trailing newline), so
     files written here match those written there key for key."""
@@ -486,18 +478,16 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, Any], config: Opti
         shards = tensors.shards if shards is None else shards
         metadata = tensors.file_metadata if metadata is None else metadata
         index_metadata = tensors.index_metadata if index_metadata is None else index_metadata
-        owner = {s: (s[: -len(_BLOCKS)] if s.endswith((_BLOCKS, _SCALES)) else s) for s in tensors._entries}
-        infos = dict((s, tensors.stored_info(s)) for s in tensors._entries)
+        infos = {s: tensors.stored_info(s) for s in tensors._entries}
     else:
-        stored = {s: (n, t) for n in tensors for s, t in _stored_tensors(n, tensors[n])}
-        owner = {s: n for s, (n, _) in stored.items()}
-        infos = {s: (_dtype_name(t.dtype), tuple(t.shape)) for s, (_, t) in stored.items()}
+        stored = {s: t for n in tensors for s, t in _stored_tensors(n, tensors[n])}
+        infos = {s: (_dtype_name(t.dtype), tuple(t.shape)) for s, t in stored.items()}
     config = _with_quantization_config(config)
-    _check_stored(infos, config)
+    check_layout(infos, config)
     if shards is None:
-        shards = {SINGLE_FILE: list(owner)}
+        shards = {SINGLE_FILE: list(infos)}
     listed = [s for names in shards.values() for s in names]
-    extra, unlisted = sorted(set(listed) - set(owner)), sorted(set(owner) - set(listed))
+    extra, unlisted = sorted(set(listed) - set(infos)), sorted(set(infos) - set(listed))
     if extra or unlisted or len(listed) != len(set(listed)):
         raise ValueError(f"shards must list every stored tensor once: not among the tensors {extra[:3]}, in no shard "
                          f"{unlisted[:3]}" + (", some listed twice" if len(listed) != len(set(listed)) else ""))
@@ -508,7 +498,7 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, Any], config: Opti
         if lazy:
             entries = {s: tensors.stored(s) for s in names}
         else:
-            entries = {s: stored[s][1].detach().contiguous() for s in names}
+            entries = {s: stored[s].detach().contiguous() for s in names}
         meta = {"format": "pt"} if metadata is None or metadata.get(file) is None else dict(metadata[file])
         st_torch.save_file(entries, str(root / file), metadata=meta)
         total += sum(t.numel() * t.element_size() for t in entries.values())

@@ -173,6 +173,11 @@ def test_autograd_reaches_weights_biases_inputs_and_router():
         ref, bound = oracle(x.detach(), ids, one, w1, w2, experts.gate_up_proj_bias.detach(),
                             experts.down_proj_bias.detach(), "swiglu_oai")
         assert abs(wts.grad[t, j].double() - ref[t].sum()) <= bound[t].sum() + 1e-5 * ref[t].abs().sum()
+    # frozen experts: the gradient reaches x (the weights are constants)
+    frozen = frozen_experts("swiglu")
+    x2 = torch.randn(T, H, requires_grad=True)
+    frozen(x2, ids, w).sum().backward()
+    assert x2.grad.isfinite().all() and x2.grad.abs().sum() > 0
 
 
 def test_frozen_state_dict_is_the_checkpoint_layout():

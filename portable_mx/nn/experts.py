@@ -28,8 +28,9 @@ The expert weights are held in one of two ways:
   else [E, out, in]), quantized along K with ``recipe`` on every forward, or, inside a
   :func:`~portable_mx.nn.weight_cache` block, once and reused until an optimizer step,
   a version-bumping update or a replaced weight (the rule of
-  :mod:`portable_mx.nn.weight_cache`). Autograd reaches x, the weights, the biases and
-  the router weights.
+  :mod:`portable_mx.nn.weight_cache`); a forward that needs the weights' gradients
+  hands the float weights to the grouped GEMM, which quantizes them itself, block or
+  not. Autograd reaches x, the weights, the biases and the router weights.
 - **frozen MXTensors** (inference from a checkpoint; :meth:`MXExperts.from_mx`,
   :func:`portable_mx.checkpoints.gpt_oss.load_experts`): buffers ``gate_up_proj_blocks``
   uint8 [E, N, K/32, 16] and ``gate_up_proj_scales`` uint8 [E, N, K/32] (the gpt-oss

@@ -115,6 +115,20 @@ def test_gpt_oss_logits_match_transformers_and_save_is_byte_identical(gpt_oss_ch
     assert digests(tmp_path / "again") == digests(path)
 
 
+def test_transformers_save_of_a_dequantized_model_is_not_taken_for_mxfp4(gpt_oss_checkpoint, tmp_path):
+    """transformers' save_pretrained of the dequantized model drops quantization_config
+    and writes bf16 experts (5.23: under the _blocks names; 5.24: under the plain ones).
+    Either way load_experts refuses it, naming the tensor or saying there are no MXFP4
+    experts, and gpt_oss.save refuses the dequantized state dict."""
+    _, path = gpt_oss_checkpoint
+    hf = load(path)
+    hf.save_pretrained(tmp_path / "resaved")
+    with pytest.raises(ValueError, match=r"(_blocks: dtype BF16, expected U8|quantizes no experts)"):
+        gpt_oss.load_experts(load(path), tmp_path / "resaved")
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj: a float expert weight"):
+        gpt_oss.save(tmp_path / "ours", hf.state_dict(), hf.config.to_dict())
+
+
 @pytest.mark.parametrize("via", ["from_mx", "convert"])
 def test_qwen3_moe_layer_matches_the_block_on_dequantized_weights(via):
     """One Qwen3MoeSparseMoeBlock (4 experts, top-2, [gate | up] concatenated, SiLU, no

@@ -32,10 +32,12 @@ carries ``quantization_config = {"quant_method": "mxfp4", "modules_to_not_conver
 tensors and MXTensors back in the same layout; :func:`load_experts` puts a checkpoint's
 experts into a model as :class:`portable_mx.nn.MXExperts` holding the checkpoint's bytes,
 whose ``state_dict`` carries the checkpoint's names, so save -> load -> save writes the
-same bytes. transformers 5.23's ``save_pretrained`` of a dequantized gpt-oss instead
-writes bf16 tensors under the ``_blocks`` names and drops ``quantization_config`` (a
-reload re-initializes the experts); :func:`save` refuses a float tensor under such a
-name, and :class:`GptOssCheckpoint` refuses to read one, naming it.
+same bytes. transformers' ``save_pretrained`` of a dequantized gpt-oss instead drops
+``quantization_config`` and writes the experts in bf16: 5.23 under the ``_blocks`` names
+(a reload re-initializes the experts), 5.24 under the plain names. :func:`save` refuses
+float expert weights, :class:`GptOssCheckpoint` refuses a float tensor under a
+``_blocks`` name, and :func:`load_experts` a checkpoint with no quantized experts, each
+naming the tensor or the file.
 
 Needs the optional ``safetensors`` package (``pip install "portable_mx[hf]"``).
 """
@@ -539,6 +541,12 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
     ckpt = checkpoint if isinstance(checkpoint, GptOssCheckpoint) else GptOssCheckpoint(checkpoint)
     recipe = QuantRecipe(activations="bf16") if recipe is None else recipe
     modules = dict(model.named_modules())
+    if not ckpt.expert_modules():
+        raise CheckpointError(
+            f"{ckpt.path}: the checkpoint quantizes no experts (no *.experts.gate_up_proj_blocks / _scales): it is "
+            "not an MXFP4 gpt-oss checkpoint (a dequantized model saved by transformers' save_pretrained is not one; "
+            "quantize its experts with quantize_experts and write them with save)"
+        )
     for qualified in ckpt.expert_modules():
         if qualified not in modules:
             raise KeyError(f"{qualified}: the checkpoint quantizes it, but the model has no module of that name")

@@ -71,7 +71,8 @@ __all__ = [
 ]
 
 QUANTIZATION_CONFIG: dict[str, Any] = {
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
     "quant_method": "mxfp4",
 }
 """config.json's ``quantization_config`` of openai/gpt-oss-20b and -120b (what
@@ -144,8 +145,9 @@ def unwrap(mx: MXTensor, *, name: str = "weight") -> tuple[torch.Tensor, torch.T
     if not isinstance(mx, MXTensor):
         raise TypeError(f"{name}: expected an MXTensor; got {type(mx).__name__}")
     if mx.macro_scales is not None or mx.outlier_values is not None:
-        raise ValueError(f"{name}: a gpt-oss checkpoint stores plain MXFP4; this MXTensor has "
-                         f"{'macro-block factors' if mx.macro_scales is not None else 'outliers'} ({mx.recipe.describe()})")
+        extra = "macro-block factors" if mx.macro_scales is not None else "outliers"
+        raise ValueError(f"{name}: a gpt-oss checkpoint stores plain MXFP4; this MXTensor has {extra} "
+                         f"({mx.recipe.describe()})")
     if len(mx.shape) != 3 or mx.axis not in (1, 2):
         raise ValueError(f"{name}: expected an MXTensor of shape [E, N, K] quantized along axis 2 (or [E, K, N] along "
                          f"axis 1); got shape {tuple(mx.shape)} along axis {mx.axis}")
@@ -308,7 +310,8 @@ class GptOssCheckpoint(Mapping):
         elif (path / SINGLE_FILE).is_file():
             root, files, index = path, [SINGLE_FILE], None
         else:
-            raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (a gpt-oss checkpoint directory holds one)")
+            raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (a gpt-oss checkpoint directory "
+                                    "holds one)")
         self.path = root
         self.dtype = dtype
         self.recipe = _stored_recipe(recipe)
@@ -329,7 +332,8 @@ class GptOssCheckpoint(Mapping):
         if index is not None:
             missing = sorted(set(index["weight_map"]) - set(self._entries))
             if missing:
-                raise CheckpointError(f"{missing[0]}: listed in {INDEX_FILE} but not in {index['weight_map'][missing[0]]}")
+                raise CheckpointError(f"{missing[0]}: listed in {INDEX_FILE} but not in "
+                                      f"{index['weight_map'][missing[0]]}")
         self._keys = self._check()
 
     def _check(self) -> list[str]:

@@ -85,7 +85,8 @@ def from_torchao(t: Any, *, recipe: Optional[QuantRecipe] = None) -> MXTensor:
     if not isinstance(t, cls):
         raise TypeError(f"from_torchao expects torchao's MXTensor; got {type(t).__name__}")
     if t.elem_dtype != torch.float4_e2m1fn_x2:
-        raise ValueError(f"portable_mx holds MXFP4 (torch.float4_e2m1fn_x2) only; this torchao MXTensor is {t.elem_dtype}")
+        raise ValueError(f"portable_mx holds MXFP4 (torch.float4_e2m1fn_x2) only; this torchao MXTensor is "
+                         f"{t.elem_dtype}")
     if t.block_size != BLOCK_SIZE:
         raise ValueError(f"portable_mx blocks are {BLOCK_SIZE} elements; this torchao MXTensor has {t.block_size}")
     if t.is_swizzled_scales:

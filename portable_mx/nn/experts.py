@@ -144,16 +144,16 @@ class MXExperts(torch.nn.Module):
         e, n1, h = w1.shape
         e2, h2, i = w2.shape
         if n1 % 2 or e2 != e or h2 != h or n1 != 2 * i:
-            raise ValueError(f"expert weights do not fit together: gate_up_proj {list(w1.shape)} must be [E, 2I, H] and "
-                             f"down_proj {list(w2.shape)} [E, H, I] ([out, in] views)")
+            raise ValueError(f"expert weights do not fit together: gate_up_proj {list(w1.shape)} must be "
+                             f"[E, 2I, H] and down_proj {list(w2.shape)} [E, H, I] ([out, in] views)")
         new = cls(e, h, i, bias=False, activation=activation, recipe=recipe, device="meta")
         for proj, w, bias, n in (("gate_up_proj", w1, gate_up_proj_bias, n1), ("down_proj", w2, down_proj_bias, h)):
             new.register_parameter(proj, None)
             new._set_mx(proj, w)
             if bias is not None:
                 if not isinstance(bias, Tensor) or tuple(bias.shape) != (e, n) or not bias.is_floating_point():
-                    raise ValueError(f"{proj}_bias must be a float tensor [{e}, {n}]; got "
-                                     f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}")
+                    got = f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}"
+                    raise ValueError(f"{proj}_bias must be a float tensor [{e}, {n}]; got {got}")
                 if bias.device != w.device:
                     raise ValueError(f"{proj}_bias is on {bias.device} but the weight is on {w.device}")
                 new.register_parameter(f"{proj}_bias", torch.nn.Parameter(bias.detach(), requires_grad=False))
@@ -253,7 +253,8 @@ class MXExperts(torch.nn.Module):
             raise ValueError(f"MXExperts: top_k_weights {tuple(top_k_weights.shape)} must have top_k_index's shape "
                              f"{tuple(k_ids.shape)}")
         if not self.frozen and x.dtype != self.gate_up_proj.dtype:
-            raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {self.gate_up_proj.dtype}; cast one of them")
+            raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {self.gate_up_proj.dtype}; cast one of "
+                            "them")
         x2 = x.reshape(t, h)
         ids = k_ids.reshape(t, k)
         wts = None if top_k_weights is None else top_k_weights.reshape(t, k)

@@ -89,4 +89,5 @@ class CudaBackend(CompiledTritonBackend):
     upcast_layouts = {"sm_90": "hopper"}
     upcast_asm = ("sm_90",)
     gemm_sms = {"sm_90": 132, "sm_100": 148, "sm_120": 84}
+    grouped_min_block_m = {"sm_100": 128}  # tcgen05's block-scaled MMA: M tiles of 128
     targets = ("sm_90", "sm_100", "sm_120")

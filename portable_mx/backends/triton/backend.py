@@ -96,7 +96,7 @@ class _Device:
     plans (quantize per recipe and shapes, the GEMM per operand kinds and shapes)."""
 
     __slots__ = ("device", "target", "layout", "cast_output", "running", "quantize_plans", "quantize_by_value",
-                 "gemm_plans", "cache_generation")
+                 "gemm_plans", "grouped_plans", "cache_generation")
 
     def __init__(self, backend: "TritonBackend", device: torch.device) -> None:
         self.device = device
@@ -108,6 +108,7 @@ class _Device:
         self.quantize_plans: dict[tuple, tuple[QuantRecipe, _QuantizePlan]] = {}  # by recipe object
         self.quantize_by_value: dict[tuple, _QuantizePlan] = {}  # by recipe value
         self.gemm_plans: dict[tuple, _GemmPlan] = {}
+        self.grouped_plans: dict[tuple, Any] = {}  # grouped_gemm.GroupedPlan and combine launches
         self.cache_generation = config_cache.generation()
 
 
@@ -177,7 +178,7 @@ class TritonBackend(Backend):
     implement :meth:`unavailable_reason` and :meth:`target`.
     """
 
-    ops = frozenset({"quantize", "dequantize", "decompose", "matmul"})
+    ops = frozenset({"quantize", "dequantize", "decompose", "matmul", "grouped_matmul"})
     targets: tuple[str, ...] = ()
     """Names of the compile targets (targets.TARGETS) this backend launches on."""
 
@@ -235,6 +236,24 @@ class TritonBackend(Backend):
         return LAYOUTS[self.scale_layouts.get(target.name, "plain") if target is not None else "plain"]
 
     MID_M = 128
+
+    grouped_min_block_m: dict[str, int] = {}
+    """Per target name, the smallest BLOCK_M of the grouped GEMM (sm_100's block-scaled
+    tcgen05 MMA needs 128 rows); 16 where absent."""
+
+    def grouped_config(self, target: Optional[Target], rows: int, num_experts: int, a_format: Optional[torch.dtype],
+                       heavy: bool) -> GemmConfig:
+        """The grouped GEMM's config for ``rows`` expert-sorted rows over ``num_experts``
+        experts: the dense default for the mean rows per expert, its BLOCK_M lowered to
+        the routing's tile height (moe.routing.default_tile_m: tiles never span experts)
+        but not below ``grouped_min_block_m``."""
+        from ...moe.routing import default_tile_m
+
+        mean = -(-rows // num_experts)
+        config = self.default_gemm_config(target, mean, a_format, heavy)
+        floor = self.grouped_min_block_m.get(target.name, 16) if target is not None else 16
+        block_m = max(min(config.block_m, default_tile_m(rows, num_experts)), floor)
+        return config if block_m == config.block_m else dataclasses.replace(config, block_m=block_m)
 
     def default_gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype],
                             heavy: bool) -> GemmConfig:
@@ -452,6 +471,33 @@ class TritonBackend(Backend):
         counts = c if plan.counts is None else plan.counts
         self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, *plan.ints))
         return c if plan.store is out_dtype else c.to(out_dtype)
+
+    def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):
+        """:meth:`Backend.grouped_matmul` with the grouped kernels (grouped_gemm.py), on
+        the dense GEMM's route for the target; one launch, no host sync."""
+        from . import grouped_gemm
+
+        st = self._devices.get(w.device) or self._device(w.device)
+        wop = w.memo("gemm-operand", _Operand)
+        if isinstance(a, torch.Tensor):
+            if a.stride(-1) != 1:
+                a = a.contiguous()
+            s = wop.parts[1]
+            a_parts, a_key = (a, s, s, s, s), (a.dtype, a.stride(0), a.data_ptr() % 16 == 0)
+            xr, stride_am = a.shape[0], a.stride(0)
+        else:
+            op = _Operand(a)
+            a_parts, a_key = op.parts, (op.kind, op.key[4])
+            xr, stride_am = a.qdata.shape[0], a.k_padded // 2
+        return grouped_gemm.run(self, st, a, a_parts, a_key, xr, stride_am, w, wop, num_experts, offsets, gather,
+                                bias, activation, out_dtype, schedule, STORE_DTYPES)
+
+    def combine(self, rows, index, weights, k, out_dtype):
+        """:meth:`Backend.combine` with grouped_gemm.combine_kernel (one launch)."""
+        from . import grouped_gemm
+
+        st = self._devices.get(rows.device) or self._device(rows.device)
+        return grouped_gemm.run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)
 
     def _plan_gemm(self, st: _Device, key: tuple, a, w: _Operand, m: int, stride_am: int,
                    out_dtype: torch.dtype) -> _GemmPlan:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import portable_mx as pmx
+from portable_mx import registry
 from portable_mx.nn import MXExperts
 
 E, H, I, T, K_TOP = 4, 64, 32, 12, 2
@@ -80,6 +81,22 @@ def test_frozen_experts_match_a_float64_loop(activation, dtype):
     # leading dims are flattened: [2, T/2, H] in, the same rows out
     y3 = experts(x.reshape(2, T // 2, H), ids.reshape(2, T // 2, K_TOP), wts.to(dtype).reshape(2, T // 2, K_TOP))
     assert torch.equal(y3.reshape(T, H), y)
+
+
+def test_frozen_experts_on_the_triton_kernels(gemm_kernel, monkeypatch):
+    """The same module on the grouped GEMM's Triton kernels (the interpreter on a CPU):
+    within the float64 loop's bound too."""
+    backend, device = gemm_kernel
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    experts = frozen_experts("swiglu_oai").to(device)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ids, wts = routing()
+    y = experts(x.to(device), ids.to(device), wts.bfloat16().to(device)).cpu()
+    w1 = pmx.dequantize(frozen_experts("swiglu_oai").quantized_weight("gate_up_proj"), dtype=torch.float64)
+    w2 = pmx.dequantize(frozen_experts("swiglu_oai").quantized_weight("down_proj"), dtype=torch.float64)
+    ref, bound = oracle(x, ids, wts.bfloat16(), w1, w2, experts.gate_up_proj_bias.cpu(),
+                        experts.down_proj_bias.cpu(), "swiglu_oai")
+    assert ((y.double() - ref).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("transposed", [True, False])

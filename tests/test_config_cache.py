@@ -89,6 +89,15 @@ def _caught(fn):
     return out, [str(w.message) for w in caught]
 
 
+def _info_rows(monkeypatch) -> list[dict]:
+    """The config-cache rows of ``portable-mx info`` for the CPU (where the interpreter
+    serves the GEMM; else what info would list, ``cache.file_report``)."""
+    if _NO_GEMM is not None:
+        return cache.file_report("interpret", "cpu")
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    return cli._config_caches([CPU])
+
+
 # ----------------------------------------------------------------------------- nothing deleted
 
 
@@ -149,6 +158,18 @@ def test_files_written_by_the_previous_version_are_still_read_and_never_written(
     assert legacy.read_bytes() == before
     assert set(json.loads(path.read_text())["entries"]) == {old_key, KEY}
     assert cache.lookup("interpret", "cpu", old_key)["block_n"] == 64
+
+
+def test_the_files_of_another_release_are_named_when_none_is_for_this_one(cache_env, monkeypatch):
+    """After a Triton upgrade the old release's file is not read (its configs were
+    measured with other compiled code): one warning names it, and info lists it."""
+    other = cache_env / "interpret-cpu.triton-0.0.1.schema-2.json"
+    _write(other, _doc({KEY: _entry()}, triton_version="0.0.1"))
+    found, messages = _caught(lambda: (cache.lookup("interpret", "cpu", KEY), cache.lookup("interpret", "cpu", KEY)))
+    assert found == (None, None)
+    assert len([m for m in messages if other.name in m and "kept" in m]) == 1
+    rows = [r for r in _info_rows(monkeypatch) if r["file"] == str(other)]
+    assert len(rows) == 1 and "triton 0.0.1" in rows[0]["why"]
 
 
 @pytest.mark.parametrize("content, why", [
@@ -231,8 +252,7 @@ def test_a_cache_file_that_is_not_utf8_is_a_warning_then_set_aside(cache_env, mo
     config, messages = _caught(lambda: INTERPRET.gemm_config(CPU, Operand.of(a), Operand.of(b), 32, 64, 128))
     assert config == INTERPRET.default_gemm_config(None, 32, None, False)
     assert [m for m in messages if str(path) in m and "UTF-8" in m]
-    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
-    rows = [r for r in cli._config_caches([CPU]) if r["file"] == str(path)]
+    rows = [r for r in _info_rows(monkeypatch) if r["file"] == str(path)]
     assert len(rows) == 1 and rows[0]["entries"] == 0 and "UTF-8" in rows[0]["why"]
     _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 32, 64), 2.0)}))
     assert path.with_name(path.name[:-len(".json")] + ".corrupt.json").read_bytes() == garbage
@@ -251,9 +271,9 @@ def test_a_shipped_cache_with_an_invalid_config_falls_back_to_the_default(tmp_pa
 
 
 # (M, N, K, broken config field): each breaks the interpreted GEMM on the old code in its own
-# way: uninitialised output, wrong tiles, an InterpreterError, a TypeError
+# way: uninitialised output, wrong tiles, an InterpreterError, a TypeError, a ZeroDivisionError
 BROKEN = [(40, 48, 128, {"block_m": -16}), (40, 32, 128, {"group_m": 0}), (24, 48, 64, {"block_n": 24}),
-          (8, 16, 64, {"block_m": "16"})]
+          (8, 16, 64, {"block_m": "16"}), (16, 16, 64, {"block_k": 0})]
 
 
 @interpreted
@@ -291,7 +311,7 @@ def test_matmul_with_an_invalid_tuned_config_is_right_and_warns_once(monkeypatch
 
 @pytest.mark.parametrize("change, why", [
     ({"block_m": -16}, "block_m -16"), ({"block_m": 0}, "block_m 0"), ({"block_n": 24}, "block_n 24"),
-    ({"block_k": 16}, "block_k 16"), ({"block_k": 48}, "block_k 48"), ({"block_m": "16"}, "block_m must be an int"),
+    ({"block_k": 0}, "block_k 0"), ({"block_k": 16}, "block_k 16"), ({"block_k": 48}, "block_k 48"), ({"block_m": "16"}, "block_m must be an int"),
     ({"block_m": 16.0}, "block_m must be an int"), ({"num_warps": True}, "num_warps must be an int"),
     ({"num_warps": 0}, "num_warps 0"), ({"num_warps": 3}, "num_warps 3"), ({"num_warps": 64}, "1024 threads"),
     ({"num_stages": 0}, "num_stages 0"), ({"group_m": 0}, "group_m 0"), ({"group_m": -1}, "group_m -1"),

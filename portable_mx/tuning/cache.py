@@ -208,7 +208,7 @@ def _base(arch: str, device_name: str) -> str:
 def cache_file(arch: str, device_name: str, directory: Optional[Path] = None) -> Path:
     """The file this process reads first and writes for the device (in the user cache dir
     unless ``directory``): ``<arch>-<device slug>.triton-<release>.schema-<n>.json``."""
-    release = re.sub(r"[^A-Za-z0-9.]+", "-", triton_version())
+    release = re.sub(r"[^A-Za-z0-9.+-]+", "_", triton_version())  # a PEP 440 version as it is
     return Path(directory or cache_dir()) / f"{_base(arch, device_name)}.triton-{release}.schema-{SCHEMA_VERSION}.json"
 
 
@@ -393,10 +393,16 @@ def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
     return found
 
 
+def _other_release(arch: str, device_name: str) -> re.Pattern:
+    """Matches the names of the device's files of any Triton release and schema (groups:
+    the release, the schema version); files set aside have a longer name."""
+    return re.compile(re.escape(_base(arch, device_name)) + r"\.triton-([A-Za-z0-9.+_-]+?)\.schema-(\d+)\.json$")
+
+
 def _note_other_releases(arch: str, device_name: str) -> None:
     """One warning when the user cache dir holds this device's configs only for other
     Triton releases or schemas (an upgrade: they are kept, not read)."""
-    pattern = re.compile(re.escape(_base(arch, device_name)) + r"\.triton-[A-Za-z0-9.-]+\.schema-\d+\.json$")
+    pattern = _other_release(arch, device_name)
     others = [p.name for p in other_files(arch, device_name) if pattern.match(p.name)]
     if others:
         _warn_once(f"{cache_dir()}: {arch} {device_name}: others",
@@ -429,9 +435,12 @@ def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
             why = f"{len(cache.unreadable)} entries not readable by this version, kept" if cache.unreadable else ""
             out.append({"file": str(path), "entries": len(cache.entries), "unreadable": len(cache.unreadable),
                         "why": why})
+    release = _other_release(arch, device_name)
     for path in other_files(arch, device_name):
-        out.append({"file": str(path), "entries": 0, "unreadable": 0,
-                    "why": "not read: another Triton release or schema, or set aside"})
+        found = release.match(path.name)
+        why = (f"not read: for triton {found.group(1)}, schema {found.group(2)}" if found
+               else "not read: set aside")
+        out.append({"file": str(path), "entries": 0, "unreadable": 0, "why": why})
     return out
 
 

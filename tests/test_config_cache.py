@@ -311,7 +311,8 @@ def test_matmul_with_an_invalid_tuned_config_is_right_and_warns_once(monkeypatch
 
 @pytest.mark.parametrize("change, why", [
     ({"block_m": -16}, "block_m -16"), ({"block_m": 0}, "block_m 0"), ({"block_n": 24}, "block_n 24"),
-    ({"block_k": 0}, "block_k 0"), ({"block_k": 16}, "block_k 16"), ({"block_k": 48}, "block_k 48"), ({"block_m": "16"}, "block_m must be an int"),
+    ({"block_k": 0}, "block_k 0"), ({"block_k": 16}, "block_k 16"), ({"block_k": 48}, "block_k 48"),
+    ({"block_m": "16"}, "block_m must be an int"),
     ({"block_m": 16.0}, "block_m must be an int"), ({"num_warps": True}, "num_warps must be an int"),
     ({"num_warps": 0}, "num_warps 0"), ({"num_warps": 3}, "num_warps 3"), ({"num_warps": 64}, "1024 threads"),
     ({"num_stages": 0}, "num_stages 0"), ({"group_m": 0}, "group_m 0"), ({"group_m": -1}, "group_m -1"),

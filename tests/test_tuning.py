@@ -475,7 +475,8 @@ def test_tune_command_end_to_end_on_the_interpreter(tmp_path, capsys, monkeypatc
     out = capsys.readouterr().out
     import triton
 
-    assert "speed-up" in out and "32x64x128" in out and f"interpret-cpu.triton-{triton.__version__}.schema-2.json" in out
+    assert "speed-up" in out and "32x64x128" in out
+    assert f"interpret-cpu.triton-{triton.__version__}.schema-2.json" in out
     assert cache.lookup("interpret", "cpu", PROBLEM.key()) is None  # written to --out, not the user dir
 
 

@@ -316,18 +316,19 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def load(path: Path, arch: str, quiet_mismatch: bool = False) -> Optional[CacheFile]:
+def load(path: Path, arch: str, quiet_mismatch: bool = False, written_here: bool = False) -> Optional[CacheFile]:
     """The file at ``path`` if it exists and can be used for ``arch`` (and this Triton),
     else None. Warns once per process about a file that cannot be used (not about one
-    written for another schema, arch or release when ``quiet_mismatch``), about each entry
-    that cannot, and about another kernel source hash."""
+    written for another schema, arch or release when ``quiet_mismatch``; saying that
+    tuning replaces it when ``written_here``, the user's file of this release), about each
+    entry that cannot, and about another kernel source hash."""
     path = Path(path)
     cache, problem = read(path, arch)
     if problem is not None:
         mismatch = problem.tag not in ("corrupt", "unreadable")
         if not (quiet_mismatch and mismatch):
             repair = ""
-            if path.name.endswith(f".schema-{SCHEMA_VERSION}.json"):
+            if written_here:
                 repair = (f"; the next tuning run on this device sets it aside as "
                           f"{files.aside_path(path, problem.tag).name} and writes a new file")
             _warn_once(f"{path}: {problem.why}",
@@ -384,7 +385,7 @@ def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
                 # an older-named file of another release is expected beside this release's file
                 quiet = path.name == legacy_file(arch, device_name).name and \
                     cache_file(arch, device_name, path.parent).exists()
-                cache = load(path, arch, quiet_mismatch=quiet)
+                cache = load(path, arch, quiet_mismatch=quiet, written_here=path == sources[0])
                 if cache is not None:
                     found.update(cache.entries)
             if not any(p.exists() for p in sources[:2]):

@@ -2,11 +2,12 @@
 read from outside the code (a config cache file, shipped, user-written, hand-edited or
 written by another portable_mx version) must pass before it reaches a launch.
 
-A config that breaks one of these does not fail cleanly in the kernel: a tile of 0 or
-less launches no program and the output is never written (uninitialised memory), a
-``group_m`` of 0 divides by zero in the program order (wrong tiles; -1 crashes the
-interpreter), a tile that is not a power of two stops ``tl.arange``, a string stops the
-host code with a TypeError. The rules, and where each comes from:
+A config that breaks one of these does not fail cleanly in the kernel: a negative tile
+launches no program and the output is never written (uninitialised memory), a tile of 0
+divides by zero on the host, a ``group_m`` of 0 divides by zero in the program order
+(wrong tiles; -1 crashes the interpreter), a tile that is not a power of two stops
+``tl.arange``, a string stops the host code with a TypeError. The rules, and where each
+comes from:
 
 - **fields.** Exactly this version's GemmConfig fields (``block_m``, ``block_n`` and
   ``block_k`` required, the others default). A field this version lacks was written by a

@@ -148,3 +148,23 @@ def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
     for key in base:
         want = grads["reference"][key]
         torch.testing.assert_close(grads[backend.name][key], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_grouped_launches_for_the_compile_matrix():
+    """Every target gets the grouped GEMM on its dense route (upcast on sm_90 and gfx942,
+    tl.dot_scaled elsewhere), A4W4 on the native targets marked for the native-instruction
+    check, the combine; configs from grouped_config (sm_100's A4W4 tiles 128 rows)."""
+    from portable_mx.backends.targets import TARGETS
+
+    for name, target in TARGETS.items():
+        backend = registry.get("cuda" if target.vendor == "nvidia" else "rocm")
+        launches = backend.grouped_launches(target)
+        kernels = {launch.kernel for launch in launches}
+        gemm = "grouped-gemm-upcast" if name in ("sm_90", "gfx942") else "grouped-gemm"
+        assert kernels == {gemm, "grouped-combine"}, (name, kernels)
+        a4w4 = [launch for launch in launches if launch.label.startswith("A4W4")]
+        assert a4w4 and all(launch.multiplies_mx == (gemm == "grouped-gemm") for launch in a4w4)
+        assert any("swiglu_oai" in launch.label for launch in launches)
+        assert any("gather+swiglu" in launch.label for launch in launches)
+        if name == "sm_100":
+            assert all(launch.constexprs["BLOCK_M"] == 128 for launch in a4w4)

@@ -426,6 +426,22 @@ def test_meta_tensors_give_shapes():
     x, w = torch.empty(t, k, device=meta), torch.empty(e, n, k, device=meta)
     out = pmx.grouped_matmul(x, w, routing=r, gather=True, scatter=True, activation="swiglu")
     assert out.device == meta and out.shape == (t, n // 2)
+    assert pmx.registry.select("grouped_matmul", meta).name == "meta"
+    w_mx = pmx.quantize(w.bfloat16(), QR(macro_block=64), axis=-1)
+    out = pmx.grouped_matmul(x.bfloat16(), w_mx, routing=r, gather=True, recipe=QR(activations="bf16"))
+    assert out.device == meta and out.shape == (t * kk, n) and out.dtype == torch.bfloat16
+    out = pmx.grouped_matmul(x.requires_grad_(), w, routing=r, gather=True, scatter=True)  # the custom op's fake
+    assert out.shape == (t, n) and out.requires_grad
+
+
+def test_torch_func_transforms_are_refused():
+    e, n, k = 2, 8, 32
+    w = pmx.quantize(rand(e, n, k), axis=-1)
+    offs = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.vmap(lambda x: pmx.grouped_matmul(x, w, offsets=offs))(rand(5, 4, k))
+    with pytest.raises(RuntimeError, match="torch.func transforms"):
+        torch.func.grad(lambda x: pmx.grouped_matmul(x, w, offsets=offs).sum())(rand(4, k))
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's

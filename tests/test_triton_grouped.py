@@ -148,3 +148,66 @@ def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
     for key in base:
         want = grads["reference"][key]
         torch.testing.assert_close(grads[backend.name][key], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_grouped_launches_for_the_compile_matrix():
+    """Every target gets the grouped GEMM on its dense route (upcast on sm_90 and gfx942,
+    tl.dot_scaled elsewhere), A4W4 on the native targets marked for the native-instruction
+    check, the combine; configs from grouped_config (sm_100's A4W4 tiles 128 rows)."""
+    from portable_mx.backends.targets import TARGETS
+
+    for name, target in TARGETS.items():
+        backend = registry.get("cuda" if target.vendor == "nvidia" else "rocm")
+        launches = backend.grouped_launches(target)
+        kernels = {launch.kernel for launch in launches}
+        gemm = "grouped-gemm-upcast" if name in ("sm_90", "gfx942") else "grouped-gemm"
+        assert kernels == {gemm, "grouped-combine"}, (name, kernels)
+        a4w4 = [launch for launch in launches if launch.label.startswith("A4W4")]
+        assert a4w4 and all(launch.multiplies_mx == (gemm == "grouped-gemm") for launch in a4w4)
+        assert any("swiglu_oai" in launch.label for launch in launches)
+        assert any("gather+swiglu" in launch.label for launch in launches)
+        if name == "sm_100":
+            assert all(launch.constexprs["BLOCK_M"] == 128 for launch in a4w4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_a_moe_layer_makes_no_host_sync_and_replays_in_a_cuda_graph():
+    """Router top-k, pmx.route and both projections (gather + swiglu_oai, weighted
+    scatter): no synchronising call (torch's sync debug mode raises on one), then one CUDA
+    graph replayed on new inputs, equal to the eager layer bit for bit."""
+    e, h, i, t, k = 8, 256, 128, 16, 2
+    recipe = QR(activations="bf16")
+    w1 = pmx.quantize(rand(e, 2 * i, h, seed=60).cuda(), axis=-1)
+    w2 = pmx.quantize(rand(e, h, i, seed=61).cuda(), axis=-1)
+    b1 = rand(e, 2 * i, seed=64).cuda()
+    x = rand(t, h, seed=62).to("cuda", torch.bfloat16)
+    logits = rand(t, e, seed=63).cuda()
+
+    def layer():
+        top, ids = torch.topk(logits, k)
+        r = pmx.route(ids, torch.softmax(top, -1), e)
+        hidden = pmx.grouped_matmul(x, w1, routing=r, gather=True, bias=b1.to(torch.bfloat16),
+                                    activation="swiglu_oai", recipe=recipe)
+        return pmx.grouped_matmul(hidden, w2, routing=r, scatter=True, recipe=recipe)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # plans, compiled kernels, split-K buffers
+            layer()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    x.copy_(rand(t, h, seed=65).to("cuda", torch.bfloat16))
+    logits.copy_(rand(t, e, seed=66).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer())

@@ -52,9 +52,10 @@ import torch
 from torch import Tensor
 
 from .. import _dispatch
-from .._custom_ops import _op_operand, dequantize as op_dequantize, part_specs, recipe_from_json, recipe_json
+from .._custom_ops import _op_operand, dequantize as op_dequantize, recipe_from_json, recipe_json
+from .._transforms import refuse_func_transforms
 from ..recipe import QuantRecipe
-from ..tensor import FLOAT_DTYPES, MXTensor
+from ..tensor import FLOAT_DTYPES, MXTensor, part_specs
 from . import _ragged, activations
 from . import _dispatch as moe_dispatch
 from .routing import tile_schedule
@@ -326,6 +327,8 @@ def mx_grouped_matmul(x, w, recipe: QuantRecipe, offsets: Tensor, routing, gathe
     differentiable in a float x, a float w, bias and the routing's weights (what the
     public op runs when a gradient is needed or when compiled). Inputs must be validated.
     An MXTensor operand's values are dequantized once when the other side needs them."""
+    if not torch.compiler.is_compiling():
+        refuse_func_transforms("grouped_matmul")
     grad = torch.is_grad_enabled()
     x_needs = grad and isinstance(x, Tensor) and x.requires_grad
     w_needs = grad and isinstance(w, Tensor) and w.requires_grad

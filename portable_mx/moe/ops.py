@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 import torch
 
+from .._transforms import refuse_func_transforms
 from ..ops import _recipe
 from ..recipe import QuantRecipe
 from ..tensor import FLOAT_DTYPES, MXTensor
@@ -153,7 +154,10 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
     grad = torch.is_grad_enabled() and (
         (not x_mx and x.requires_grad) or (not w_mx and w.requires_grad)
         or (bias is not None and bias.requires_grad) or (scatter and routing.weights.requires_grad))
-    if torch.compiler.is_compiling() or grad or device.type == "meta":  # meta: the op's fake
+    if torch.compiler.is_compiling():
+        return _custom_ops.mx_grouped_matmul(x, w, recipe, offsets, routing, gather, scatter, bias, activation)
+    refuse_func_transforms("grouped_matmul")
+    if grad:
         return _custom_ops.mx_grouped_matmul(x, w, recipe, offsets, routing, gather, scatter, bias, activation)
     if routing is not None:
         return moe_dispatch.grouped(x, w, recipe, offsets, routing.gather_index if gather else None,

@@ -170,14 +170,14 @@ def grouped_kernel(
                 if B_MACRO:
                     mb = tl.load(bm_ptr + rn * NMB, mask=rn < NT, other=1.0)
                 acc = acc * (ma[:, None] * mb[None, :])
-            acc = _epilogue_rows(acc, bias_ptr, expert, wrow, cols, N, BIAS, ACT, BLOCK_N, False)
+            res = _epilogue_rows(acc, bias_ptr, expert, wrow, cols, N, BIAS, ACT, BLOCK_N, False)
             if ACT != "":
                 oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
                 omask = valid[:, None] & (oc[None, :] < N // 2)
             else:
                 oc = cols
                 omask = mask
-            tl.store(c_ptr + rows[:, None] * stride_cm + oc[None, :], acc.to(c_ptr.dtype.element_ty), mask=omask)
+            tl.store(c_ptr + rows[:, None] * stride_cm + oc[None, :], res.to(c_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -270,14 +270,14 @@ def grouped_upcast_kernel(
                 if B_MACRO:
                     mb = tl.load(bm_ptr + rn * NMB, mask=rn < NT, other=1.0)
                 acc = acc * (mb[:, None] * ma[None, :])
-            acc = _epilogue_rows(acc, bias_ptr, expert, wrow, cols, N, BIAS, ACT, BLOCK_N, True)
+            res = _epilogue_rows(acc, bias_ptr, expert, wrow, cols, N, BIAS, ACT, BLOCK_N, True)
             if ACT != "":
                 oc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
                 omask = (oc[:, None] < N // 2) & valid[None, :]
             else:
                 oc = cols
                 omask = mask
-            tl.store(c_ptr + rows[None, :] * stride_cm + oc[:, None], acc.to(c_ptr.dtype.element_ty), mask=omask)
+            tl.store(c_ptr + rows[None, :] * stride_cm + oc[:, None], res.to(c_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit

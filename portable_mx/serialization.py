@@ -12,7 +12,7 @@ checkpoints and safetensors, which store nothing else. Plain tensors pass throug
 under their own names. Loading checks every part's dtype and shape against the
 metadata and raises a ValueError naming the entry otherwise.
 
-safetensors is an optional extra (``pip install safetensors``); :func:`save_safetensors`
+safetensors is optional (``pip install safetensors``, or the ``hf`` extra); :func:`save_safetensors`
 and :func:`load_safetensors` raise an ImportError saying so where it is missing.
 """
 
@@ -113,7 +113,7 @@ def _safetensors() -> Any:
         import safetensors.torch
     except ImportError:
         raise ImportError("saving and loading MXTensors as safetensors needs the optional safetensors package: "
-                          "pip install safetensors") from None
+                          "pip install safetensors (or \"portable_mx[hf]\")") from None
     return safetensors.torch
 
 

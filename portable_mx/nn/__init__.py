@@ -9,6 +9,9 @@
   (:mod:`.weight_cache`: when that is safe, and what it asks of the caller).
 - :func:`mx_matmul`, :func:`mx_parts`: the differentiable GEMM and an MXTensor's tensors
   in the order the custom ops take them.
+- :func:`enable_fsdp_mx_all_gather`, :func:`gathered_bytes`: the MXFP4 all-gather of
+  MXLinear weights under FSDP2 (:mod:`portable_mx.distributed.fsdp`, loaded with
+  ``torch.distributed`` on first use, never on the single-process path).
 """
 
 from .._custom_ops import mx_matmul
@@ -17,4 +20,15 @@ from .experts import MXExperts
 from .linear import MXLinear, mx_parts
 from .weight_cache import weight_cache
 
-__all__ = ["MXExperts", "MXLinear", "convert", "mx_matmul", "mx_parts", "weight_cache"]
+__all__ = ["MXAllGatherFallback", "MXExperts", "MXLinear", "convert", "enable_fsdp_mx_all_gather", "gathered_bytes",
+           "mx_matmul", "mx_parts", "weight_cache"]
+
+_DISTRIBUTED = ("enable_fsdp_mx_all_gather", "gathered_bytes", "MXAllGatherFallback")
+
+
+def __getattr__(name: str):
+    if name in _DISTRIBUTED:
+        from ..distributed import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from . import registry
-from .decompose import Decomposition, decompose_blocks
+from .decompose import Decomposition, zeros_decomposition
 from .format import BLOCK_SIZE
 from .recipe import QuantRecipe
 
@@ -85,13 +85,7 @@ def dequantize(mx: "MXTensor", dtype: torch.dtype) -> torch.Tensor:
 def decompose_rows(rows: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
     """The decomposition of float rows [R, K] quantized along K, in the rows layout."""
     if rows.numel() == 0:
-        r, k = rows.shape
-        blocks = torch.zeros(r, _padded(k) // BLOCK_SIZE, BLOCK_SIZE, device=rows.device)
-        stats = blocks.sum(-1)
-        return decompose_blocks(
-            blocks, blocks, definition=definition, recipe=recipe, clip_count=stats,
-            rest_amax=stats, outlier_mask=None, full=full,
-        )
+        return zeros_decomposition(*rows.shape, recipe, definition, full, rows.device)
     return _select("decompose", rows.device).decompose(rows, recipe, definition, full)
 
 

@@ -68,9 +68,10 @@ class Decomposition:
     rounding), ``energy_scale``, ``energy_dead``, ``energy_grid`` (float64 sums of squares
     of each component), ``energy_error`` (||Q - x||^2) and ``energy_signal`` (||x||^2), all
     float64 because a block's energy can lie outside fp32's range (the module doc, "Range").
-    Energies are within fp32 rounding of the exact sums: relative 2**-19 for the signal,
-    deadzone and error energies; the scale and grid energies also carry the fp32 rounding
-    of beta, up to about 2**-19 of the block's signal energy.
+    On every backend the energies are within 2 * 31 fp32 roundings (about 2**-19) of the
+    exact sums for the signal, deadzone and error energies; the scale and grid energies
+    also carry the fp32 rounding of beta, up to 16 * 31 roundings (about 2**-15) of the
+    block's signal energy. The reference computes them in float64.
     """
 
     definition: str

@@ -309,6 +309,15 @@ def _load_plane(planes, i: tl.constexpr, PLANE_WORDS, rows, wcol, smask, c, col0
 
 
 @triton.jit
+def _count_non_finite(bad_ptr, lo, hi, special):
+    """Add the number of NaN/Inf values of the halves (fp32 bits [BR, NBK, 16]) to the device
+    counter, only in a tile that holds a special block (a uniform branch, one atomic)."""
+    if tl.max(tl.max(special.to(tl.int32), axis=1), axis=0) > 0:
+        nonfinite = ((lo & F32_ABS) >= F32_INF).to(tl.int64) + ((hi & F32_ABS) >= F32_INF).to(tl.int64)
+        tl.atomic_add(bad_ptr, tl.sum(tl.sum(tl.sum(nonfinite, axis=2), axis=1), axis=0))
+
+
+@triton.jit
 def _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_lo,
            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
            MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -316,9 +325,9 @@ def _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_
            COUNTERFACTUAL: tl.constexpr, FMA_DIV: tl.constexpr, WHOLE_BLOCKS: tl.constexpr):
     """Chunk ``c`` of the program's span, loaded and quantized: the fp32 bits of x, Q and
     Q* (definition C; Q for G) of the halves [BR, NBK, 16], definition G's and the
-    definition's deadzone masks, the bits of |y| (the scaled values rounded), and per
-    block [BR, NBK] the rest's amax bits, the special flag, the statistics' unit 2**w and
-    2**-w (:func:`_units`); the block indices and mask (:func:`chunk_blocks`)."""
+    definition's deadzone masks, and per block [BR, NBK] the clip count (|y| > 6), the
+    rest's amax bits, the special flag, the statistics' unit 2**w and 2**-w
+    (:func:`_units`); the block indices and mask (:func:`chunk_blocks`)."""
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
     wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
@@ -365,7 +374,8 @@ def _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_
         dead_lo = _dead(qs_lo, lo)
         dead_hi = _dead(qs_hi, hi)
     w, u = _units(amax, ob1, ob2, N_OUT)
-    return (lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, a_lo, a_hi, amax, special, w, u,
+    clip_n = _sum2((a_lo > 0x40C00000).to(tl.int32), (a_hi > 0x40C00000).to(tl.int32))  # |y| > 6
+    return (lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, clip_n, amax, special, w, u,
             bidx, bmask)
 
 
@@ -419,23 +429,27 @@ def decompose_kernel(
     if HAS_MACRO and MACRO_GROUP == 0 and NUM_CHUNKS > 1:
         m_span = span_macro_factor(w_ptr, rows, col0, R, KW_IN, KW, stride_w, BLOCK_R, BW, SPAN, NUM_CHUNKS,
                                    IN_KIND, N_OUT)
-    any_wide = tl.zeros([], tl.int32)
+    any_wide = tl.zeros([BLOCK_R, NBK], tl.int32)  # reduced after the loop ...
+    any_wide_full = tl.zeros([], tl.int32)  # ... or, with the element tensors, per chunk (fewer registers)
     for c in range(NUM_CHUNKS):
-        lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, a_lo, a_hi, amax, special, w, u, \
+        lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, clip_n, amax, special, w, u, \
             bidx, bmask = _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_lo, BLOCK_R,
                                  BLOCK_K, SPAN, NUM_CHUNKS, MACRO_GROUP, IN_KIND, RULE, STOCHASTIC, HAS_MACRO, N_OUT,
                                  EVEN, VEC, COUNTERFACTUAL, FMA_DIV, WHOLE_BLOCKS)
+        if not FULL:
+            _count_non_finite(bad_ptr, lo, hi, special)
         # the statistics in units of 2**w (module doc, "Range"); wide blocks' error energies
         # come from the second loop below
         beta, dead_n, e_scale, e_dead, e_grid, e_error, e_signal, wide = _fast_stats(
             lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, amax, special, w, u,
             COUNTERFACTUAL, N_OUT)
         x2 = 2 * w
-        flags = tl.sum(tl.sum((special.to(tl.int32) << 16) + wide.to(tl.int32), axis=1), axis=0)  # one reduction
-        any_wide = any_wide + (flags & 0xFFFF)
-        if flags > 0xFFFF:  # a special block
-            nonfinite = ((lo & F32_ABS) >= F32_INF).to(tl.int64) + ((hi & F32_ABS) >= F32_INF).to(tl.int64)
-            tl.atomic_add(bad_ptr, tl.sum(tl.sum(tl.sum(nonfinite, axis=2), axis=1), axis=0))
+        if FULL:  # (here or before the statistics: whichever the register allocators take best)
+            _count_non_finite(bad_ptr, lo, hi, special)
+        if FULL:
+            any_wide_full = tl.maximum(any_wide_full, tl.max(tl.max(wide.to(tl.int32), axis=1), axis=0))
+        else:
+            any_wide = any_wide | wide.to(tl.int32)
 
         boff = rows[:, None] * NB + bidx
         nan = tl.full([BLOCK_R, NBK], float("nan"), tl.float32)
@@ -446,7 +460,6 @@ def decompose_kernel(
         _store_energy(energy_ptr, boff, plane, 2, e_grid, x2, special, bmask)
         _store_energy(energy_ptr, boff, plane, 3, e_error, x2, special, bmask)
         _store_energy(energy_ptr, boff, plane, 4, e_signal, x2, special, bmask)
-        clip_n = _sum2((a_lo > 0x40C00000).to(tl.int32), (a_hi > 0x40C00000).to(tl.int32))  # |y| > 6
         tl.store(counts_ptr + boff, tl.where(special, 0, dead_n), mask=bmask)
         tl.store(counts_ptr + plane + boff, tl.where(special, 0, clip_n), mask=bmask)
 
@@ -477,7 +490,7 @@ def decompose_kernel(
             _store_pairs(fp + 3 * FULL_PLANE, rows, ecol, KP, tl.where(sp, F32_QNAN, eg_lo_bits),
                          tl.where(sp, F32_QNAN, eg_hi_bits), emask, BLOCK_R, BLOCK_K, EVEN)
 
-    if any_wide > 0:
+    if tl.maximum(tl.max(tl.max(any_wide, axis=1), axis=0), any_wide_full) > 0:
         # Rare: a block of this program spans too many binades for units of 2**w (a deadzone
         # or an outlier rest far below its max). Its error energies are summed again from
         # the unscaled elements (the element tensors when FULL wrote them, else the chunk
@@ -508,16 +521,16 @@ def decompose_kernel(
                 eg_lo = as_f32(eg_lo)
                 eg_hi = as_f32(eg_hi)
             else:
-                lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, a_lo, a_hi, amax, special, w, \
+                lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, clip_n, amax, special, w, \
                     u, bidx, bmask = _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_lo,
                                             BLOCK_R, BLOCK_K, SPAN, NUM_CHUNKS, MACRO_GROUP, IN_KIND, RULE,
                                             STOCHASTIC, HAS_MACRO, N_OUT, EVEN, VEC, COUNTERFACTUAL, FMA_DIV,
                                             WHOLE_BLOCKS)
+                ed_lo = tl.where(dead_lo, lo, 0)  # |e_dead| = |x| on the deadzone
+                ed_hi = tl.where(dead_hi, hi, 0)
                 bm1 = (tl.load(beta_ptr + boff, mask=bmask, other=1.0) - 1.0)[:, :, None]
                 es_lo, es_hi, eg_lo, eg_hi, d_lo, d_hi = _components(as_f32(lo), as_f32(hi), q_lo, q_hi, qs_lo, qs_hi,
                                                                      dead_lo, dead_hi, bm1, COUNTERFACTUAL)
-                ed_lo = tl.where(dead_lo, lo, 0)  # |e_dead| = |x| on the deadzone
-                ed_hi = tl.where(dead_hi, hi, 0)
             if COUNTERFACTUAL:
                 s, x2 = _own_unit_energy(es_lo, es_hi)
                 tl.store(energy_ptr + boff, _f64_bits(s, x2), mask=wide)

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _custom_ops, _dispatch, registry
+from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
 from .recipe import DEFAULT_RECIPE, UNCHECKED, QuantRecipe, checked_get, validated
 from .tensor import FLOAT_DTYPES, MXTensor
@@ -89,10 +90,13 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     """
     compiling = _is_compiling()
     x, recipe, axis = _prepare("quantize", x, recipe, axis, compiling)
+    if compiling:
+        if not x.numel():
+            return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
+        return _custom_ops.quantize(x, recipe, axis)
+    refuse_func_transforms("quantize")
     if not x.numel():
         return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
-    if compiling:
-        return _custom_ops.quantize(x, recipe, axis)
     return _dispatch.quantize(x, recipe, axis)
 
 
@@ -113,7 +117,7 @@ def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Te
         if mx.qdata.numel() == 0:
             return torch.zeros(mx.shape, dtype=dtype, device=mx.device)
         return _custom_ops.dequantize(mx, dtype)
-    return mx.dequantize(dtype)
+    return mx.dequantize(dtype)  # (refuses torch.func transforms)
 
 
 def decompose(
@@ -138,6 +142,7 @@ def decompose(
     x, recipe, axis = _prepare("decompose", x, recipe, axis, _is_compiling())
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
+    refuse_func_transforms("decompose")
     return _dispatch.decompose(x, recipe, axis, definition, full)
 
 
@@ -186,8 +191,10 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     if b_mx and b.axis != 0:
         raise ValueError(f"an MXTensor b must be quantized along axis 0 (K); it is along axis {b.axis}")
 
-    if compiling or (torch.is_grad_enabled() and (
-            (not a_mx and a.requires_grad) or (not b_mx and b.requires_grad))):
+    if compiling:
+        return _custom_ops.mx_matmul(a, b, recipe)
+    refuse_func_transforms("matmul")
+    if torch.is_grad_enabled() and ((not a_mx and a.requires_grad) or (not b_mx and b.requires_grad)):
         return _custom_ops.mx_matmul(a, b, recipe)
     return _dispatch.matmul(a, b, recipe)
 

@@ -10,11 +10,26 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _dispatch
+from ._transforms import refuse_func_transforms
 from .format import BLOCK_SIZE
 from .recipe import QuantRecipe, validated
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes portable_mx quantizes from and dequantizes to."""
+
+
+def part_specs(recipe: QuantRecipe, rows: Any, k: Any) -> list[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) of each part of a rows-layout MXTensor (``rows`` x ``k``
+    quantized along k with ``recipe``), in :meth:`MXTensor.parts` order."""
+    kp = -(-k // BLOCK_SIZE) * BLOCK_SIZE
+    nb = kp // BLOCK_SIZE
+    spec = [("qdata", torch.uint8, (rows, kp // 2)), ("scales", torch.uint8, (rows, nb))]
+    if recipe.macro_block is not None:
+        spec.append(("macro_scales", torch.float32, (rows, -(-kp // recipe.macro_block))))
+    if recipe.outliers_per_block:
+        o = recipe.outliers_per_block
+        spec += [("outlier_values", torch.bfloat16, (rows, nb, o)), ("outlier_indices", torch.uint8, (rows, nb, o))]
+    return spec
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,7 @@ class MXTensor:
         dtype = self.dtype if dtype is None else dtype
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}; got {dtype}")
+        refuse_func_transforms("dequantize")
         return _dispatch.dequantize(self, dtype)
 
     # ------------------------------------------------------------------- layouts
@@ -182,6 +198,13 @@ class MXTensor:
                          recipe, macro, ov, oi)
         return rows.unrows(torch.Size(shape), axis)
 
+    @classmethod
+    def empty(cls, shape: tuple, dtype: torch.dtype, recipe: QuantRecipe, device: torch.device) -> "MXTensor":
+        """A rows-layout MXTensor of ``shape`` (R, K), axis 1, with uninitialised parts
+        (``torch.empty``): what shape propagation (the meta device) returns."""
+        parts = [torch.empty(s, dtype=d, device=device) for _, d, s in part_specs(recipe, *shape)]
+        return cls.from_parts(parts, shape, dtype, 1, recipe)
+
     # ------------------------------------------------------------------- derived data
 
     def memo(self, key: str, build: Callable[["MXTensor"], Any]) -> Any:
@@ -227,18 +250,14 @@ class MXTensor:
 
 def part_layout(shape: torch.Size, axis: int, recipe: QuantRecipe) -> dict[str, Optional[tuple[torch.dtype, tuple]]]:
     """(dtype, shape) of each part of the MXTensor of a tensor of ``shape`` quantized along
-    ``axis`` with ``recipe`` (None: the part must be absent)."""
+    ``axis`` with ``recipe``: :func:`part_specs` with the lead dims ``shape[:axis] +
+    shape[axis+1:]`` in place of the rows; None for a part the recipe has no use for."""
     lead = tuple(shape[:axis]) + tuple(shape[axis + 1:])
-    kp = -(-shape[axis] // BLOCK_SIZE) * BLOCK_SIZE
-    nb = kp // BLOCK_SIZE
-    o = recipe.outliers_per_block
-    return {
-        "qdata": (torch.uint8, lead + (kp // 2,)),
-        "scales": (torch.uint8, lead + (nb,)),
-        "macro_scales": None if recipe.macro_block is None else (torch.float32, lead + (-(-kp // recipe.macro_block),)),
-        "outlier_values": (torch.bfloat16, lead + (nb, o)) if o else None,
-        "outlier_indices": (torch.uint8, lead + (nb, o)) if o else None,
-    }
+    layout: dict[str, Optional[tuple[torch.dtype, tuple]]] = dict.fromkeys(
+        ("qdata", "scales", "macro_scales", "outlier_values", "outlier_indices"))
+    for name, dtype, rows_shape in part_specs(recipe, 1, shape[axis]):
+        layout[name] = (dtype, lead + tuple(rows_shape[1:]))
+    return layout
 
 
 def _check_consistent(mx: MXTensor) -> None:

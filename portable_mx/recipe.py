@@ -2,11 +2,13 @@
 operands of a GEMM (forward and backward) are quantized at all.
 
 Every way of obtaining a recipe validates it: the constructor, ``model_validate`` /
-``model_validate_json``, ``model_copy(update=...)`` and ``model_construct`` (both
-rebuilt through the constructor here), unpickling. A recipe made by going around all of
-them (``object.__new__``, ``BaseModel.model_construct``, ``object.__setattr__``) is
-caught where it enters the library: :func:`validated`, which the public ops and the nn
-layers call, checks each recipe object once and remembers it by identity.
+``model_validate_json`` (which call the constructor), ``model_copy(update=...)`` and
+``model_construct`` (both rebuilt through the constructor here), unpickling. A recipe
+made by going around all of them (``object.__new__``, pydantic's own
+``BaseModel.model_construct``) is caught where it enters the library:
+:func:`validated`, which the public ops and the nn layers call, checks each recipe object
+once and remembers it by identity (so a valid recipe changed in place afterwards with
+``object.__setattr__``, which a frozen model forbids, is not checked again).
 
 The constructor interns: equal keyword arguments give the same object
 (``QuantRecipe(activations="bf16") is QuantRecipe(activations="bf16")``), so that a
@@ -85,10 +87,12 @@ class QuantRecipe(BaseModel):
     # ------------------------------------------------------------------- construction
 
     def __new__(cls, /, **data: Any) -> "QuantRecipe":
-        if not data and not _is_compiling():
-            # a blank instance: pydantic's own paths (validation, copies, unpickling) fill
-            # it; QuantRecipe() fills it in __init__
-            return super().__new__(cls)
+        if not _is_compiling():
+            if not data:
+                # a blank instance: pydantic's own paths (copies, unpickling) fill it;
+                # QuantRecipe() fills it in __init__
+                return super().__new__(cls)
+            return _interned(cls, data)
         # torch.compile: the fields must be constants of the trace (an int argument that
         # changes between calls turns symbolic: build that recipe outside, or compile with
         # dynamic=False, one graph per value)
@@ -199,27 +203,43 @@ _PINNED: set[str] = set()  # attributes interned while dynamo traced: never evic
 _MAX_INTERNED = 4096
 
 
+def _key(cls: type, data: dict[str, Any]) -> str:
+    """The interning key of ``cls(**data)``: exact for the plain types (True, 1 and 1.0
+    differ, as they may to the validator)."""
+    return repr((cls.__module__, cls.__qualname__, sorted((k, type(v).__qualname__, v) for k, v in data.items())))
+
+
+def _interned(cls: type, data: dict[str, Any]) -> "QuantRecipe":
+    """The interned recipe ``cls(**data)``, built (validated) on first use."""
+    key = _key(cls, data)
+    name = _NAMES.get(key)
+    if name is not None:
+        obj = getattr(_Interned, name, None)
+        if obj is not None:
+            return obj
+    obj = BaseModel.__new__(cls)
+    BaseModel.__init__(obj, **data)  # raises pydantic.ValidationError for bad fields
+    if len(_NAMES) >= _MAX_INTERNED:  # recipes made per call (a seed per step): stay bounded
+        for k, n in list(_NAMES.items()):
+            if n not in _PINNED:
+                _NAMES.pop(k, None)
+                if hasattr(_Interned, n):
+                    delattr(_Interned, n)
+    name = "r_" + hashlib.sha1(key.encode()).hexdigest()[:20]
+    setattr(_Interned, name, obj)
+    _NAMES[key] = name
+    _remember(obj)
+    if _is_compiling():  # made while dynamo traces: a compiled graph may guard on it
+        _PINNED.add(name)
+    return obj
+
+
 @torch.compiler.assume_constant_result
 def _intern(cls: type, data: dict[str, Any]) -> str:
-    """The name of the interned recipe ``cls(**data)``, built (validated) on first use.
-    Runs eagerly even under ``torch.compile`` (its result is a constant of the graph)."""
-    key = repr(sorted((k, type(v).__qualname__, v) for k, v in data.items()))
-    name = _NAMES.get(key)
-    if name is None:
-        obj = BaseModel.__new__(cls)
-        BaseModel.__init__(obj, **data)  # raises pydantic.ValidationError for bad fields
-        if len(_NAMES) >= _MAX_INTERNED:  # recipes made per call (a seed per step): stay bounded
-            for k, n in list(_NAMES.items()):
-                if n not in _PINNED:
-                    delattr(_Interned, n)
-                    del _NAMES[k]
-        name = "r_" + hashlib.sha1(key.encode()).hexdigest()[:20]
-        setattr(_Interned, name, obj)
-        _NAMES[key] = name
-        _remember(obj)
-        if _is_compiling():
-            _PINNED.add(name)
-    return name
+    """The attribute of :class:`_Interned` holding ``cls(**data)``. Runs eagerly even
+    under ``torch.compile`` (dynamo keeps its result as a constant of the graph)."""
+    _interned(cls, data)
+    return _NAMES[_key(cls, data)]
 
 
 # ----------------------------------------------------------------------------- validated

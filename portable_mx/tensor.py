@@ -271,7 +271,12 @@ def _check_consistent(mx: MXTensor) -> None:
         raise ValueError(f"MXTensor: axis must be an int in [0, {len(shape)}) for shape {tuple(shape)}; got {mx.axis!r}")
     if mx.dtype not in FLOAT_DTYPES:
         raise TypeError(f"MXTensor: dtype (the original tensor's) must be one of {FLOAT_DTYPES}; got {mx.dtype!r}")
-    recipe = validated(mx.recipe)
+    recipe = mx.recipe
+    if torch.compiler.is_compiling():  # traced: the custom ops re-validate the recipe's JSON
+        if not isinstance(recipe, QuantRecipe):
+            raise TypeError(f"MXTensor: recipe must be a QuantRecipe; got {type(recipe).__name__}")
+    else:
+        recipe = validated(recipe)
     if not isinstance(shape, torch.Size):
         object.__setattr__(mx, "shape", torch.Size(shape))
     if recipe is not mx.recipe:

@@ -174,3 +174,24 @@ def test_a_recipe_built_inside_a_compiled_function_is_a_graph_constant():
         pmx.QuantRecipe(seed=12345)  # a new recipe made eagerly between calls
     assert counter.frame_count == 1
     torch._dynamo.reset()
+
+
+def test_interned_recipes_stay_bounded_and_compiled_ones_are_kept(monkeypatch):
+    """Recipes made per call (a seed per step) do not accumulate; one that a compiled graph
+    was built on survives the eviction (no recompilation)."""
+    import torch._dynamo.testing
+
+    from portable_mx import recipe as recipe_module
+
+    monkeypatch.setattr(recipe_module, "_MAX_INTERNED", len(recipe_module._NAMES) + 4)
+    x = torch.randn(2, 32)
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: pmx.quantize(t, pmx.QuantRecipe(rounding="stochastic", seed=987654)).qdata,
+                             fullgraph=True, backend=counter)
+    want = compiled(x)
+    for seed in range(40):
+        pmx.QuantRecipe(rounding="stochastic", seed=10**6 + seed)
+    assert len(recipe_module._NAMES) <= recipe_module._MAX_INTERNED + len(recipe_module._PINNED)
+    assert torch.equal(compiled(x), want) and counter.frame_count == 1
+    torch._dynamo.reset()

@@ -17,7 +17,7 @@ import torch
 from . import _custom_ops, _dispatch, registry
 from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
-from .recipe import DEFAULT_RECIPE, UNCHECKED, QuantRecipe, checked_get, validated
+from .recipe import DEFAULT_RECIPE, VALIDATED, QuantRecipe, validated
 from .tensor import FLOAT_DTYPES, MXTensor
 
 Operand = Union[torch.Tensor, MXTensor]
@@ -69,7 +69,9 @@ def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
 
 def _prepare(op: str, x: Any, recipe: Any, axis: Any, compiling: bool) -> tuple[torch.Tensor, QuantRecipe, int]:
     """Validate the (x, recipe, axis) of quantize/decompose; return x, the recipe, axis >= 0."""
-    if compiling or checked_get(id(recipe), UNCHECKED) is not recipe:  # a recipe seen before costs one lookup
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+    elif compiling or id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
         recipe = _recipe(recipe)
     x = _check_float_tensor(x, "x")
     nd = x.dim()
@@ -166,10 +168,12 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     follow ``recipe.grad_input`` / ``recipe.grad_weight`` (see :mod:`portable_mx._custom_ops`).
     """
     compiling = _is_compiling()
-    if compiling:
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+    elif compiling:
         if recipe.__class__ is not QuantRecipe:
             recipe = _recipe(recipe)
-    elif checked_get(id(recipe), UNCHECKED) is not recipe:  # a recipe seen before costs one lookup
+    elif id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
         recipe = _recipe(recipe)
     a_mx, b_mx = isinstance(a, MXTensor), isinstance(b, MXTensor)
     a_dtype, a_dev, a_shape = (a.dtype, a.device, a.shape) if a_mx else _operand_info(a, "a")

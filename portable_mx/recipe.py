@@ -245,19 +245,16 @@ def _intern(cls: type, data: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- validated
 
 
-_CHECKED: dict[int, QuantRecipe] = {}
-"""id -> recipe, for every recipe object known to be valid (strong references: an id is
-never reused while it is here)."""
-checked_get = _CHECKED.get
-"""The hot path's lookup: ``checked_get(id(r), UNCHECKED) is r`` when r is a known valid
-recipe (the default keeps ``None`` from matching a missing entry)."""
-UNCHECKED = object()
+VALIDATED: dict[int, QuantRecipe] = {}
+"""id -> recipe, for every recipe object known to be valid. The references are strong, so
+an id here is the id of that very object (no other live object can have it): the hot
+path's whole check is ``id(r) in VALIDATED``. Cleared (in place) when it grows large."""
 
 
 def _remember(recipe: QuantRecipe) -> None:
-    if len(_CHECKED) >= 4 * _MAX_INTERNED:
-        _CHECKED.clear()  # in place: ``checked_get`` stays bound to it
-    _CHECKED[id(recipe)] = recipe
+    if len(VALIDATED) >= 4 * _MAX_INTERNED:
+        VALIDATED.clear()
+    VALIDATED[id(recipe)] = recipe
 
 
 def _check_fields(recipe: QuantRecipe) -> QuantRecipe:
@@ -279,7 +276,7 @@ def validated(recipe: Any) -> QuantRecipe:
     converts them (e.g. a string seed); raises ``pydantic.ValidationError`` (a
     ``ValueError``) naming the field for an invalid one and ``TypeError`` for a
     non-recipe. What the public ops and nn layers call on every recipe they receive."""
-    if checked_get(id(recipe), UNCHECKED) is recipe:
+    if id(recipe) in VALIDATED:
         return recipe
     if not isinstance(recipe, QuantRecipe):
         raise TypeError(f"expected a QuantRecipe; got {type(recipe).__name__}")

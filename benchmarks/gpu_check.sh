@@ -124,6 +124,7 @@ else
   # Benchmarks (each writes its JSON under $out/results and prints its table last).
   bench bench-elementwise 120 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
   bench bench-gemm 150 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
+  bench bench-moe 150 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
   bench bench-overhead 90 benchmarks/overhead.py --gpu-checks --out "$out/results"
 fi
 

@@ -1,5 +1,5 @@
 """The ``portable_mx::`` torch custom ops: the GEMM with its autograd rule, and the
-rows-level quantize and dequantize that ``torch.compile`` traces as single ops.
+rows-level quantize, dequantize and decompose that ``torch.compile`` traces as single ops.
 
 Registered with ``torch.library.Library.define``/``impl`` (cheaper to call than
 ``@torch.library.custom_op``), each with a fake implementation, so that autograd,
@@ -38,6 +38,13 @@ str a_recipe, str b_recipe) -> Tensor``
 ``portable_mx::dequantize(Tensor[] parts, str recipe, SymInt k, ScalarType dtype) -> Tensor``
     The rows-layout MXTensor of those parts (K = ``k``) -> ``[R, k]`` in ``dtype``.
 
+``portable_mx::decompose(Tensor x, str recipe, str definition, bool full) -> Tensor[]``
+    x float ``[R, K]`` quantized along K and decomposed (:func:`portable_mx.decompose`),
+    the rows-layout Decomposition as [beta fp32 ``[R, Kp/32]``, the counts int32
+    ``[2, R, Kp/32]`` (:data:`DECOMPOSE_COUNTS`), the energies float64 ``[5, R, Kp/32]``
+    (:data:`DECOMPOSE_ENERGIES`), non_finite int64 0-d] and, when ``full``, the element
+    tensors fp32 ``[4, R, Kp]`` (:data:`DECOMPOSE_ELEMENTS`).
+
 Backward of ``mm`` (straight-through: the quantizer's derivative is taken as 1), with
 ``W`` = b ``[K, N]``, ``X`` = a ``[M, K]``, ``dY`` ``[M, N]``, and the operands' float
 values (for an MXTensor operand: its dequantized values) as the high-precision copies
@@ -68,6 +75,8 @@ from torch import Tensor
 from . import _dispatch
 from ._precision import HighestPrecision
 from ._transforms import refuse_func_transforms
+from .decompose import DEFINITIONS, Decomposition
+from .format import BLOCK_SIZE
 from .recipe import QuantRecipe
 from .tensor import FLOAT_DTYPES, MXTensor, part_specs
 
@@ -165,6 +174,7 @@ _LIB.define("mm(Tensor a, Tensor b, Tensor[] a_parts, Tensor[] b_parts, str reci
 _LIB.define("grad_mm(Tensor a, Tensor b, str recipe, bool quantized) -> Tensor")
 _LIB.define("quantize(Tensor x, str recipe) -> Tensor[]")
 _LIB.define("dequantize(Tensor[] parts, str recipe, SymInt k, ScalarType dtype) -> Tensor")
+_LIB.define("decompose(Tensor x, str recipe, str definition, bool full) -> Tensor[]")
 
 
 def _mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe):
@@ -228,9 +238,56 @@ def _dequantize_fake(parts, recipe, k, dtype):
     return parts[0].new_empty(parts[0].shape[0], k, dtype=dtype)
 
 
+DECOMPOSE_COUNTS = ("dead_count", "clip_count")
+DECOMPOSE_ENERGIES = ("energy_scale", "energy_dead", "energy_grid", "energy_error", "energy_signal")
+DECOMPOSE_ELEMENTS = ("dequantized", "scale_bias", "deadzone", "grid_noise")
+"""The planes of the stacked tensors ``portable_mx::decompose`` returns, in order."""
+
+
+def _stacked(ts: list[Tensor]) -> Tensor:
+    """``torch.stack(ts)``, or the tensor ``ts`` are the planes of when a backend wrote them
+    stacked (the Triton kernel does): no copy, and no output aliases another."""
+    base = ts[0]._base
+    if (base is not None and base.is_contiguous() and tuple(base.shape) == (len(ts), *ts[0].shape)
+            and all(t._base is base and t.data_ptr() == base[i].data_ptr() for i, t in enumerate(ts))):
+        return base
+    return torch.stack(ts)
+
+
+def _check_decompose(x, definition) -> None:
+    if not isinstance(x, Tensor) or x.dtype not in FLOAT_DTYPES or x.dim() != 2:
+        raise ValueError(f"decompose: x must be a 2-D float tensor [R, K]; got {getattr(x, 'shape', x)!r}")
+    if definition not in DEFINITIONS:
+        raise ValueError(f"decompose: definition must be one of {DEFINITIONS}; got {definition!r}")
+
+
+def _decompose(x, recipe, definition, full):
+    _check_decompose(x, definition)
+    dec = _dispatch.decompose_rows(x, recipe_from_json(recipe), definition, full)
+    out = [dec.beta.contiguous(), _stacked([getattr(dec, n) for n in DECOMPOSE_COUNTS]),
+           _stacked([getattr(dec, n) for n in DECOMPOSE_ENERGIES]), dec.non_finite.reshape(()).to(torch.int64)]
+    if full:
+        out.append(_stacked([getattr(dec, n) for n in DECOMPOSE_ELEMENTS]))
+    return out
+
+
+def _decompose_fake(x, recipe, definition, full):
+    _check_decompose(x, definition)
+    recipe_from_json(recipe)
+    r, k = x.shape
+    kp = (k + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    nb = kp // BLOCK_SIZE
+    out = [x.new_empty((r, nb), dtype=torch.float32), x.new_empty((len(DECOMPOSE_COUNTS), r, nb), dtype=torch.int32),
+           x.new_empty((len(DECOMPOSE_ENERGIES), r, nb), dtype=torch.float64), x.new_empty((), dtype=torch.int64)]
+    if full:
+        out.append(x.new_empty((len(DECOMPOSE_ELEMENTS), r, kp), dtype=torch.float32))
+    return out
+
+
 for _name, _impl, _fake in (("mm", _mm, _mm_fake), ("grad_mm", _grad_mm, _grad_mm_fake),
                             ("quantize", _quantize, _quantize_fake),
-                            ("dequantize", _dequantize, _dequantize_fake)):
+                            ("dequantize", _dequantize, _dequantize_fake),
+                            ("decompose", _decompose, _decompose_fake)):
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"portable_mx::{_name}", _fake, lib=_LIB)
 
@@ -292,6 +349,19 @@ def dequantize(mx: MXTensor, dtype: torch.dtype) -> Tensor:
     rows = mx.rows()
     q = torch.ops.portable_mx.dequantize(rows.parts(), recipe_json(mx.recipe), mx.k, dtype)
     return q if rows is mx else q.reshape(*mx.lead_shape, mx.k).movedim(-1, mx.axis)
+
+
+def decompose(x: Tensor, recipe: QuantRecipe, axis: int, definition: str, full: bool) -> Decomposition:
+    """:func:`portable_mx.decompose` as one ``portable_mx::decompose`` op (what a compiled
+    graph holds): x validated, ``axis`` >= 0; the Decomposition in x's layout."""
+    rows = _dispatch.to_rows(x, axis)
+    parts = torch.ops.portable_mx.decompose(rows, recipe_json(recipe), definition, full)
+    tensors = {"beta": parts[0], **dict(zip(DECOMPOSE_COUNTS, parts[1].unbind(0))),
+               **dict(zip(DECOMPOSE_ENERGIES, parts[2].unbind(0)))}
+    if full:
+        tensors.update(zip(DECOMPOSE_ELEMENTS, parts[4].unbind(0)))
+    dec = Decomposition(definition=definition, recipe=recipe, axis=1, non_finite=parts[3], **tensors)
+    return _dispatch.decomposition_layout(dec, x.shape, axis)
 
 
 def _op_operand(t: Operand, values_needed: bool) -> tuple[Tensor, list[Tensor], str]:

@@ -82,20 +82,29 @@ def dequantize(mx: "MXTensor", dtype: torch.dtype) -> torch.Tensor:
     return from_rows(q, mx.lead_shape, mx.k, mx.axis)
 
 
-def decompose(x: torch.Tensor, recipe: QuantRecipe, axis: int, definition: str, full: bool) -> Decomposition:
-    """The decomposition of quantizing ``x`` along ``axis`` (>= 0), in x's layout."""
-    rows = to_rows(x, axis)
-    lead = torch.Size(x.shape[:axis] + x.shape[axis + 1:])
+def decompose_rows(rows: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
+    """The decomposition of float rows [R, K] quantized along K, in the rows layout."""
     if rows.numel() == 0:
-        dec = zeros_decomposition(*rows.shape, recipe, definition, full, x.device)
-    else:
-        dec = _select("decompose", x.device).decompose(rows, recipe, definition, full)
-    nb = _padded(x.shape[axis]) // BLOCK_SIZE
+        return zeros_decomposition(*rows.shape, recipe, definition, full, rows.device)
+    return _select("decompose", rows.device).decompose(rows, recipe, definition, full)
+
+
+def decomposition_layout(dec: Decomposition, shape: torch.Size, axis: int) -> Decomposition:
+    """A rows-layout Decomposition of a tensor of ``shape`` quantized along ``axis``
+    (>= 0), moved to that tensor's layout."""
+    lead = torch.Size(shape[:axis] + shape[axis + 1:])
+    k = shape[axis]
+    nb = _padded(k) // BLOCK_SIZE
     dec = dec.map_tensors(
         block_fn=lambda t: t.reshape(*lead, nb),
-        element_fn=lambda t: from_rows(t, lead, x.shape[axis], axis),
+        element_fn=lambda t: from_rows(t, lead, k, axis),
     )
-    return replace(dec, axis=axis, num_elements=x.numel())
+    return replace(dec, axis=axis, num_elements=math.prod(shape))
+
+
+def decompose(x: torch.Tensor, recipe: QuantRecipe, axis: int, definition: str, full: bool) -> Decomposition:
+    """The decomposition of quantizing ``x`` along ``axis`` (>= 0), in x's layout."""
+    return decomposition_layout(decompose_rows(to_rows(x, axis), recipe, definition, full), x.shape, axis)
 
 
 # ----------------------------------------------------------------------------- GEMM

@@ -12,9 +12,28 @@ value) and e = Q - x:
   that were quantized; e_scale = Q - Q*; e_dead = -x where Q* = 0 and x != 0; e_grid =
   Q* - x elsewhere. Exact, not orthogonal. At outlier positions Q* = Q.
 
-The math is written once here, on blocked fp32 tensors ``[..., n_blocks, 32]``; backends
-call it (or reproduce it in a kernel and are tested against it). Per-block statistics are
-fp32, summed over each block; whole-tensor totals are summed in float64.
+The math is written once here, on blocked tensors ``[..., n_blocks, 32]``; backends call
+it (or reproduce it in a kernel and are tested against it).
+
+Range. The statistics are right for every finite x, from fp32 subnormals to the fp32
+maximum, on every backend: here every component is computed in float64 from x and Q
+(fp32 values, so each product is exact and no square overflows or underflows), beta is
+that float64 gain rounded once to fp32, and the per-block energies are float64 (a block's
+energy spans 2**-298 .. 2**261, beyond fp32's range). The element tensors are the float64
+components rounded once to fp32. A kernel that sums in fp32 must scale each block by a
+power of two first (the Triton kernel does; see its module doc). Subnormal x are not
+flushed: a block whose scale exponent would fall below -127 gets E8M0 byte 0 = 2**-127
+(numerics.md section 1), y = x * 2**127 is exact, and (rounding to nearest) its values
+with |x| <= 2**-129 are deadzoned (Q = 0, e_dead = -x): the statistics count them as the
+element tensors show them (a block of such values has relative error 1, all deadzone).
+
+The one finite x without finite statistics is one whose Q is itself infinite: Q is the
+fp32 value dequantize produces, and a block whose amax is within a rounding step of the
+fp32 maximum can quantize to 2**128 (rceil/even/ceil scales, macro factors), which fp32
+holds as +-inf, as an outlier past bfloat16's maximum is stored as +-inf. The error is
+then infinite, as the ``dequantized`` elements show: that block's error energy is inf,
+its beta, scale and grid statistics inf or NaN, and so are the whole-tensor figures
+(relative MSE inf, shares NaN).
 
 Non-finite input. A block holding NaN or Inf has no decomposition: its float statistics
 are NaN, its counts 0 and its element tensors NaN, and the Decomposition carries the
@@ -46,8 +65,13 @@ class Decomposition:
     Per-block statistics, shaped ``[*lead, n_blocks]`` where ``lead`` is x's shape without
     the quantized axis: ``beta`` (fp32, the least-squares gain of the survivors, 1 for a
     block with none), ``dead_count`` and ``clip_count`` (int32; clipped = |x/s| > 6 before
-    rounding), ``energy_scale``, ``energy_dead``, ``energy_grid`` (fp32 sums of squares of
-    each component), ``energy_error`` (||Q - x||^2) and ``energy_signal`` (||x||^2).
+    rounding), ``energy_scale``, ``energy_dead``, ``energy_grid`` (float64 sums of squares
+    of each component), ``energy_error`` (||Q - x||^2) and ``energy_signal`` (||x||^2), all
+    float64 because a block's energy can lie outside fp32's range (the module doc, "Range").
+    On every backend the energies are within 2 * 31 fp32 roundings (about 2**-19) of the
+    exact sums for the signal, deadzone and error energies; the scale and grid energies
+    also carry the fp32 rounding of beta, up to 16 * 31 roundings (about 2**-15) of the
+    block's signal energy. The reference computes them in float64.
     """
 
     definition: str
@@ -147,7 +171,8 @@ def _sumsq(t: torch.Tensor) -> torch.Tensor:
 
 
 def gain_components(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Definition G on blocked fp32 ``x``, ``q`` ``[..., 32]``.
+    """Definition G on blocked ``x``, ``q`` ``[..., 32]``, computed in their dtype (the
+    reference passes float64 holding fp32 values: every product below is then exact).
 
     Returns (beta [...], dead mask, e_scale, e_dead, e_grid) with the masks and components
     shaped like x.
@@ -167,7 +192,8 @@ def gain_components(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, ...
 
 def ideal_quantize(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """Q* = s* g(x / s*) with the real scale s* = amax / 6 per block (round to nearest,
-    ties to even); blocked fp32 ``x`` ``[..., 32]``, ``amax`` ``[...]``; Q* = 0 when amax = 0."""
+    ties to even); blocked fp32 ``x`` ``[..., 32]``, ``amax`` ``[...]``; Q* = 0 when amax = 0.
+    Computed in fp32 (the definition every backend reproduces bit for bit)."""
     s = (amax / 6.0).unsqueeze(-1)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     y = x / safe
@@ -180,13 +206,15 @@ def ideal_quantize(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 def counterfactual_components(
     x: torch.Tensor, q: torch.Tensor, rest_amax: torch.Tensor, outlier_mask: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
-    """Definition C on blocked fp32 ``x``, ``q`` ``[..., 32]``; ``rest_amax`` ``[...]`` is
-    the amax of the values that went through the MXFP4 grid (outliers excluded).
+    """Definition C on blocked ``x``, ``q`` ``[..., 32]`` (fp32 values, in fp32 or float64:
+    Q* is always computed in fp32 by :func:`ideal_quantize`, the differences in x's dtype);
+    ``rest_amax`` ``[...]`` is the amax of the values that went through the MXFP4 grid
+    (outliers excluded).
 
     Returns (dead mask, e_scale, e_dead, e_grid).
     """
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    q_star = ideal_quantize(x, rest_amax)
+    q_star = ideal_quantize(x.float(), rest_amax.float()).to(x.dtype)
     if outlier_mask is not None:
         q_star = torch.where(outlier_mask, q, q_star)
     dead = (q_star == 0) & (x != 0)
@@ -208,40 +236,46 @@ def decompose_blocks(
     full: bool,
 ) -> Decomposition:
     """Both definitions on blocked fp32 ``x`` and ``q`` ``[R, n_blocks, 32]`` -> a
-    Decomposition in the rows layout (element tensors ``[R, n_blocks * 32]``). Blocks of x
-    holding NaN/Inf get NaN statistics, counts 0 and NaN elements, and ``non_finite``
-    counts x's NaN/Inf values (module doc); nothing here synchronises."""
+    Decomposition in the rows layout (element tensors ``[R, n_blocks * 32]``).
+
+    Everything is computed in float64 from x and q (the module doc, "Range"): beta is
+    rounded once to fp32, the energies stay float64, the element tensors are rounded once
+    to fp32. Blocks of x holding NaN/Inf get NaN statistics, counts 0 and NaN elements,
+    and ``non_finite`` counts x's NaN/Inf values (module doc); nothing here synchronises."""
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
     bad = ~torch.isfinite(x)
     special = bad.any(-1)
-    beta, dead, e_scale, e_dead, e_grid = gain_components(x, q)
+    x64, q64 = x.double(), q.double()
+    beta, dead, e_scale, e_dead, e_grid = gain_components(x64, q64)
     if definition == "counterfactual":
-        dead, e_scale, e_dead, e_grid = counterfactual_components(x, q, rest_amax, outlier_mask)
-    err = q - x
+        dead, e_scale, e_dead, e_grid = counterfactual_components(x64, q64, rest_amax, outlier_mask)
+        energy_scale = _sumsq(e_scale)
+    else:  # ||(beta - 1) x||^2 over the survivors, factored (as kernels sum it; also where Q overflowed: beta = inf)
+        energy_scale = (beta - 1) ** 2 * _sumsq(torch.where(dead, 0.0, x64))
     nan = torch.tensor(float("nan"), device=x.device)
 
     def stat(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(special, nan, t)
+        return torch.where(special, nan.to(t.dtype), t)
 
     def count(t: torch.Tensor) -> torch.Tensor:
         return torch.where(special, 0, t).to(torch.int32)
 
     def element(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(special.unsqueeze(-1), nan, t).flatten(-2)
+        return torch.where(special.unsqueeze(-1), nan, t.float()).flatten(-2)
 
     return Decomposition(
         definition=definition,
         recipe=recipe,
         axis=1,
-        beta=stat(beta),
+        beta=stat(beta.float()),
         dead_count=count(dead.sum(-1, dtype=torch.int32)),
         clip_count=count(clip_count),
-        energy_scale=stat(_sumsq(e_scale)),
+        energy_scale=stat(energy_scale),
         energy_dead=stat(_sumsq(e_dead)),
         energy_grid=stat(_sumsq(e_grid)),
-        energy_error=stat(_sumsq(err)),
-        energy_signal=stat(_sumsq(x)),
+        energy_error=stat(_sumsq(q64 - x64)),
+        energy_signal=stat(_sumsq(x64)),
         dequantized=element(q) if full else None,
         scale_bias=element(e_scale) if full else None,
         deadzone=element(e_dead) if full else None,

@@ -139,12 +139,18 @@ def decompose(
     Exact: scale_bias + deadzone + grid_noise == dequantized - x to fp32 rounding.
     x must be finite; checking it does not synchronise here: blocks holding NaN/Inf get
     NaN statistics, and the whole-tensor figures of the result (``totals``, ``shares``,
-    ``relative_mse``, ``summary``) raise ValueError.
+    ``relative_mse``, ``summary``) raise ValueError. The statistics are right for every
+    finite x, subnormals to the fp32 maximum (per-block energies are float64; see
+    :mod:`portable_mx.decompose`). Under ``torch.compile`` (``fullgraph=True`` too) the
+    call traces as one ``portable_mx::decompose`` op; the whole-tensor figures read the
+    device, so call them outside the compiled function.
     """
     x, recipe, axis = _prepare("decompose", x, recipe, axis, _is_compiling())
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
     refuse_func_transforms("decompose")
+    if _is_compiling():
+        return _custom_ops.decompose(x, recipe, axis, definition, full)
     return _dispatch.decompose(x, recipe, axis, definition, full)
 
 

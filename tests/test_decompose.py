@@ -213,3 +213,206 @@ def test_summary_fractions_count_elements_not_padding():
     s = pmx.decompose(x).summary()
     assert s["dead_fraction"] == pytest.approx(4 / 5)
     assert s["clip_fraction"] == 0.0
+
+
+# ----------------------------------------------------------------------------- range: every finite input
+
+
+EPS = 2.0**-24  # fp32 unit roundoff
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """A [..., K] tensor as float64 [R, nb, 32], zero-padded."""
+    t = t.reshape(-1, t.shape[-1]).double()
+    return torch.nn.functional.pad(t, (0, (-t.shape[1]) % 32)).view(t.shape[0], -1, 32)
+
+
+def gain_oracle(x, recipe):
+    """Definition G (numerics.md section 3) in float64, per 32-block, from x and the
+    quantizer's dequantized values: beta and the five energies [R, nb], and the whole
+    tensor's shares and relative MSE."""
+    xb = _blocks(x)
+    qb = _blocks(pmx.dequantize(pmx.quantize(x, recipe), dtype=torch.float32))
+    dead = (qb == 0) & (xb != 0)
+    surv = ~dead
+    num = torch.where(surv, qb * xb, 0.0).sum(-1)
+    den = torch.where(surv, xb * xb, 0.0).sum(-1)
+    beta = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 1.0)
+    b = beta.unsqueeze(-1)
+    comps = {
+        "scale": torch.where(surv, (b - 1) * xb, 0.0),
+        "dead": torch.where(dead, -xb, 0.0),
+        "grid": torch.where(surv, qb - b * xb, 0.0),
+        "error": qb - xb,
+        "signal": xb,
+    }
+    energy = {k: (v * v).sum(-1) for k, v in comps.items()}
+    total = {k: v.sum().item() for k, v in energy.items()}
+    parts = total["scale"] + total["dead"] + total["grid"]
+    shares = {k: total[k] / parts for k in ("scale", "dead", "grid")} if parts else {}
+    return beta, energy, shares, total["error"] / total["signal"]
+
+
+def assert_matches_gain_oracle(d, x, recipe):
+    """The statistics of ``d`` (axis -1) against :func:`gain_oracle`: beta within the fp32
+    rounding of two 32-term sums, the energies that do not depend on beta within 2 * 31
+    eps, the scale and grid energies also within beta's rounding times the signal energy
+    (tests/test_triton_kernels.assert_stats_close has the derivation); the shares and the
+    relative MSE, and the energy-additivity identity of definition G."""
+    beta, energy, shares, rel = gain_oracle(x, recipe)
+    got_beta = d.beta.reshape(beta.shape).double()
+    assert torch.isfinite(got_beta).all() and (got_beta - beta).abs().le(4 * 31 * EPS * beta.abs()).all(), "beta"
+    signal = energy["signal"]
+    for k, want in energy.items():
+        got = getattr(d, f"energy_{k}").reshape(want.shape)
+        assert got.dtype == torch.float64 and torch.isfinite(got).all(), k
+        tol = 2 * 31 * EPS * want + (4 * 4 * 31 * EPS * signal if k in ("scale", "grid") else 0.0)
+        assert (got - want).abs().le(tol).all(), (k, (got - want).abs().max().item(), want.abs().max().item())
+    s = d.summary()
+    assert s["relative_mse"] == pytest.approx(rel, rel=1e-5)
+    for k, v in shares.items():
+        assert s[f"share_{k}"] == pytest.approx(v, rel=1e-3, abs=1e-6), k
+    parts = d.energy_scale + d.energy_dead + d.energy_grid  # definition G: they add up to the error energy
+    assert (parts - d.energy_error).abs().le(1e-4 * d.energy_error + 4 * 4 * 31 * EPS * d.energy_signal).all()
+    t = d.totals()
+    assert abs(t["scale"] + t["dead"] + t["grid"] - t["error"]) <= 1e-4 * t["error"]
+
+
+def n01(shape=(16, 256), seed=9):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("scale", [3e18, 1e30, 1e-19, 1e-30])
+def test_statistics_are_right_at_any_scale(scale):
+    """Issue 25: at |x| >= ~3e18 the fp32 block energies overflowed (NaN shares, relative
+    MSE 0), at |x| <= ~1e-19 they underflowed (everything 0). N(0,1)-shaped data has a
+    relative MSE of ~0.0135 at every scale."""
+    x = n01() * scale
+    d = pmx.decompose(x, full=False)
+    assert_matches_gain_oracle(d, x, pmx.QuantRecipe())
+    assert d.relative_mse() == pytest.approx(0.0135, rel=0.15)
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), pmx.QuantRecipe(macro_block=64),
+                                    pmx.QuantRecipe(outliers_per_block=1)], ids=lambda r: r.describe())
+def test_statistics_are_right_just_below_the_fp32_maximum(recipe):
+    x = n01(seed=10)
+    x = x / x.abs().max() * 3.0e38
+    assert_matches_gain_oracle(pmx.decompose(x, recipe), x, recipe)
+
+
+@pytest.mark.parametrize("dtype,top", [(torch.bfloat16, 3.3e38), (torch.float16, 65000.0), (torch.float16, 1e-4)])
+def test_statistics_of_16_bit_input_near_its_limits(dtype, top):
+    x = n01(seed=11)
+    x = (x / x.abs().max() * top).to(dtype)
+    assert_matches_gain_oracle(pmx.decompose(x, full=False), x, pmx.QuantRecipe())
+
+
+def test_a_block_of_subnormals_is_all_deadzone():
+    """Issue 25: a block of fp32 subnormals reported a relative MSE of 0.0 where it is 1.0.
+    With E8M0 byte 0 (2**-127) every |x| <= 2**-129 rounds to 0: the whole error is the
+    deadzone, and the statistics say so as the element tensors do."""
+    x = n01(shape=(4, 96), seed=12) * 1e-40
+    d = pmx.decompose(x)
+    assert (pmx.quantize(x).scales == 0).all() and (d.dequantized == 0).all()
+    assert torch.equal(d.deadzone, -x)
+    s = d.summary()
+    assert s["relative_mse"] == 1.0 and s["share_dead"] == 1.0 and s["dead_fraction"] == 1.0
+    assert torch.equal(d.energy_dead, d.energy_signal) and (d.energy_signal > 0).all()
+    assert_matches_gain_oracle(d, x, pmx.QuantRecipe())
+
+
+def test_subnormal_blocks_with_survivors():
+    x = n01(shape=(4, 96), seed=13) * 3e-39  # max |x| ~ 1e-38: E clamped at -127, values > 2**-129 survive
+    d = pmx.decompose(x)
+    assert 0 < d.summary()["dead_fraction"] < 1
+    assert_matches_gain_oracle(d, x, pmx.QuantRecipe())
+
+
+def mixed_blocks() -> torch.Tensor:
+    """[6, 256]: 32-blocks at scales from the fp32 maximum down to subnormals in one
+    tensor, and blocks spanning many binades (a deadzone or an outlier rest far below the
+    block's max)."""
+    x = n01(shape=(6, 256), seed=14)
+    scales = torch.tensor([3e38 / 5, 1e30, 3e18, 1.0, 1e-19, 1e-30, 3e-39, 1e-40])
+    x = x * scales.repeat_interleave(32)  # every row: one block at each scale
+    x[0, :32] = n01(shape=(1, 32), seed=19) * 1e-38
+    x[0, 0] = 1.0  # a max of 1 over values 1e38 below it, all deadzoned
+    x[1, 32:64] = n01(shape=(1, 32), seed=15) * 1e-30
+    x[1, 40] = 2.0**100  # one outlier 2**100 above an ordinary rest
+    x[2, 64:96] = n01(shape=(1, 32), seed=16) * 1e-44
+    x[2, 70] = 3e38  # the fp32 maximum's binade over subnormals
+    x[3, 96] = 2.0**-149  # the smallest subnormal in an ordinary block
+    u = torch.rand(32, generator=torch.Generator().manual_seed(20))
+    x[4, 32:64] = (0.5 + 0.5 * u) * torch.where(u < 0.5, -1e-30, 1e-30)  # a rest with no deadzone ...
+    x[4, 33] = 2.0**100  # ... under one outlier (exact in bf16): the error is the rest's alone
+    return x
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), pmx.QuantRecipe(outliers_per_block=1),
+                                    pmx.QuantRecipe(outliers_per_block=2, macro_block=64, rounding="stochastic",
+                                                    seed=3)],
+                         ids=lambda r: r.describe())
+def test_mixed_and_wide_blocks_in_one_tensor(recipe, full):
+    x = mixed_blocks()
+    assert_matches_gain_oracle(pmx.decompose(x, recipe, full=full), x, recipe)
+
+
+@pytest.mark.parametrize("make", [lambda: n01() * 1e30, lambda: n01() * 1e-30, lambda: n01() * 1e-40, mixed_blocks],
+                         ids=["1e30", "1e-30", "subnormal", "mixed"])
+def test_counterfactual_statistics_are_the_energies_of_its_components(make):
+    """Definition C: each energy is the float64 energy of its element tensor (fp32 values:
+    within 2 eps of each element, 2**-149 below the normals), the relative MSE is the
+    oracle's, and the deadzone is exactly -x where it is nonzero."""
+    x = make()
+    d = pmx.decompose(x, definition="counterfactual")
+    _, energy, _, rel = gain_oracle(x, pmx.QuantRecipe())
+    for k in ("error", "signal"):
+        got = getattr(d, f"energy_{k}").reshape(energy[k].shape)
+        assert (got - energy[k]).abs().le(2 * 31 * EPS * energy[k]).all(), k
+    assert d.relative_mse() == pytest.approx(rel, rel=1e-5)
+    for k, name in (("scale", "scale_bias"), ("dead", "deadzone"), ("grid", "grid_noise")):
+        e = _blocks(getattr(d, name))
+        want = (e * e).sum(-1)
+        slack = (2 * e.abs() * (2 * EPS * e.abs() + 2.0**-149)).sum(-1)  # the elements' own fp32 rounding
+        got = getattr(d, f"energy_{k}").reshape(want.shape)
+        assert torch.isfinite(got).all() and (got - want).abs().le(2 * 31 * EPS * want + slack).all(), k
+    s = d.summary()
+    total = sum(s[f"share_{k}"] for k in ("scale", "dead", "grid"))
+    assert total == pytest.approx(1.0) and all(0 <= s[f"share_{k}"] <= 1 for k in ("scale", "dead", "grid"))
+
+
+def test_q_that_overflows_fp32_gives_an_infinite_error():
+    """The documented exception: rceil rounds a block whose amax is 3.3e38 up to a scale of
+    2**126 and its max to 4 * 2**126 = 2**128, which fp32 (and dequantize) hold as inf.
+    That block's error energy and the relative MSE are inf; the other blocks are finite."""
+    x = n01(shape=(2, 64), seed=17)
+    x[0, :32] = x[0, :32] / x[0, :32].abs().max() * 3.3e38
+    d = pmx.decompose(x, pmx.QuantRecipe(scale_rule="rceil"), full=False)
+    assert d.energy_error[0, 0] == float("inf") and torch.isfinite(d.energy_error.view(-1)[1:]).all()
+    assert d.relative_mse() == float("inf")
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def test_compiled_decompose_traces_as_one_op_and_equals_eager():
+    x = n01(shape=(3, 8, 70), seed=18)
+    recipe = pmx.QuantRecipe(macro_block=64, outliers_per_block=1)
+
+    def f(t):
+        return pmx.decompose(t, recipe, axis=1)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    torch._dynamo.reset()
+    got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x)
+    assert isinstance(got, pmx.Decomposition) and got.axis == 1 and got.num_elements == x.numel()
+    for name in ("beta", "dead_count", "clip_count", "energy_scale", "energy_dead", "energy_grid", "energy_error",
+                 "energy_signal", "dequantized", "scale_bias", "deadzone", "grid_noise", "non_finite"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.summary() == want.summary()
+    torch.library.opcheck(torch.ops.portable_mx.decompose.default,
+                          (x[0], recipe.model_dump_json(), "counterfactual", True))

@@ -123,3 +123,18 @@ def test_a_missing_required_module_is_not_disguised(monkeypatch):
     monkeypatch.setattr(tune, "run", run)
     with pytest.raises(ModuleNotFoundError):
         cli.main(["tune", "--replay", "x.json"])
+
+
+# ----------------------------------------------------------------------------- the suite without triton
+
+
+def test_the_suite_collects_without_triton():
+    """Beside a torch with no triton (a CPU build brings none) every test module imports:
+    the modules and tests that need triton skip, naming what to install, instead of
+    stopping the collection. A second process hides triton (None in sys.modules: `import
+    triton` raises ModuleNotFoundError) and collects the suite."""
+    code = ("import sys; sys.modules['triton'] = None; import pytest; "
+            f"sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', {str(ROOT / 'tests')!r}]))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "tests/test_tuning.py needs triton >= 3.6: pip install 'triton>=3.6'" in res.stdout, res.stdout[-3000:]

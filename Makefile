@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 .PHONY: demo test clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
-	PYTHON=$(PYTHON) scripts/setup_venv.sh $(VENV) test,demo
+	PYTHON=$(PYTHON) scripts/setup_venv.sh $(VENV) test,demo,hf
 	touch $@
 
 demo: $(VENV)/.installed

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .recipe import QuantRecipe
     from .tensor import MXTensor
 
-OPS = ("quantize", "dequantize", "decompose", "matmul")
+OPS = ("quantize", "dequantize", "decompose", "matmul", "grouped_matmul")
 ENV_BACKEND = "PORTABLE_MX_BACKEND"
 
 
@@ -91,6 +91,38 @@ class Backend:
         accumulation order) and rounded once to ``out_dtype``. A backend writes
         ``out_dtype`` directly where it can: a separate cast is one more kernel and one more
         M x N round trip."""
+        raise NotImplementedError
+
+    def grouped_matmul(
+        self, a: "MXTensor | torch.Tensor", w: "MXTensor", num_experts: int, offsets: torch.Tensor,
+        gather: Optional[torch.Tensor], bias: Optional[torch.Tensor], activation: Optional[str],
+        out_dtype: torch.dtype, schedule: Callable[[int], torch.Tensor],
+    ) -> torch.Tensor:
+        """The grouped GEMM over ragged experts (op "grouped_matmul"; the public op is
+        :func:`portable_mx.grouped_matmul`).
+
+        a: MXTensor (X, K) axis 1, or a bf16/fp16 tensor [X, K] (W4A16); w: MXTensor
+        (E*N, K) axis 1, the expert weights [E, N, K] in rows (expert e owns rows e*N ..
+        e*N + N - 1); offsets: int32 [E], the cumulative ends of the R expert-sorted rows
+        (``offsets[-1] == R``); gather: None (R = X, row i reads a's row i) or int32 [R]
+        (row i reads a's row ``gather[i]``); bias: None or float [E, N]; activation: None
+        or a name of :mod:`portable_mx.moe.activations` (then N' = N/2, else N' = N);
+        schedule: ``schedule(tile_m)`` gives the tile schedule of the rows
+        (:func:`portable_mx.moe.routing.tile_schedule`) without a host sync. R, K, N > 0.
+
+        Returns [R, N'] in ``out_dtype``: row i of expert e is the activation of the
+        product of the dequantized operands (a's row, W[e]^T) accumulated in fp32 (up to
+        accumulation order) plus bias[e] in fp32, rounded once."""
+        raise NotImplementedError
+
+    def combine(self, rows: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], k: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """The deterministic k-way weighted sum of a scattering grouped GEMM (op
+        "grouped_matmul"): rows fp32 [R, N], index int32 [T*k], weights float [T, k] or
+        None (all 1) -> [T, N] in ``out_dtype``, ``out[t] = sum over j = 0, 1, ..., k-1
+        in this order of fp32(weights[t, j]) * rows[index[t*k + j]]``, each product and
+        sum an fp32 operation (no fused multiply-add), rounded once. Bit-exact across
+        backends."""
         raise NotImplementedError
 
 

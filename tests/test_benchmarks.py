@@ -454,3 +454,106 @@ def test_elementwise_sweep_cpu_smoke(tmp_path):
     assert {r["case"] for r in result["rows"]} == {"quantize floor", "dequantize bf16", "decompose stats"}
     assert all("error" not in r for r in result["rows"]), [r.get("error") for r in result["rows"]]
     assert set(result["best"]) == {"quantize floor", "dequantize bf16", "decompose stats"}
+
+
+# ----------------------------------------------------------------------------- moe.py
+
+
+def _moe():
+    import moe
+
+    return moe
+
+
+def test_moe_args():
+    moe = _moe()
+    args = moe.parse_args([])
+    assert args.models == ["gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b"]
+    assert args.tokens == [1, 16, 64, 512, 4096, 16384] and args.routings == ["uniform", "skewed"]
+    assert args.variants == ["w4a16", "a4w4"] and (args.repeats, args.warmup, args.inner) == (20, 3, 5)
+    quick = moe.parse_args(["--quick"])
+    assert quick.models == ["gpt-oss-20b", "qwen3-30b-a3b"] and quick.tokens == [1, 64, 4096]
+    assert quick.routings == ["uniform"] and quick.variants == ["w4a16"]
+    smoke = moe.parse_args(["--cpu-smoke"])
+    assert smoke.models == ["tiny-gpt-oss", "tiny-qwen3"] and smoke.tokens == [1, 5]
+    assert moe.parse_args(["--tokens", "64,1,64", "--models", "qwen3-30b-a3b"]).tokens == [1, 64]
+    for bad in (["--tokens", "0"], ["--models", "llama"], ["--routings", "zipf"], ["--samples", "0"],
+                ["--variants", "w8a8"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            moe.parse_args(bad)
+
+
+def test_moe_shapes_bytes_and_goals():
+    moe = _moe()
+    oss, qwen = moe.MODELS["gpt-oss-20b"], moe.MODELS["qwen3-30b-a3b"]
+    assert (oss.experts, oss.top_k, 2 * oss.inter, oss.hidden) == (32, 4, 5760, 2880)  # W1 [32, 5760, 2880]
+    assert (moe.MODELS["gpt-oss-120b"].experts, qwen.experts, qwen.top_k) == (128, 128, 8)
+    assert (2 * qwen.inter, qwen.hidden) == (1536, 2048)  # W1 [128, 1536, 2048], W2 [128, 2048, 768]
+    assert moe.mx_bytes(5760, 2880) == 5760 * (1440 + 90)
+    # one gpt-oss expert: MXFP4 W1 + W2 plus bf16 biases against bf16 weights: 3.76x fewer bytes
+    ratio = moe.expert_bytes(oss, 1, mx=False) / moe.expert_bytes(oss, 1, mx=True)
+    assert ratio == pytest.approx(16 / 4.25, rel=1e-3)
+    assert moe.expert_bytes(oss, 4, mx=True) == 4 * moe.expert_bytes(oss, 1, mx=True)
+    assert oss.flops(1) == 2 * 4 * (5760 * 2880 + 2880 * 2880)
+    assert moe.goal_for(64, "w4a16")["min_speedup"] == 2.0 and moe.goal_for(512, "w4a16") is None
+    assert moe.goal_for(16384, "w4a16")["min_speedup"] == 0.8 and moe.goal_for(1, "a4w4") is None
+    row = moe.build_row(oss, 16, "uniform", {"bf16_grouped_mm": 1.0, "bf16_loop": 3.0, "pmx_w4a16": 0.4}, 4.0,
+                        1e12, {"pmx_w4a16": 0.1}, {})
+    p = row["impls"]["pmx_w4a16"]
+    assert p["speedup"] == 2.5 and p["vs_loop"] == 7.5 and p["rel_err"] == 0.1
+    assert p["roofline_ms"] == pytest.approx(moe.expert_bytes(oss, 4, True) / 1e12 * 1e3)
+    assert p["roofline_fraction"] == pytest.approx(p["roofline_ms"] / 0.4)
+    assert row["goals"] == [{"name": "W4A16 decode (T <= 64)", "min_speedup": 2.0, "speedup": 2.5, "met": True}]
+    goals = moe.summarize_goals([row])
+    assert [g["met"] for g in goals] == [True, None]
+
+
+def test_moe_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
+    """The reference backend on tiny models: every implementation checked against the
+    float32 loop of its weights, then timed (a fake timer here), the JSON written."""
+    moe = _moe()
+    seen = []
+
+    def fake(fns, repeats, warmup, inner, events=True):
+        seen.append(list(fns))
+        for fn in fns.values():
+            fn()
+        return {name: 1.0 + i for i, name in enumerate(fns)}
+
+    monkeypatch.setattr(moe, "time_interleaved", fake)
+    out = tmp_path / "m.json"
+    rc = moe.main(["--cpu-smoke", "--models", "tiny-qwen3", "--tokens", "1,3", "--routings", "skewed",
+                   "--samples", "2", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "moe" and r["device"].startswith("cpu") and r["backend"]["name"] == "reference"
+    assert r["peer"]["available"] is False and r["copy_bandwidth_gbs"] is None
+    assert [(x["model"], x["tokens"], x["routing"]) for x in r["rows"]] == [("tiny-qwen3", 1, "skewed"),
+                                                                          ("tiny-qwen3", 3, "skewed")]
+    assert seen == [["bf16_grouped_mm", "bf16_loop", "pmx_w4a16", "pmx_a4w4"]] * 2
+    for row in r["rows"]:
+        assert row["impls"]["pmx_w4a16"]["speedup"] == pytest.approx(1 / 3)  # the fake timer's 1.0 / 3.0
+        assert 0 < row["impls"]["pmx_w4a16"]["rel_err"] < 0.5 and row["impls"]["bf16_loop"]["rel_err"] < 0.02
+        assert 1 <= row["experts_touched"] <= 6
+    assert "correctness" not in capsys.readouterr().err
+
+
+def test_moe_check_failure_exits_3(tmp_path, monkeypatch, capsys):
+    import portable_mx
+
+    moe = _moe()
+    real = portable_mx.grouped_matmul
+    monkeypatch.setattr(portable_mx, "grouped_matmul", lambda *a, **kw: real(*a, **kw) * 1.1)
+    out = tmp_path / "m.json"
+    rc = moe.main(["--cpu-smoke", "--models", "tiny-gpt-oss", "--tokens", "2", "--routings", "uniform",
+                   "--variants", "w4a16", "--out", str(out)])
+    assert rc == moe.EXIT_CHECK_FAILED and not out.exists()
+    assert "correctness check FAILED" in capsys.readouterr().err
+
+
+def test_moe_without_a_gpu_exits_2(tmp_path, monkeypatch, capsys):
+    moe = _moe()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "m.json"
+    assert moe.main(["--quick", "--out", str(out)]) == common.EXIT_NO_GPU
+    assert "no GPU" in capsys.readouterr().err and not out.exists()

@@ -323,7 +323,11 @@ def test_real_backends_compile_clean_on_all_targets(tmp_path):
     for r in doc["rows"]:
         assert r["ok"] and r["problems"] == [], r
         assert r["shared_bytes"] is not None and r["registers"] is not None and r["spill_bytes"] is not None, r
-        if r["kernel"] == "gemm" and r["label"].startswith("A4W4") and r["target"] in ("sm_100", "sm_120", "gfx950"):
+        if r["kernel"] in ("gemm", "grouped-gemm") and r["label"].startswith("A4W4") and r["target"] in (
+                "sm_100", "sm_120", "gfx950"):
             assert r["native_mx"] is True, r  # the native block-scaled MMA on every launched config
         if doc["targets"][r["target"]]["vendor"] == "amd":
             assert "vgprs" in r["resources"] and "scratch_bytes" in r["resources"], r
+    grouped = {(r["kernel"], r["target"]) for r in doc["rows"] if r["kernel"].startswith("grouped-gemm")}
+    assert {t for _, t in grouped} == set(TARGETS)  # the grouped GEMM on every target, on the dense route
+    assert {k for k, t in grouped if t in ("sm_90", "gfx942")} == {"grouped-gemm-upcast"}

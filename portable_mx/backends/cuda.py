@@ -89,4 +89,16 @@ class CudaBackend(CompiledTritonBackend):
     upcast_layouts = {"sm_90": "hopper"}
     upcast_asm = ("sm_90",)
     gemm_sms = {"sm_90": 132, "sm_100": 148, "sm_120": 84}
+    grouped_min_block_m = {"sm_100": 128}  # tcgen05's block-scaled MMA: M tiles of 128
+    # The grouped GEMM's tiles where the dense ones spill with its index vectors, bias and
+    # activation (compile matrix): sm_90's prefill 128 x 256 x 128 (8-224 bytes, Triton
+    # 3.9) becomes 128 x 128 x 128 (163-190 registers, no serialized wgmma chain); on
+    # sm_120 under Triton 3.6, the W4A16 prefill 128 x 64 x 128 (32 bytes with an fp32
+    # store) takes K steps of 64 and the heavy decode 16 x 64 x 128 (8 bytes) too
+    grouped_tiles = {
+        "sm_90": {"a4w4": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+                  "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3)},
+        "sm_120": {"w4a16": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+                   "w4a16-small-heavy": GemmConfig(16, 64, 64, num_warps=4, num_stages=2)},
+    }
     targets = ("sm_90", "sm_100", "sm_120")

@@ -35,7 +35,7 @@ class InterpretBackend(TritonBackend):
 
     def op_problem(self, op: str) -> Optional[str]:
         """The GEMMs need the interpreter of triton 3.8 or later (MIN_TRITON_INTERPRET_GEMM)."""
-        if op != "matmul":
+        if op not in ("matmul", "grouped_matmul"):
             return None
         return triton_problem(MIN_TRITON_INTERPRET_GEMM, "the oldest whose interpreter runs the GEMM kernels")
 

@@ -24,7 +24,7 @@ class MetaBackend(Backend):
 
     name = "meta"
     priority = 1000
-    ops = frozenset({"quantize", "dequantize", "decompose", "matmul"})
+    ops = frozenset({"quantize", "dequantize", "decompose", "matmul", "grouped_matmul"})
 
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         return None if device.type == "meta" else "serves the meta device only (shape propagation)"
@@ -43,3 +43,11 @@ class MetaBackend(Backend):
 
     def matmul(self, a: "MXTensor | torch.Tensor", b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=b.device)
+
+    def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):
+        rows = a.shape[0] if gather is None else gather.shape[0]
+        n = w.shape[0] // num_experts
+        return torch.empty(rows, n // 2 if activation else n, dtype=out_dtype, device=w.device)
+
+    def combine(self, rows, index, weights, k, out_dtype):
+        return torch.empty(index.shape[0] // k, rows.shape[1], dtype=out_dtype, device=rows.device)

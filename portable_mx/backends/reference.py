@@ -154,7 +154,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     priority = 0
-    ops = frozenset({"quantize", "dequantize", "decompose", "matmul"})
+    ops = frozenset({"quantize", "dequantize", "decompose", "matmul", "grouped_matmul"})
 
     def quantize(self, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
         return to_mxtensor(encode(x, recipe), x, recipe)
@@ -186,3 +186,14 @@ class ReferenceBackend(Backend):
         with HighestPrecision():
             c = aq @ bq.T
         return c if out_dtype == torch.float32 else c.to(out_dtype)
+
+    def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):
+        from . import grouped_reference
+
+        return grouped_reference.grouped_matmul(a, w, num_experts, offsets, gather, bias, activation, out_dtype,
+                                                decode_rows)
+
+    def combine(self, rows, index, weights, k, out_dtype):
+        from . import grouped_reference
+
+        return grouped_reference.combine(rows, index, weights, k, out_dtype)

@@ -1,16 +1,34 @@
 """Modules for training and inference with MXFP4 GEMMs.
 
 - :class:`MXLinear`: ``torch.nn.Linear`` whose GEMMs are MXFP4 (:mod:`.linear`).
-- :func:`convert`: swap the ``nn.Linear`` layers of a model for MXLinear (:mod:`.convert`).
+- :class:`MXExperts`: the experts of a mixture-of-experts layer, MXFP4 weights, one grouped
+  GEMM per projection (:mod:`.experts`).
+- :func:`convert`: swap the ``nn.Linear`` layers of a model for MXLinear, and transformers'
+  GptOss / Qwen3-MoE experts for MXExperts (:mod:`.convert`, :mod:`.hf_experts`).
 - :func:`weight_cache`: a block inside which MX layers reuse their quantized weights
   (:mod:`.weight_cache`: when that is safe, and what it asks of the caller).
 - :func:`mx_matmul`, :func:`mx_parts`: the differentiable GEMM and an MXTensor's tensors
   in the order the custom ops take them.
+- :func:`enable_fsdp_mx_all_gather`, :func:`gathered_bytes`: the MXFP4 all-gather of
+  MXLinear weights under FSDP2 (:mod:`portable_mx.distributed.fsdp`, loaded with
+  ``torch.distributed`` on first use, never on the single-process path).
 """
 
 from .._custom_ops import mx_matmul
 from .convert import convert
+from .experts import MXExperts
 from .linear import MXLinear, mx_parts
 from .weight_cache import weight_cache
 
-__all__ = ["MXLinear", "convert", "mx_matmul", "mx_parts", "weight_cache"]
+__all__ = ["MXAllGatherFallback", "MXExperts", "MXLinear", "convert", "enable_fsdp_mx_all_gather", "gathered_bytes",
+           "mx_matmul", "mx_parts", "weight_cache"]
+
+_DISTRIBUTED = ("enable_fsdp_mx_all_gather", "gathered_bytes", "MXAllGatherFallback")
+
+
+def __getattr__(name: str):
+    if name in _DISTRIBUTED:
+        from ..distributed import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""convert: swap the ``torch.nn.Linear`` layers of a model for :class:`MXLinear`."""
+"""convert: swap the ``torch.nn.Linear`` layers of a model for :class:`MXLinear`, and its
+transformers expert modules (GptOss, Qwen3-MoE) for :class:`MXExperts`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Union
 import torch
 
 from .. import ops
+from .hf_experts import experts_from_module, family_of
 from .linear import MXLinear
 
 SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
@@ -32,11 +34,15 @@ def _skip_rules(skip: Any) -> list[SkipRule]:
 
 def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> torch.nn.Module:
     """Swap every ``torch.nn.Linear`` of ``model`` for an :class:`MXLinear` sharing its
-    Parameters, in place, and return the model.
+    Parameters, and every transformers expert module it knows (``GptOssExperts``,
+    ``Qwen3MoeExperts``: :mod:`portable_mx.nn.hf_experts`) for a float-mode
+    :class:`MXExperts` sharing its Parameters (one grouped GEMM per projection), in
+    place, and return the model.
 
-    Only modules whose type is exactly ``nn.Linear`` are swapped (a subclass may override
-    ``forward``; existing MXLinear layers are left as they are, so converting twice is a
-    no-op). Embeddings, norms etc. are not Linear and stay. ``skip`` excludes layers: a
+    Only modules whose type is exactly ``nn.Linear`` (or one of those expert classes)
+    are swapped (a subclass may override ``forward``; existing MXLinear and MXExperts
+    layers are left as they are, so converting twice is a no-op); ``skip`` rules apply
+    to expert modules too (e.g. ``"*.experts"``). Embeddings, norms etc. are not Linear and stay. ``skip`` excludes layers: a
     fnmatch pattern matched against the qualified module name (as in
     ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``), a
     predicate ``(name, module) -> bool``, or an iterable of both; a layer matching any
@@ -50,14 +56,19 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     recipe = ops._recipe(recipe)
     rules = _skip_rules(skip)
 
+    def converted(module: torch.nn.Module) -> Any:
+        if type(module) is torch.nn.Linear:
+            return MXLinear.from_linear(module, recipe)
+        return experts_from_module(module, recipe)
+
     def keep(name: str, module: torch.nn.Module) -> bool:
-        if type(module) is not torch.nn.Linear:
+        if type(module) is not torch.nn.Linear and family_of(module) is None:
             return True
         return any(fnmatch.fnmatchcase(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
 
     if not keep("", model):
-        return MXLinear.from_linear(model, recipe)
-    swapped: dict[int, MXLinear] = {}
+        return converted(model)
+    swapped: dict[int, torch.nn.Module] = {}
     for parent_name, parent in list(model.named_modules()):
         # _modules, not named_children(): that skips a child registered twice in one parent
         for child_name, child in list(parent._modules.items()):
@@ -67,7 +78,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             if id(child) in swapped:
                 setattr(parent, child_name, swapped[id(child)])
             elif not keep(name, child):
-                swapped[id(child)] = MXLinear.from_linear(child, recipe)
+                swapped[id(child)] = converted(child)
                 setattr(parent, child_name, swapped[id(child)])
     return model
 

@@ -30,6 +30,7 @@ from ..tensor import MXTensor
 from .weight_cache import WeightCache
 
 Operand = Union[Tensor, MXTensor]
+_Parameter = torch.nn.Parameter
 
 __all__ = ["MXLinear", "mx_parts"]
 
@@ -69,6 +70,10 @@ class MXLinear(torch.nn.Linear):
 
     Double backward (``create_graph=True`` and differentiating the gradient) is not
     supported: differentiating a gradient of the MXFP4 GEMM raises a RuntimeError.
+
+    A weight whose type defines ``__pmx_linear__(weight, x2, layer) -> y2`` (x2 and y2
+    2-D, no bias) brings its own GEMM operands and runs the GEMM itself: the
+    MXFP4-gathered weights of :func:`~portable_mx.nn.enable_fsdp_mx_all_gather`.
     """
 
     def __init__(
@@ -136,7 +141,10 @@ class MXLinear(torch.nn.Linear):
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         bias = self.bias
         rj = self._recipe_json
-        if torch.compiler.is_compiling():
+        gemm = None if type(w) is _Parameter else getattr(type(w), "__pmx_linear__", None)
+        if gemm is not None:  # a weight that holds its own MXFP4 operands (pmx.nn.enable_fsdp_mx_all_gather)
+            y = gemm(w, x2, self)
+        elif torch.compiler.is_compiling():
             y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "")
         elif refuse_func_transforms("MXLinear") or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
                                           (bias is not None and bias.requires_grad)):

@@ -96,7 +96,7 @@ class _Device:
     plans (quantize per recipe and shapes, the GEMM per operand kinds and shapes)."""
 
     __slots__ = ("device", "target", "layout", "cast_output", "running", "quantize_plans", "quantize_by_value",
-                 "gemm_plans", "cache_generation")
+                 "gemm_plans", "grouped_plans", "cache_generation")
 
     def __init__(self, backend: "TritonBackend", device: torch.device) -> None:
         self.device = device
@@ -108,6 +108,7 @@ class _Device:
         self.quantize_plans: dict[tuple, tuple[QuantRecipe, _QuantizePlan]] = {}  # by recipe object
         self.quantize_by_value: dict[tuple, _QuantizePlan] = {}  # by recipe value
         self.gemm_plans: dict[tuple, _GemmPlan] = {}
+        self.grouped_plans: dict[tuple, Any] = {}  # grouped_gemm.GroupedPlan and combine launches
         self.cache_generation = config_cache.generation()
 
 
@@ -177,7 +178,7 @@ class TritonBackend(Backend):
     implement :meth:`unavailable_reason` and :meth:`target`.
     """
 
-    ops = frozenset({"quantize", "dequantize", "decompose", "matmul"})
+    ops = frozenset({"quantize", "dequantize", "decompose", "matmul", "grouped_matmul"})
     targets: tuple[str, ...] = ()
     """Names of the compile targets (targets.TARGETS) this backend launches on."""
 
@@ -236,13 +237,40 @@ class TritonBackend(Backend):
 
     MID_M = 128
 
+    grouped_tiles: dict[str, dict[str, GemmConfig]] = {}
+    """Per target name, grouped GEMM configs that replace the dense ones of the same key
+    (``gemm_tiles``' keys: the grouped kernel's row and column index vectors, bias and
+    activation need registers the dense tile does not have)."""
+
+    grouped_min_block_m: dict[str, int] = {}
+    """Per target name, the smallest BLOCK_M of the A4W4 grouped GEMM (sm_100's
+    block-scaled tcgen05 MMA needs 128 rows); 16 where absent."""
+
+    def grouped_config(self, target: Optional[Target], rows: int, num_experts: int, a_format: Optional[torch.dtype],
+                       heavy: bool) -> GemmConfig:
+        """The grouped GEMM's config for ``rows`` expert-sorted rows over ``num_experts``
+        experts: the default for the mean rows per expert (``grouped_tiles`` over
+        ``gemm_tiles``), its BLOCK_M lowered to
+        the routing's tile height (moe.routing.default_tile_m: tiles never span experts)
+        but not below ``grouped_min_block_m``."""
+        from ...moe.routing import default_tile_m
+
+        mean = -(-rows // num_experts)
+        name = target.name if target is not None else "interpret"
+        tiles = {**self.gemm_tiles[name], **self.grouped_tiles.get(name, {})}
+        config = self.default_gemm_config(target, mean, a_format, heavy, tiles)
+        floor = self.grouped_min_block_m.get(target.name, 16) if target is not None and a_format is None else 16
+        block_m = max(min(config.block_m, default_tile_m(rows, num_experts)), floor)
+        return config if block_m == config.block_m else dataclasses.replace(config, block_m=block_m)
+
     def default_gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype],
-                            heavy: bool) -> GemmConfig:
+                            heavy: bool, tiles: Optional[dict[str, GemmConfig]] = None) -> GemmConfig:
         """The heuristic GEMM config for an M-row left operand of ``a_format`` (None:
         MXFP4), ``heavy`` when an operand has macro factors or outliers: the first that
         ``gemm_tiles`` has of "<kind>-small" (M <= SMALL_M; "-small-heavy" first when
         heavy) or "<kind>-mid" (M <= MID_M; "-mid-heavy" and "-heavy" first when heavy),
-        then "<kind>" ("-heavy" first when heavy)."""
+        then "<kind>" ("-heavy" first when heavy). ``tiles``: another table than
+        ``gemm_tiles``' for the target (the grouped GEMM's)."""
         base = "a4w4" if a_format is None else "w4a16"
         if m <= self.SMALL_M:
             keys = [base + "-small-heavy", base + "-small"] if heavy else [base + "-small"]
@@ -251,7 +279,8 @@ class TritonBackend(Backend):
         else:
             keys = []
         keys += [base + "-heavy", base] if heavy else [base]
-        tiles = self.gemm_tiles[target.name if target is not None else "interpret"]
+        if tiles is None:
+            tiles = self.gemm_tiles[target.name if target is not None else "interpret"]
         for key in keys:
             if key in tiles:
                 return tiles[key]
@@ -453,6 +482,33 @@ class TritonBackend(Backend):
         self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, *plan.ints))
         return c if plan.store is out_dtype else c.to(out_dtype)
 
+    def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):
+        """:meth:`Backend.grouped_matmul` with the grouped kernels (grouped_gemm.py), on
+        the dense GEMM's route for the target; one launch, no host sync."""
+        from . import grouped_gemm
+
+        st = self._devices.get(w.device) or self._device(w.device)
+        wop = w.memo("gemm-operand", _Operand)
+        if isinstance(a, torch.Tensor):
+            if a.stride(-1) != 1:
+                a = a.contiguous()
+            s = wop.parts[1]
+            a_parts, a_key = (a, s, s, s, s), (a.dtype, a.stride(0), a.data_ptr() % 16 == 0)
+            xr, stride_am = a.shape[0], a.stride(0)
+        else:
+            op = _Operand(a)
+            a_parts, a_key = op.parts, (op.kind, op.key[4])
+            xr, stride_am = a.qdata.shape[0], a.k_padded // 2
+        return grouped_gemm.run(self, st, a, a_parts, a_key, xr, stride_am, w, wop, num_experts, offsets, gather,
+                                bias, activation, out_dtype, schedule, STORE_DTYPES)
+
+    def combine(self, rows, index, weights, k, out_dtype):
+        """:meth:`Backend.combine` with grouped_gemm.combine_kernel (one launch)."""
+        from . import grouped_gemm
+
+        st = self._devices.get(rows.device) or self._device(rows.device)
+        return grouped_gemm.run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)
+
     def _plan_gemm(self, st: _Device, key: tuple, a, w: _Operand, m: int, stride_am: int,
                    out_dtype: torch.dtype) -> _GemmPlan:
         """The launch :meth:`run_gemm` makes, decided once: the kernel of
@@ -596,6 +652,57 @@ class TritonBackend(Backend):
                 if launch.label not in seen:
                     seen.add(launch.label)
                     out.append(launch)
+        return out + self.grouped_launches(target)
+
+    def grouped_launch_spec(self, target: Target, a, b, epi, rows: int, num_experts: int, n: int, kp: int,
+                            out_dtype: torch.dtype) -> KernelLaunch:
+        """The launch :meth:`grouped_matmul` makes on ``target`` for operands like ``a``,
+        ``b`` (``gemm.Operand``), ``rows`` expert-sorted rows over ``num_experts`` experts
+        of N = ``n``, K = Kp = ``kp`` and epilogue ``epi`` (grouped_gemm.Epilogue), as data
+        for the compile matrix."""
+        from ...moe.routing import max_tiles
+        from . import grouped_gemm
+
+        config = self.grouped_config(target, rows, num_experts, a.format, a.heavy or b.heavy)
+        slots = max_tiles(rows, num_experts, config.block_m)
+        config = self.resolve_split_k(config, slots * config.block_m, n, kp, self.gemm_sms.get(target.name, 132))
+        route = self.gemm_route(target, a, b)
+        kind = "upcast" if route.kernel == "upcast" else "scaled"
+        return grouped_gemm.launch_spec(kind, a, b, config, self.options(config), epi, layout=route.scales,
+                                        route=route.upcast, n=n, kp=kp, out_dtype=out_dtype)
+
+    def grouped_launches(self, target: Target) -> list[KernelLaunch]:
+        """The grouped GEMM's launches for the compile matrix: gpt-oss's two projections
+        (E = 32, top-4, N = 5760 / 2880, K = 2880: gather + bias + swiglu_oai, and the
+        fp32 rows of the scattering one) and Qwen3-30B-A3B's first (E = 128, top-8, N =
+        1536, K = 2048, concatenated swiglu), at decode (T = 1) and prefill (T = 4096),
+        W4A16 and A4W4 (the native block-scaled MMA where the target has one), MBS and OF;
+        and the k-way combine."""
+        from . import grouped_gemm
+        from .gemm import Operand
+
+        mx, bf16, heavy = Operand(None, None, 0), Operand(torch.bfloat16, None, 0), Operand(None, 128, 1)
+        first = grouped_gemm.Epilogue(True, torch.bfloat16, "swiglu_oai")
+        second = grouped_gemm.Epilogue(False, torch.bfloat16, None)
+        qwen = grouped_gemm.Epilogue(True, None, "swiglu")
+        cases = []
+        for tokens in (1, 4096):
+            cases += [(bf16, mx, first, tokens * 4, 32, 5760, 2880, torch.bfloat16),
+                      (bf16, mx, second, tokens * 4, 32, 2880, 2880, torch.float32),
+                      (mx, mx, first, tokens * 4, 32, 5760, 2880, torch.bfloat16),
+                      (bf16, mx, qwen, tokens * 8, 128, 1536, 2048, torch.bfloat16)]
+        cases += [(Operand(None, 128, 0), heavy, first, 512 * 4, 32, 5760, 2880, torch.bfloat16),
+                  (bf16, heavy, second, 4, 32, 2880, 2880, torch.float32)]
+        out, seen = [], set()
+        for a, b, epi, rows, experts, n, kp, store in cases:
+            launch = self.grouped_launch_spec(target, a, b, epi, rows, experts, n, kp, store)
+            if launch.label not in seen:
+                seen.add(launch.label)
+                out.append(launch)
+        config = self.tiles.get("combine", TileConfig(16, 256, num_warps=4))
+        for k, weights, store in ((4, torch.bfloat16, torch.bfloat16), (8, torch.float32, torch.float32)):
+            out.append(grouped_gemm.combine_launch_spec(k, weights, store, self.options(config), config.block_r,
+                                                        config.block_k))
         return out
 
 

@@ -1,0 +1,185 @@
+"""Train a small MXFP4 transformer on several processes: FSDP2 with the MXFP4 all-gather,
+a distributed checkpoint every N steps, and resuming after a kill.
+
+Run it with torchrun, one process per GPU (nccl) or several on the CPU (gloo):
+
+    torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/dist
+    torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/dist --kill-at 5
+    torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/dist --resume
+
+The model: a pre-RMSNorm GPT (token and position embeddings, attention and GELU MLP
+blocks, an fp32 head) whose block linears are ``pmx.nn.convert``-ed to MXLinear;
+``pmx.nn.enable_fsdp_mx_all_gather`` then ``fully_shard`` on each block and the root.
+The task: sequences counting from a random start by a random stride (next-token cross
+entropy);
+the batch of step s is drawn from a generator seeded by s, so any run that reaches step
+s sees the same data. Every ``--ckpt-every`` steps the model and optimizer are saved
+with ``torch.distributed.checkpoint`` (``get_state_dict``) into ``OUT/step_<n>``
+(written under a temporary name and renamed once every rank has finished, so a kill
+mid-save leaves the previous checkpoint intact). ``--resume`` continues from the latest
+one, on any number of processes; ``--kill-at S`` SIGKILLs every rank in the middle of
+step S (after the backward, before the optimizer step), as a preempted job would die.
+Rank 0 appends each step's loss (averaged over the ranks) to ``OUT/loss.jsonl``: a run
+resumed after a kill continues the uninterrupted run's loss curve exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import portable_mx as pmx
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, heads: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def batch(step: int, rows: int, seq: int, vocab: int) -> torch.Tensor:
+    """The global batch of ``step``: ``rows`` sequences counting modulo ``vocab`` from a
+    random start by a random stride of 1 to 3 (predictable from the second token on)."""
+    gen = torch.Generator().manual_seed(10_000 + step)
+    start = torch.randint(0, vocab, (rows, 1), generator=gen)
+    stride = torch.randint(1, 4, (rows, 1), generator=gen)
+    return (start + stride * torch.arange(seq)) % vocab
+
+
+def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
+    steps = [(int(p.name.removeprefix("step_")), p) for p in out.glob("step_*")
+             if p.is_dir() and p.name.removeprefix("step_").isdigit()]
+    return max(steps) if steps else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="checkpoints and loss.jsonl")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL every rank in the middle of this step")
+    p.add_argument("--recipe", default="{}", help='QuantRecipe fields as JSON, e.g. \'{"macro_block": 64}\'')
+    p.add_argument("--no-mx-gather", action="store_true", help="FSDP2's own high-precision all-gather")
+    p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step, over all ranks")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=32)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-2)
+    args = p.parse_args()
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    import torch.distributed.checkpoint as dcp
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the number of processes ({world})")
+
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.seq, args.d_model, heads=4, hidden=4 * args.d_model, layers=args.layers)
+    pmx.nn.convert(model, pmx.QuantRecipe(**json.loads(args.recipe)), skip=["head"])
+    model.to(device)
+    if not args.no_mx_gather:
+        pmx.nn.enable_fsdp_mx_all_gather(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    kw = {} if mp is None else {"mp_policy": mp}
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = 0
+    found = latest_checkpoint(args.out) if args.resume else None
+    if found is not None:
+        start, path = found
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if rank == 0:
+            print(f"resumed from {path} (step {start}) on {world} processes", flush=True)
+    log = open(args.out / "loss.jsonl", "a") if rank == 0 else None
+
+    per_rank = args.batch // world
+    for step in range(start, args.steps):
+        tokens = batch(step, args.batch, args.seq, args.vocab)[rank * per_rank:(rank + 1) * per_rank].to(device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        if step == args.kill_at:
+            print(f"rank {rank}: killed in step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean = (mean / world).item()
+        sent = pmx.nn.gathered_bytes(model)
+        if log is not None:
+            log.write(json.dumps({"step": step, "loss": mean, "world": world}) + "\n")
+            log.flush()
+            print(f"step {step:4d}  loss {mean:.6f}  weight bytes all-gathered by this rank {sent}", flush=True)
+        if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
+            final, tmp = args.out / f"step_{step + 1}", args.out / f"step_{step + 1}.tmp"
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+            dist.barrier()
+    if log is not None:
+        log.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,563 @@
+"""gpt-oss-layout MXFP4 checkpoints: read into MXTensors, write back byte for byte.
+
+The layout (openai/gpt-oss-20b and -120b, the Hugging Face files at the repository root;
+transformers' ``Mxfp4HfQuantizer`` reads the same names), per MoE layer ``p =
+model.layers.N.mlp.experts`` with E experts, hidden size H and intermediate size I:
+
+==============================  =====  ==================  ==============================
+tensor                          dtype  shape               meaning
+==============================  =====  ==================  ==============================
+``p.gate_up_proj_blocks``       U8     [E, 2I, H/32, 16]   W1 codes, [out, in], K = H
+``p.gate_up_proj_scales``       U8     [E, 2I, H/32]       E8M0, one per 32 inputs
+``p.gate_up_proj_bias``         BF16   [E, 2I]
+``p.down_proj_blocks``          U8     [E, H, I/32, 16]    W2 codes, K = I
+``p.down_proj_scales``          U8     [E, H, I/32]
+``p.down_proj_bias``            BF16   [E, H]
+everything else                 BF16                       not quantized
+==============================  =====  ==================  ==============================
+
+Byte ``j`` of a 16-byte row holds element 2j in its low nibble and 2j+1 in its high one,
+the codes are E2M1 (``sign << 3 | magnitude``) and a scale byte s means 2^(s-127)
+(openai/gpt-oss ``gpt_oss/torch/weights.py``, transformers ``convert_moe_packed_tensors``):
+exactly portable_mx's bytes (:mod:`portable_mx.format`). So a ``_blocks`` / ``_scales``
+pair *is* the :class:`~portable_mx.MXTensor` of the [E, N, K] weight quantized along K
+(axis 2): :func:`wrap` is a reshape, no copy and no decoding, and :func:`unwrap` its
+inverse. Rows of gate_up interleave gate (even) and up (odd) units. ``config.json``
+carries ``quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [...]}``.
+
+:class:`GptOssCheckpoint` opens a checkpoint (one ``model.safetensors`` or shards with
+``model.safetensors.index.json``), checks every quantized tensor against its partner and
+``config.json`` from the file headers alone, and reads tensors one at a time (safetensors'
+``safe_open``): never the whole checkpoint at once. :func:`save` writes a mapping of
+tensors and MXTensors back in the same layout; :func:`load_experts` puts a checkpoint's
+experts into a model as :class:`portable_mx.nn.MXExperts` holding the checkpoint's bytes,
+whose ``state_dict`` carries the checkpoint's names, so save -> load -> save writes the
+same bytes. transformers' ``save_pretrained`` of a dequantized gpt-oss instead drops
+``quantization_config`` and writes the experts in bf16: 5.23 under the ``_blocks`` names
+(a reload re-initializes the experts), 5.24 under the plain names. :func:`save` refuses
+float expert weights, :class:`GptOssCheckpoint` refuses a float tensor under a
+``_blocks`` name, and :func:`load_experts` a checkpoint with no quantized experts, each
+naming the tensor or the file.
+
+Needs the optional ``safetensors`` package (``pip install "portable_mx[hf]"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from ..format import BLOCK_SIZE
+from ..recipe import QuantRecipe
+from ..tensor import MXTensor
+from ._optional import require
+
+__all__ = [
+    "CheckpointError",
+    "GptOssCheckpoint",
+    "QUANTIZATION_CONFIG",
+    "check_layout",
+    "load_experts",
+    "quantize_experts",
+    "save",
+    "unwrap",
+    "wrap",
+]
+
+QUANTIZATION_CONFIG: dict[str, Any] = {
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
+    "quant_method": "mxfp4",
+}
+"""config.json's ``quantization_config`` of openai/gpt-oss-20b and -120b (what
+transformers' ``Mxfp4Config.to_dict()`` writes); :func:`save` adds it where the config
+has none."""
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+PROJECTIONS = ("gate_up_proj", "down_proj")
+_BLOCKS, _SCALES = "_blocks", "_scales"
+_DTYPES = {
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_PROJ_RE = re.compile(r"^(?P<module>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+Tensorish = Union[torch.Tensor, MXTensor]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor that does not fit the gpt-oss layout (the message names it)."""
+
+
+def _safetensors() -> Any:
+    return require("safetensors", "reading and writing gpt-oss checkpoints")
+
+
+def _stored_recipe(recipe: Optional[QuantRecipe]) -> QuantRecipe:
+    recipe = QuantRecipe() if recipe is None else recipe
+    if recipe.macro_block is not None or recipe.outliers_per_block:
+        raise ValueError(
+            f"a gpt-oss checkpoint stores plain MXFP4 (codes and E8M0 scales only); recipe {recipe.describe()} "
+            "has macro-block factors or outliers, which it cannot hold"
+        )
+    return recipe
+
+
+# ----------------------------------------------------------------------------- bytes <-> MXTensor
+
+
+def wrap(blocks: torch.Tensor, scales: torch.Tensor, *, name: str = "weight", dtype: torch.dtype = torch.bfloat16,
+         recipe: Optional[QuantRecipe] = None) -> MXTensor:
+    """A ``_blocks`` / ``_scales`` pair as the MXTensor of the [E, N, K] weight quantized
+    along K (axis 2): ``qdata = blocks.reshape(E, N, K/2)`` (a view of the same bytes),
+    ``scales`` as it is; no decoding, exact by construction.
+
+    ``blocks``: uint8 [E, N, K/32, 16]; ``scales``: uint8 [E, N, K/32]; ``name``: the
+    weight's name for errors (``...experts.gate_up_proj``); ``dtype``: the original dtype
+    the MXTensor reports (gpt-oss: bf16); ``recipe``: its recipe (a checkpoint records no
+    scale rule; default ``QuantRecipe()``). A wrong dtype or shape raises a ValueError
+    naming the tensor.
+    """
+    _check_pair(name, tuple(blocks.shape), _dtype_name(blocks.dtype), tuple(scales.shape), _dtype_name(scales.dtype))
+    e, n, g, _ = blocks.shape
+    return MXTensor(qdata=blocks.reshape(e, n, g * 16), scales=scales, shape=torch.Size((e, n, g * BLOCK_SIZE)),
+                    dtype=dtype, axis=2, recipe=_stored_recipe(recipe))
+
+
+def unwrap(mx: MXTensor, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`wrap`: (blocks uint8 [E, N, K/32, 16], scales uint8
+    [E, N, K/32]), views of ``mx``'s tensors.
+
+    ``mx``: a plain MXFP4 MXTensor (no macro-block factors, no outliers) of an [E, N, K]
+    weight quantized along K (axis 2), or of the transposed [E, K, N] weight quantized
+    along axis 1 (transformers' GptOss parameter layout: the same bytes), K a multiple
+    of 32 (the layout has no padding).
+    """
+    if not isinstance(mx, MXTensor):
+        raise TypeError(f"{name}: expected an MXTensor; got {type(mx).__name__}")
+    if mx.macro_scales is not None or mx.outlier_values is not None:
+        extra = "macro-block factors" if mx.macro_scales is not None else "outliers"
+        raise ValueError(f"{name}: a gpt-oss checkpoint stores plain MXFP4; this MXTensor has {extra} "
+                         f"({mx.recipe.describe()})")
+    if len(mx.shape) != 3 or mx.axis not in (1, 2):
+        raise ValueError(f"{name}: expected an MXTensor of shape [E, N, K] quantized along axis 2 (or [E, K, N] along "
+                         f"axis 1); got shape {tuple(mx.shape)} along axis {mx.axis}")
+    if mx.k % BLOCK_SIZE:
+        raise ValueError(f"{name}: K = {mx.k} is not a multiple of {BLOCK_SIZE}; the gpt-oss layout has no padding")
+    e, n = mx.lead_shape
+    g = mx.k // BLOCK_SIZE
+    return mx.qdata.reshape(e, n, g, 16), mx.scales.reshape(e, n, g)
+
+
+def quantize_experts(state_dict: Mapping[str, torch.Tensor], recipe: Optional[QuantRecipe] = None
+                     ) -> dict[str, Tensorish]:
+    """transformers' GptOss state dict with float expert weights -> the same mapping
+    with every ``*.experts.gate_up_proj`` / ``*.experts.down_proj`` an MXTensor, ready
+    for :func:`save`.
+
+    The float expert weights are transformers' GptOss parameters, [E, in, out]
+    (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]); each is quantized along
+    ``in`` (axis 1) with ``recipe`` (default ``QuantRecipe()``, OCP floor scales; no
+    macro blocks or outliers, which the layout cannot hold). Everything else is passed
+    through unchanged (cast it first if the file should hold bf16).
+    """
+    from .. import ops
+
+    recipe = _stored_recipe(recipe)
+    out: dict[str, Tensorish] = {}
+    for name, t in state_dict.items():
+        if _PROJ_RE.match(name) and isinstance(t, torch.Tensor) and t.is_floating_point():
+            if t.dim() != 3:
+                raise ValueError(f"{name}: expected an expert weight [E, in, out]; got shape {tuple(t.shape)}")
+            out[name] = ops.quantize(t.detach(), recipe, axis=1)
+        else:
+            out[name] = t
+    return out
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for k, v in _DTYPES.items():
+        if v == dtype:
+            return k
+    return str(dtype)
+
+
+def _check_pair(name: str, b_shape: tuple, b_dtype: str, s_shape: tuple, s_dtype: str) -> None:
+    """blocks / scales of the weight ``name``: uint8, [E, N, K/32, 16] and [E, N, K/32]."""
+    if b_dtype != "U8":
+        hint = ""
+        if _DTYPES.get(b_dtype, torch.uint8).is_floating_point:
+            hint = (" (a float tensor under a _blocks name is what transformers' save_pretrained writes for a "
+                    "dequantized gpt-oss: that file holds no MXFP4 bytes; quantize the float weights and write them "
+                    "with portable_mx.checkpoints.gpt_oss.save)")
+        raise CheckpointError(f"{name}{_BLOCKS}: dtype {b_dtype}, expected U8 (uint8 MXFP4 codes){hint}")
+    if len(b_shape) != 4 or b_shape[-1] != 16:
+        raise CheckpointError(f"{name}{_BLOCKS}: shape {list(b_shape)}, expected [E, N, K/32, 16] (16 bytes hold the "
+                              f"32 codes of one block)")
+    if s_dtype != "U8":
+        raise CheckpointError(f"{name}{_SCALES}: dtype {s_dtype}, expected U8 (E8M0 scale bytes)")
+    if tuple(s_shape) != tuple(b_shape[:3]):
+        raise CheckpointError(f"{name}{_SCALES}: shape {list(s_shape)}, expected {list(b_shape[:3])} (one scale per "
+                              f"block of {name}{_BLOCKS} {list(b_shape)})")
+
+
+def _expected_shapes(config: Optional[Mapping[str, Any]]) -> dict[str, tuple[int, int, int]]:
+    """projection -> (E, N, K) from a gpt-oss config.json, or {} without one."""
+    if not config:
+        return {}
+    try:
+        e, h, i = int(config["num_local_experts"]), int(config["hidden_size"]), int(config["intermediate_size"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    return {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
+
+
+_BIAS_RE = re.compile(r"^(?P<base>.*\.experts\.(?:gate_up_proj|down_proj))_bias$")
+
+
+def check_layout(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optional[Mapping[str, Any]]) -> None:
+    """Check stored tensors against the gpt-oss layout, from their dtypes and shapes alone
+    (stored name -> (safetensors dtype such as "U8" / "BF16", shape)); ``config``:
+    config.json's content or None. What :class:`GptOssCheckpoint` checks on opening and
+    :func:`save` before writing: each ``X_blocks`` has its ``X_scales`` and the reverse,
+    both uint8 and shaped [E, N, K/32, 16] and [E, N, K/32]; the expert weights as the
+    config says (E = ``num_local_experts``; gate_up N = 2 ``intermediate_size``, K =
+    ``hidden_size``; down the other way round); an expert bias float [E, N]. Raises a
+    ValueError naming the first tensor that does not fit."""
+    expected = _expected_shapes(config)
+    for name, (dtype, shape) in infos.items():
+        for suffix, partner in ((_BLOCKS, _SCALES), (_SCALES, _BLOCKS)):
+            if name.endswith(suffix) and name[: -len(suffix)] + partner not in infos:
+                base = name[: -len(suffix)]
+                raise CheckpointError(
+                    f"{base}{partner} is missing: {name} is stored without it, and MXFP4 "
+                    f"{'codes need their E8M0 scales' if suffix == _BLOCKS else 'scales need their codes'} "
+                    f"(a gpt-oss checkpoint stores {base}{_BLOCKS} and {base}{_SCALES} together)"
+                )
+        if name.endswith(_BLOCKS):
+            base = name[: -len(_BLOCKS)]
+            s_dtype, s_shape = infos[base + _SCALES]
+            _check_pair(base, shape, dtype, s_shape, s_dtype)
+            m = _PROJ_RE.match(base)
+            if m and m["proj"] in expected:
+                e, n, k = expected[m["proj"]]
+                want = (e, n, k // BLOCK_SIZE, 16)
+                if tuple(shape) != want:
+                    raise CheckpointError(
+                        f"{name}: shape {list(shape)}, expected {list(want)} from config.json (E={e}, N={n}, "
+                        f"K={k}: {m['proj']} is [E, N, K] stored as [E, N, K/32, 16])"
+                    )
+        m = _BIAS_RE.match(name)
+        if m and m["base"] + _BLOCKS in infos:
+            want = tuple(infos[m["base"] + _BLOCKS][1][:2])
+            if tuple(shape) != want:
+                raise CheckpointError(f"{name}: shape {list(shape)}, expected {list(want)} ([E, N] of "
+                                      f"{m['base']}{_BLOCKS})")
+            if not _DTYPES.get(dtype, torch.uint8).is_floating_point:
+                raise CheckpointError(f"{name}: dtype {dtype}, expected a float bias (gpt-oss: BF16)")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class GptOssCheckpoint(Mapping):
+    """A gpt-oss-layout safetensors checkpoint, open for reading tensor by tensor.
+
+    ``path``: a directory holding ``model.safetensors`` or shards listed in
+    ``model.safetensors.index.json`` (and usually ``config.json``), or one
+    ``.safetensors`` file. Opening reads the file headers and ``config.json`` only, and
+    checks every quantized weight there: each ``X_blocks`` needs its ``X_scales`` (and
+    the reverse), both uint8, shaped [E, N, K/32, 16] and [E, N, K/32], the expert
+    weights and their ``_bias`` shaped as ``config.json`` says (E =
+    ``num_local_experts``, gate_up N = 2 ``intermediate_size``, K = ``hidden_size``;
+    down the other way round); any mismatch raises a ``ValueError`` naming the tensor.
+
+    As a mapping: keys are the logical names, in file order; a quantized weight appears
+    once, without its suffix (``model.layers.0.mlp.experts.gate_up_proj``), and reads as
+    the MXTensor of the [E, N, K] weight along axis 2 (:func:`wrap`: the file's bytes,
+    never dequantized); every other key reads as the stored tensor. Each access reads
+    that tensor (or pair) from disk and keeps nothing.
+
+    Attributes: ``config`` (config.json as a dict, or None), ``shards`` (file ->
+    stored tensor names, in file order), ``file_metadata`` (file -> the safetensors
+    header's ``__metadata__``), ``index_metadata`` (the index's ``metadata``, or None),
+    ``dtype`` (the original dtype the MXTensors report, default bf16), ``recipe``.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], *, dtype: torch.dtype = torch.bfloat16,
+                 recipe: Optional[QuantRecipe] = None) -> None:
+        st = _safetensors()
+        path = Path(path)
+        if path.is_file():
+            root, files = path.parent, [path.name]
+            index = None
+        elif (path / INDEX_FILE).is_file():
+            root = path
+            index = json.loads((path / INDEX_FILE).read_text())
+            files = list(dict.fromkeys(index["weight_map"].values()))
+        elif (path / SINGLE_FILE).is_file():
+            root, files, index = path, [SINGLE_FILE], None
+        else:
+            raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (a gpt-oss checkpoint directory "
+                                    "holds one)")
+        self.path = root
+        self.dtype = dtype
+        self.recipe = _stored_recipe(recipe)
+        self.index_metadata = None if index is None else index.get("metadata")
+        config_path = root / CONFIG_FILE
+        self.config: Optional[dict[str, Any]] = json.loads(config_path.read_text()) if config_path.is_file() else None
+        self.shards: dict[str, list[str]] = {}
+        self.file_metadata: dict[str, Optional[dict[str, str]]] = {}
+        self._entries: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # stored name -> (file, dtype, shape)
+        for file in files:
+            with st.safe_open(str(root / file), framework="pt") as f:
+                self.file_metadata[file] = f.metadata()
+                names = list(f.keys())
+                for name in names:
+                    sl = f.get_slice(name)
+                    self._entries[name] = (file, sl.get_dtype(), tuple(sl.get_shape()))
+            self.shards[file] = names
+        if index is not None:
+            missing = sorted(set(index["weight_map"]) - set(self._entries))
+            if missing:
+                raise CheckpointError(f"{missing[0]}: listed in {INDEX_FILE} but not in "
+                                      f"{index['weight_map'][missing[0]]}")
+        self._keys = self._check()
+
+    def _check(self) -> list[str]:
+        """Validate the layout from the headers; return the logical names in file order."""
+        infos = {name: (dtype, shape) for name, (_, dtype, shape) in self._entries.items()}
+        check_layout(infos, self.config)
+        return [name[: -len(_BLOCKS)] if name.endswith(_BLOCKS) else name
+                for name in infos if not name.endswith(_SCALES)]
+
+    # Mapping interface -------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and ((name in self._entries and not name.endswith((_BLOCKS, _SCALES)))
+                                          or name + _BLOCKS in self._entries)
+
+    def __getitem__(self, name: str) -> Tensorish:
+        if name + _BLOCKS in self._entries:
+            return wrap(self.stored(name + _BLOCKS), self.stored(name + _SCALES), name=name, dtype=self.dtype,
+                        recipe=self.recipe)
+        if name in self._entries and not name.endswith((_BLOCKS, _SCALES)):
+            return self.stored(name)
+        raise KeyError(name)
+
+    def stored(self, name: str) -> torch.Tensor:
+        """The tensor stored under ``name`` (a file name, ``_blocks`` / ``_scales``
+        included), read from disk now."""
+        if name not in self._entries:
+            raise KeyError(name)
+        file = self._entries[name][0]
+        with _safetensors().safe_open(str(self.path / file), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def stored_info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype, shape) of the tensor stored under ``name``, from the header."""
+        _, dtype, shape = self._entries[name]
+        return dtype, shape
+
+    def expert_modules(self) -> list[str]:
+        """Qualified names of the modules whose expert weights the checkpoint quantizes
+        (``model.layers.N.mlp.experts``), in file order."""
+        out = []
+        for key in self._keys:
+            m = _PROJ_RE.match(key)
+            if m and key + _BLOCKS in self._entries and m["module"] not in out:
+                out.append(m["module"])
+        return out
+
+    def experts(self, module: Union[int, str]) -> dict[str, Tensorish]:
+        """The expert tensors of one MoE module: a layer index (``model.layers.N.mlp.experts``)
+        or a qualified module name -> ``{"gate_up_proj": MXTensor, "gate_up_proj_bias":
+        Tensor, "down_proj": ..., "down_proj_bias": ...}`` (biases only where stored)."""
+        prefix = f"model.layers.{module}.mlp.experts" if isinstance(module, int) else module
+        out: dict[str, Tensorish] = {}
+        for proj in PROJECTIONS:
+            if f"{prefix}.{proj}{_BLOCKS}" not in self._entries:
+                raise KeyError(f"{prefix}.{proj}{_BLOCKS}: not in the checkpoint at {self.path}")
+            out[proj] = self[f"{prefix}.{proj}"]
+            if f"{prefix}.{proj}_bias" in self._entries:
+                out[f"{proj}_bias"] = self.stored(f"{prefix}.{proj}_bias")
+        return out
+
+    def __repr__(self) -> str:
+        return (f"GptOssCheckpoint({str(self.path)!r}, {len(self._keys)} tensors, {len(self.expert_modules())} expert "
+                f"modules, {len(self.shards)} file(s))")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _stored_tensors(name: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The (stored name, tensor) entries of one mapping item."""
+    if isinstance(value, MXTensor):
+        blocks, scales = unwrap(value, name=name)
+        return [(name + _BLOCKS, blocks), (name + _SCALES, scales)]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or an MXTensor; got {type(value).__name__}")
+    if _PROJ_RE.match(name) and value.is_floating_point():
+        raise CheckpointError(
+            f"{name}: a float expert weight {list(value.shape)} {value.dtype}; the gpt-oss layout stores it as MXFP4 "
+            "(_blocks and _scales): quantize it first (portable_mx.checkpoints.gpt_oss.quantize_experts), or pass the "
+            "MXTensor"
+        )
+    return [(name, value)]
+
+
+def _json_text(obj: Any) -> str:
+    """transformers' JSON formatting (``indent=2, sort_keys=True``, trailing newline), so
+    files written here match those written there key for key."""
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+def _with_quantization_config(config: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    if config is None:
+        return None
+    config = dict(config)
+    qc = config.get("quantization_config")
+    if qc is None:
+        config["quantization_config"] = json.loads(json.dumps(QUANTIZATION_CONFIG))
+    elif not isinstance(qc, Mapping) or qc.get("quant_method") != "mxfp4":
+        raise ValueError(f"config.json's quantization_config is {qc!r}; a gpt-oss MXFP4 checkpoint has "
+                         "quant_method 'mxfp4'")
+    return config
+
+
+def save(path: Union[str, os.PathLike], tensors: Mapping[str, Any], config: Optional[Mapping[str, Any]], *,
+         shards: Optional[Mapping[str, list[str]]] = None,
+         metadata: Optional[Mapping[str, Optional[Mapping[str, str]]]] = None,
+         index_metadata: Optional[Mapping[str, Any]] = None) -> list[Path]:
+    """Write ``tensors`` as a gpt-oss-layout checkpoint in the directory ``path``; return
+    the files written.
+
+    ``tensors``: name -> ``torch.Tensor`` or :class:`~portable_mx.MXTensor` (a model's
+    ``state_dict()``, :func:`quantize_experts`' output, or a :class:`GptOssCheckpoint`).
+    An MXTensor named ``X`` is stored as ``X_blocks`` / ``X_scales`` (:func:`unwrap`:
+    its bytes as they are); a tensor as it is, under its name and dtype (a model's
+    ``X_blocks`` / ``X_scales`` buffers included). Everything is checked as
+    :class:`GptOssCheckpoint` checks a file, before any file is written; a float tensor
+    under an expert weight's name (``*.experts.gate_up_proj``) raises: that is the
+    save_pretrained pitfall (see the module doc), not a checkpoint.
+
+    ``config``: config.json's content (a dict, e.g. ``model.config.to_dict()`` or
+    :attr:`GptOssCheckpoint.config`), written with ``quantization_config`` set to
+    :data:`QUANTIZATION_CONFIG` where it has none (one with another ``quant_method``
+    raises); None writes no config.json. ``shards``: file name -> stored names (as
+    :attr:`GptOssCheckpoint.shards`), written with ``model.safetensors.index.json``;
+    default one ``model.safetensors``. ``metadata``: file -> the safetensors header's
+    ``__metadata__`` (default ``{"format": "pt"}``, what transformers writes);
+    ``index_metadata``: the index's ``metadata`` (``total_size`` is recomputed).
+    When ``tensors`` is a :class:`GptOssCheckpoint`, its shards and metadata are the
+    defaults and each file is written from its own tensors only, read one file's worth
+    at a time; an in-memory mapping's tensors are written as they are (no copies but
+    a ``.contiguous()`` where needed).
+
+    Byte identity: the files are written by safetensors' own writer (which orders the
+    tensors by dtype alignment and name, whatever the mapping's order) and the JSON
+    files in transformers' format, so writing what was read writes the same bytes.
+    """
+    st_torch = require("safetensors.torch", "writing gpt-oss checkpoints")
+    root = Path(path)
+    lazy = isinstance(tensors, GptOssCheckpoint)
+    if lazy:
+        shards = tensors.shards if shards is None else shards
+        metadata = tensors.file_metadata if metadata is None else metadata
+        index_metadata = tensors.index_metadata if index_metadata is None else index_metadata
+        infos = {s: tensors.stored_info(s) for s in tensors._entries}
+    else:
+        stored = {s: t for n in tensors for s, t in _stored_tensors(n, tensors[n])}
+        infos = {s: (_dtype_name(t.dtype), tuple(t.shape)) for s, t in stored.items()}
+    config = _with_quantization_config(config)
+    check_layout(infos, config)
+    if shards is None:
+        shards = {SINGLE_FILE: list(infos)}
+    listed = [s for names in shards.values() for s in names]
+    extra, unlisted = sorted(set(listed) - set(infos)), sorted(set(infos) - set(listed))
+    if extra or unlisted or len(listed) != len(set(listed)):
+        raise ValueError(f"shards must list every stored tensor once: not among the tensors {extra[:3]}, in no shard "
+                         f"{unlisted[:3]}" + (", some listed twice" if len(listed) != len(set(listed)) else ""))
+    root.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    total = 0
+    for file, names in shards.items():
+        if lazy:
+            entries = {s: tensors.stored(s) for s in names}
+        else:
+            entries = {s: stored[s].detach().contiguous() for s in names}
+        meta = {"format": "pt"} if metadata is None or metadata.get(file) is None else dict(metadata[file])
+        st_torch.save_file(entries, str(root / file), metadata=meta)
+        total += sum(t.numel() * t.element_size() for t in entries.values())
+        written.append(root / file)
+        del entries
+    if list(shards) != [SINGLE_FILE]:
+        index = {"metadata": {**dict(index_metadata or {}), "total_size": total},
+                 "weight_map": {s: file for file, names in shards.items() for s in names}}
+        (root / INDEX_FILE).write_text(_json_text(index))
+        written.append(root / INDEX_FILE)
+    if config is not None:
+        (root / CONFIG_FILE).write_text(_json_text(config))
+        written.append(root / CONFIG_FILE)
+    return written
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, GptOssCheckpoint], *,
+                 recipe: Any = None) -> torch.nn.Module:
+    """Put the checkpoint's experts into ``model``, in place, and return it.
+
+    Each module the checkpoint quantizes (``model.layers.N.mlp.experts``,
+    :meth:`GptOssCheckpoint.expert_modules`) is replaced by a frozen
+    :class:`portable_mx.nn.MXExperts` holding the checkpoint's bytes (read one tensor
+    at a time, never dequantized) and biases, on the device and with the bias dtype of
+    the module it replaces. That module (transformers' ``GptOssExperts``, or an
+    MXExperts) gives the activation (gpt-oss's clamped SwiGLU, its ``alpha`` and
+    ``limit``); its weights are dropped. ``recipe``: the experts' GEMM recipe (default
+    ``QuantRecipe(activations="bf16")``, W4A16: the activations rounded to bf16, the
+    checkpoint's weights exact). The converted model's ``state_dict()`` holds the
+    checkpoint's names, dtypes and bytes for the experts, so :func:`save` of it writes
+    them back unchanged.
+    """
+    from ..nn.hf_experts import experts_from_module
+
+    ckpt = checkpoint if isinstance(checkpoint, GptOssCheckpoint) else GptOssCheckpoint(checkpoint)
+    recipe = QuantRecipe(activations="bf16") if recipe is None else recipe
+    modules = dict(model.named_modules())
+    if not ckpt.expert_modules():
+        raise CheckpointError(
+            f"{ckpt.path}: the checkpoint quantizes no experts (no *.experts.gate_up_proj_blocks / _scales): it is "
+            "not an MXFP4 gpt-oss checkpoint (a dequantized model saved by transformers' save_pretrained is not one; "
+            "quantize its experts with quantize_experts and write them with save)"
+        )
+    for qualified in ckpt.expert_modules():
+        if qualified not in modules:
+            raise KeyError(f"{qualified}: the checkpoint quantizes it, but the model has no module of that name")
+        old = modules[qualified]
+        tensors = ckpt.experts(qualified)
+        new = experts_from_module(old, recipe, weights=tensors)
+        parent_name, _, child = qualified.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, child, new)
+    return model
+

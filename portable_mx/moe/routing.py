@@ -1,0 +1,197 @@
+"""Routing metadata of a mixture-of-experts layer, built on the device with no host sync.
+
+:func:`route` turns a router's top-k choice (expert ids and weights ``[T, k]``) into what
+the grouped GEMM (:func:`portable_mx.grouped_matmul`) needs: the T*k (token, slot) pairs
+stably sorted by expert, per-expert row counts and cumulative end offsets (the convention
+of ``torch.nn.functional.grouped_mm``'s ``offs``), the gather index (the source token of
+each expert-sorted row), the scatter index (the expert-sorted row of each (token, slot))
+and a fixed-size tile schedule for the kernel. Every shape is a function of T, k, E and
+the tile M, never of the ids' values, and nothing is read back to the host, so
+:func:`route` can be captured in a CUDA graph and traced by
+``torch.compile(fullgraph=True)``.
+
+The tile schedule: the expert-sorted rows cut into tiles of ``tile_m`` rows that never
+span two experts; an expert with n rows takes ceil(n / tile_m) tiles. Their number is at
+most ``max_tiles(R, E, tile_m) = (R + min(E, R) * (tile_m - 1)) // tile_m`` for R rows
+(each non-empty expert wastes at most tile_m - 1 rows of its last tile), which sizes the
+kernel's grid without reading the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+TILE_M_CHOICES = (16, 32, 64, 128)
+"""Tile heights (rows per tile) a schedule is built for by default (:func:`default_tile_m`)."""
+
+
+def max_tiles(rows: int, num_experts: int, tile_m: int) -> int:
+    """The most tiles of ``tile_m`` rows that ``rows`` expert-sorted rows over
+    ``num_experts`` experts can take (a tile never spans two experts)."""
+    return (rows + min(num_experts, rows) * (tile_m - 1)) // tile_m
+
+
+def default_tile_m(rows: int, num_experts: int) -> int:
+    """The tile height for ``rows`` rows over ``num_experts`` experts: the mean rows per
+    expert rounded up to a power of two, clamped to 16..128 (as triton_kernels'
+    matmul_ogs chooses its block M)."""
+    mean = -(-rows // max(num_experts, 1))
+    tile = 16
+    while tile < mean and tile < 128:
+        tile *= 2
+    return tile
+
+
+def tile_schedule(offsets: torch.Tensor, rows: int, tile_m: int) -> torch.Tensor:
+    """The tile schedule of ``rows`` expert-sorted rows with cumulative end offsets
+    ``offsets`` (int32 ``[E]``): int32 ``[max_tiles(rows, E, tile_m), 2]``, row s =
+    (expert, first row) of tile s, tiles in expert order, the unused tail (-1, 0).
+    Built with device ops only (no host sync)."""
+    num_experts = offsets.shape[0]
+    slots = max_tiles(rows, num_experts, tile_m)
+    ends = offsets.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + (tile_m - 1)) // tile_m
+    tile_ends = torch.cumsum(tiles, 0)
+    s = torch.arange(slots, device=offsets.device, dtype=torch.int64)
+    expert = torch.searchsorted(tile_ends, s, right=True)  # the first expert whose tiles end after s
+    used = expert < num_experts
+    e = expert.clamp(max=num_experts - 1)
+    first = starts[e] + (s - (tile_ends[e] - tiles[e])) * tile_m
+    return torch.stack([torch.where(used, e, -1), torch.where(used, first, 0)], dim=1).to(torch.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Where each token goes: the routing of T tokens to k of ``num_experts`` experts.
+
+    With R = T * k rows, the (token t, slot j) pairs flattened as p = t * k + j and sorted
+    stably by expert (ties keep p order):
+
+    - ``num_experts`` (int E), ``k`` (int): experts, slots per token.
+    - ``topk_ids``: int ``[T, k]`` as given (int32 or int64): the expert of each pair.
+    - ``weights``: float ``[T, k]``: the router weights as given (the same tensor, so a
+      gradient reaches the router), or float32 ones when none were given.
+    - ``counts``: int32 ``[E]``: rows routed to each expert (empty experts hold 0).
+    - ``offsets``: int32 ``[E]``: cumulative end offsets, ``offsets[e] = sum(counts[:e+1])``
+      (``torch.nn.functional.grouped_mm``'s ``offs``); expert e owns sorted rows
+      ``offsets[e] - counts[e] .. offsets[e] - 1``; ``offsets[-1] == R``.
+    - ``gather_index``: int32 ``[R]``: the token t of each expert-sorted row (the row of
+      x that a gathering GEMM reads).
+    - ``scatter_index``: int32 ``[R]``: the expert-sorted row of each pair p = t * k + j
+      (the inverse permutation: ``gather_index[scatter_index[t * k + j]] == t``).
+    - ``sorted_weights``: ``[R]``, the dtype of ``weights``: the weight of each sorted row.
+    - ``tile_m`` (int) and ``tile_schedule``: int32 ``[max_tiles(R, E, tile_m), 2]``:
+      (expert, first sorted row) of each tile of ``tile_m`` rows, -1 past the last tile
+      (:func:`tile_schedule`); :meth:`schedule` gives the one of another tile height.
+
+    Build one with :func:`route`.
+    """
+
+    num_experts: int
+    k: int
+    topk_ids: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    gather_index: torch.Tensor
+    scatter_index: torch.Tensor
+    sorted_weights: torch.Tensor
+    tile_m: int
+    tile_schedule: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_ids.shape[0]
+
+    @property
+    def rows(self) -> int:
+        """R = T * k, the number of expert-sorted rows."""
+        return self.gather_index.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.offsets.device
+
+    def schedule(self, tile_m: int) -> torch.Tensor:
+        """The tile schedule for tiles of ``tile_m`` rows: ``tile_schedule`` when it is the
+        one, else built once (device ops, no host sync) and kept with this Routing."""
+        if tile_m == self.tile_m:
+            return self.tile_schedule
+        memo = self.__dict__.setdefault("_schedules", {})
+        found = memo.get(tile_m)
+        if found is None:
+            found = memo[tile_m] = tile_schedule(self.offsets, self.rows, tile_m)
+        return found
+
+    def __repr__(self) -> str:
+        return (f"Routing(tokens={self.num_tokens}, k={self.k}, experts={self.num_experts}, "
+                f"tile_m={self.tile_m}, device={self.device})")
+
+
+def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Every id in [0, num_experts): raised here on the CPU, asserted on the device
+    elsewhere (no host sync; a failure stops the device's work with this message)."""
+    if topk_ids.device.type == "meta":
+        return
+    bad = ((topk_ids < 0) | (topk_ids >= num_experts)).any()
+    if topk_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bad:
+            raise ValueError(f"topk_ids must lie in [0, num_experts={num_experts}); got values "
+                             f"{topk_ids.min().item()} .. {topk_ids.max().item()}")
+        return
+    torch._assert_async(~bad, f"route: topk_ids must lie in [0, num_experts={num_experts})")
+
+
+def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_experts: int, *,
+          tile_m: Optional[int] = None) -> Routing:
+    """The :class:`Routing` of T tokens to the k experts each of ``topk_ids``.
+
+    topk_ids: int32 or int64 ``[T, k]``, each in [0, num_experts) (a token may name the
+    same expert twice: two rows); topk_weights: float ``[T, k]`` on the same device, or
+    None (weights 1, float32); num_experts: E >= 1. ``tile_m``: the tile height of the
+    precomputed schedule (default :func:`default_tile_m` of T * k rows over E experts).
+    Device ops only: no host sync, shapes from T, k, E alone.
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be an int32 or int64 tensor [T, k]; got "
+                        f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be [T, k] with k >= 1; got shape {tuple(topk_ids.shape)}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int; got {num_experts!r}")
+    if topk_weights is None:
+        topk_weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
+    elif not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a float tensor [T, k] or None; got "
+                        f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
+    elif topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}; "
+                         f"got {tuple(topk_weights.shape)}")
+    elif topk_weights.device != topk_ids.device:
+        raise ValueError(f"topk_weights and topk_ids must be on the same device; got "
+                         f"{topk_weights.device} and {topk_ids.device}")
+    if tile_m is not None and tile_m not in TILE_M_CHOICES:
+        raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}; got {tile_m!r}")
+    _check_ids(topk_ids, num_experts)
+
+    t, k = topk_ids.shape
+    rows = t * k
+    device = topk_ids.device
+    flat = topk_ids.reshape(rows)
+    order = torch.argsort(flat, stable=True)  # the pair p of each sorted row
+    sorted_ids = flat[order]
+    experts = torch.arange(num_experts, device=device, dtype=flat.dtype)
+    offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    scatter = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device, dtype=order.dtype))
+    tile_m = default_tile_m(rows, num_experts) if tile_m is None else tile_m
+    return Routing(
+        num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts, offsets=offsets,
+        gather_index=(order // k).to(torch.int32), scatter_index=scatter.to(torch.int32),
+        sorted_weights=topk_weights.reshape(rows)[order], tile_m=tile_m,
+        tile_schedule=tile_schedule(offsets, rows, tile_m),
+    )

@@ -1,0 +1,304 @@
+"""MXExperts: the experts of a mixture-of-experts layer, with MXFP4 expert weights.
+
+E experts, each a gated MLP from ``hidden_size`` H through ``intermediate_size`` I and
+back; a token t routed to experts ``ids[t, 0..k-1]`` with router weights ``w[t, :]`` gets
+
+    y[t] = sum_j w[t, j] * (W2[e] @ act(W1[e] @ x[t] + b1[e]) + b2[e]),   e = ids[t, j]
+
+where W1 = ``gate_up_proj`` [E, 2I, H] and W2 = ``down_proj`` [E, H, I] (both [out, in],
+each quantized along its input axis, K) and ``act`` is
+
+- ``"swiglu_oai"`` (gpt-oss): rows of W1 interleave gate (even) and up (odd) units;
+  ``gate = min(gate, 7)``, ``up = clamp(up, -7, 7)``, ``act = gate * sigmoid(1.702 gate)
+  * (up + 1)``;
+- ``"swiglu"`` (Qwen3-MoE, Mixtral, ...): W1's rows are [gate | up] concatenated;
+  ``act = silu(gate) * up``.
+
+The forward is two grouped GEMMs (:func:`portable_mx.grouped_matmul`) over one routing
+(:func:`portable_mx.route`, built on the device with no host sync): W1 with the input
+rows gathered in expert order, bias and activation fused; W2 with bias and the
+router-weighted sum over the k slots (a fixed order: deterministic). One launch per
+projection, whatever E.
+
+The expert weights are held in one of two ways:
+
+- **float Parameters** (training; what :func:`portable_mx.nn.convert` makes of a model's
+  experts, sharing its Parameters): ``gate_up_proj``, ``down_proj`` in the layout of the
+  module they came from (``transposed=True``: [E, in, out], transformers' GptOss layout;
+  else [E, out, in]), quantized along K with ``recipe`` on every forward, or, inside a
+  :func:`~portable_mx.nn.weight_cache` block, once and reused until an optimizer step,
+  a version-bumping update or a replaced weight (the rule of
+  :mod:`portable_mx.nn.weight_cache`); a forward that needs the weights' gradients
+  hands the float weights to the grouped GEMM, which quantizes them itself, block or
+  not. Autograd reaches x, the weights, the biases and the router weights.
+- **frozen MXTensors** (inference from a checkpoint; :meth:`MXExperts.from_mx`,
+  :func:`portable_mx.checkpoints.gpt_oss.load_experts`): buffers ``gate_up_proj_blocks``
+  uint8 [E, N, K/32, 16] and ``gate_up_proj_scales`` uint8 [E, N, K/32] (the gpt-oss
+  checkpoint's own names and bytes: the module's ``state_dict`` *is* that layout), plus
+  ``_macro_scales`` (fp32 bits as int32) / ``_outlier_values`` (bf16 bits as int16) /
+  ``_outlier_indices`` where the MXTensor has them (as bits, so that ``model.to(dtype)``
+  leaves them alone); never dequantized. Gradients reach x, the biases and the router weights.
+
+Biases ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H] are optional
+Parameters. What is exact: each expert's GEMM is the fp32-accumulated product of the
+dequantized operands (x per ``recipe.activations``: quantized for A4W4, rounded to bf16
+/ fp16 for W4A16), as :func:`portable_mx.matmul` defines it; bias, activation and the
+weighted sum follow :func:`portable_mx.grouped_matmul`'s contract.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from ..moe import grouped_matmul, route
+from ..format import BLOCK_SIZE
+from ..recipe import QuantRecipe
+from ..tensor import MXTensor
+from .weight_cache import WeightCache
+
+__all__ = ["ACTIVATIONS", "MXExperts"]
+
+ACTIVATIONS = ("swiglu_oai", "swiglu")
+"""The expert activations: gpt-oss's interleaved clamped SwiGLU, and SwiGLU on
+concatenated [gate | up] rows."""
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+_PARTS = ("blocks", "scales", "macro_scales", "outlier_values", "outlier_indices")
+
+
+class MXExperts(torch.nn.Module):
+    """E experts with MXFP4 weights (see the module doc for the math and the two ways
+    the weights are held).
+
+    ``MXExperts(num_experts, hidden_size, intermediate_size, bias=True,
+    activation="swiglu_oai", transposed=False, recipe=None, device=None, dtype=None)``
+    makes float Parameters, initialised like ``nn.Linear`` per expert (uniform in
+    ±1/sqrt(in)). ``recipe``: the :class:`QuantRecipe` of the GEMMs (default A4W4;
+    ``QuantRecipe(activations="bf16")`` for W4A16), assignable.
+
+    Forward: ``x`` [..., H] (the weights' dtype in float mode; any float dtype frozen),
+    ``top_k_index`` [..., k] integer expert ids in [0, E), ``top_k_weights`` [..., k]
+    router weights (or None: all 1) -> [..., H] in x's dtype. The argument order is that
+    of transformers' expert modules (``hidden_states, router_indices, routing_weights``).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool = True,
+                 activation: str = "swiglu_oai", transposed: bool = False, recipe: Any = None,
+                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+        for what, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{what} must be a positive int; got {v!r}")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation = activation
+        self.transposed = bool(transposed)
+        self._mx_meta: dict[str, tuple[torch.Size, torch.dtype, QuantRecipe]] = {}
+        self._mx_memo: dict[str, tuple[tuple, MXTensor]] = {}
+        self.recipe = recipe
+        kw = dict(device=device, dtype=dtype)
+        e, h, i = num_experts, hidden_size, intermediate_size
+        shapes = {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
+        for proj, (ee, n, k) in shapes.items():
+            shape = (ee, k, n) if self.transposed else (ee, n, k)
+            self.register_parameter(proj, torch.nn.Parameter(torch.empty(shape, **kw)))
+            self.register_parameter(f"{proj}_bias", torch.nn.Parameter(torch.empty(ee, n, **kw)) if bias else None)
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters()
+
+    # ------------------------------------------------------------------ construction
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation, per expert: weights and biases uniform in
+        ±1/sqrt(in_features) (float mode only)."""
+        if self.frozen:
+            raise RuntimeError("MXExperts: frozen MXFP4 weights have no initialisation")
+        with torch.no_grad():
+            for proj, k in (("gate_up_proj", self.hidden_size), ("down_proj", self.intermediate_size)):
+                bound = 1.0 / math.sqrt(k)
+                getattr(self, proj).uniform_(-bound, bound)
+                b = getattr(self, f"{proj}_bias")
+                if b is not None:
+                    b.uniform_(-bound, bound)
+
+    @classmethod
+    def from_mx(cls, gate_up_proj: MXTensor, down_proj: MXTensor, gate_up_proj_bias: Optional[Tensor] = None,
+                down_proj_bias: Optional[Tensor] = None, *, activation: str = "swiglu_oai",
+                recipe: Any = None) -> "MXExperts":
+        """Frozen experts holding these MXTensors (no copy, never dequantized).
+
+        ``gate_up_proj``: the MXTensor of W1 [E, 2I, H] quantized along H (axis 2), or of
+        its transpose [E, H, 2I] along axis 1 (the same bytes); ``down_proj``: W2
+        [E, H, I] along I likewise. Biases: float [E, 2I] and [E, H] or None, kept as
+        Parameters with ``requires_grad=False`` (set it to train them).
+        """
+        w1, w2 = (_as_out_in(w, name) for w, name in ((gate_up_proj, "gate_up_proj"), (down_proj, "down_proj")))
+        e, n1, h = w1.shape
+        e2, h2, i = w2.shape
+        if n1 % 2 or e2 != e or h2 != h or n1 != 2 * i:
+            raise ValueError(f"expert weights do not fit together: gate_up_proj {list(w1.shape)} must be "
+                             f"[E, 2I, H] and down_proj {list(w2.shape)} [E, H, I] ([out, in] views)")
+        new = cls(e, h, i, bias=False, activation=activation, recipe=recipe, device="meta")
+        for proj, w, bias, n in (("gate_up_proj", w1, gate_up_proj_bias, n1), ("down_proj", w2, down_proj_bias, h)):
+            new.register_parameter(proj, None)
+            new._set_mx(proj, w)
+            if bias is not None:
+                if not isinstance(bias, Tensor) or tuple(bias.shape) != (e, n) or not bias.is_floating_point():
+                    got = f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}"
+                    raise ValueError(f"{proj}_bias must be a float tensor [{e}, {n}]; got {got}")
+                if bias.device != w.device:
+                    raise ValueError(f"{proj}_bias is on {bias.device} but the weight is on {w.device}")
+                new.register_parameter(f"{proj}_bias", torch.nn.Parameter(bias.detach(), requires_grad=False))
+        return new
+
+    def _set_mx(self, proj: str, w: MXTensor) -> None:
+        e, n, k = w.shape
+        g = w.k_padded // BLOCK_SIZE
+        # float parts stored as their bits (int32, int16) so that model.to(dtype) / .half() leave them alone
+        parts = {"blocks": w.qdata.reshape(e, n, g, 16), "scales": w.scales,
+                 "macro_scales": None if w.macro_scales is None else w.macro_scales.view(torch.int32),
+                 "outlier_values": None if w.outlier_values is None else w.outlier_values.view(torch.int16),
+                 "outlier_indices": w.outlier_indices}
+        for part in _PARTS:
+            self.register_buffer(f"{proj}_{part}", parts[part])
+        self._mx_meta[proj] = (w.shape, w.dtype, w.recipe)
+        self._mx_memo.pop(proj, None)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def frozen(self) -> bool:
+        """True when the expert weights are MXTensors (buffers), False for float Parameters."""
+        return getattr(self, "gate_up_proj", None) is None
+
+    @property
+    def recipe(self) -> QuantRecipe:
+        """The :class:`QuantRecipe` of the GEMMs (assignable): how x is quantized or
+        rounded, and, in float mode, how the weights are quantized."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Any) -> None:
+        self._recipe = ops._recipe(recipe)
+        cache = self.__dict__.get("_pmx_weight_cache")
+        if cache is None:
+            self._pmx_weight_cache = WeightCache()
+        else:
+            cache.clear()
+
+    def quantized_weight(self, proj: str) -> MXTensor:
+        """The MXTensor of ``proj`` ("gate_up_proj" or "down_proj") as the GEMM takes it:
+        [E, N, K] quantized along K (axis 2). Frozen: a view of the buffers. Float: the
+        cached one inside :func:`~portable_mx.nn.weight_cache`, else quantized now with
+        the recipe."""
+        if proj not in PROJECTIONS:
+            raise ValueError(f"proj must be one of {PROJECTIONS}; got {proj!r}")
+        if self.frozen:
+            return self._frozen_mx(proj)
+        return self._pmx_weight_cache.get(proj, getattr(self, proj), self._recipe, self._quantizer(proj))
+
+    def _frozen_mx(self, proj: str) -> MXTensor:
+        bufs = tuple(getattr(self, f"{proj}_{p}") for p in _PARTS)
+        hit = self._mx_memo.get(proj)
+        if hit is not None and len(hit[0]) == len(bufs) and all(a is b for a, b in zip(hit[0], bufs)):
+            return hit[1]
+        shape, dtype, recipe = self._mx_meta[proj]
+        blocks, scales, macro, ov, oi = bufs
+        e, n, g, _ = blocks.shape
+        mx = MXTensor(qdata=blocks.reshape(e, n, g * 16), scales=scales, shape=shape, dtype=dtype, axis=2,
+                      recipe=recipe, macro_scales=None if macro is None else macro.view(torch.float32),
+                      outlier_values=None if ov is None else ov.view(torch.bfloat16), outlier_indices=oi)
+        self._mx_memo[proj] = (bufs, mx)
+        return mx
+
+    def _quantizer(self, proj: str):
+        transposed, recipe = self.transposed, self._recipe
+
+        def build(w: Tensor) -> MXTensor:
+            with torch.no_grad():
+                mx = ops.quantize(w.detach(), recipe, axis=1 if transposed else 2)
+            return _as_out_in(mx, proj)
+
+        return build
+
+    def _float_weight(self, proj: str) -> Tensor:
+        """The float weight as [E, N, K] (a view of the Parameter)."""
+        w = getattr(self, proj)
+        return w.transpose(1, 2) if self.transposed else w
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
+        h, k_ids = self.hidden_size, top_k_index
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise TypeError(f"MXExperts expects a float tensor x; got {getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() == 0 or x.shape[-1] != h:
+            raise ValueError(f"MXExperts: x must be [..., {h}]; got shape {tuple(x.shape)}")
+        t = x.numel() // h
+        if not isinstance(k_ids, Tensor) or k_ids.is_floating_point() or k_ids.numel() % max(t, 1) or \
+                k_ids.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"MXExperts: top_k_index must be an integer tensor [..., k] with x's leading dims "
+                             f"{tuple(x.shape[:-1])}; got {getattr(k_ids, 'dtype', None)} "
+                             f"{tuple(getattr(k_ids, 'shape', ()))}")
+        k = k_ids.shape[-1]
+        if top_k_weights is not None and top_k_weights.shape != k_ids.shape:
+            raise ValueError(f"MXExperts: top_k_weights {tuple(top_k_weights.shape)} must have top_k_index's shape "
+                             f"{tuple(k_ids.shape)}")
+        if not self.frozen and x.dtype != self.gate_up_proj.dtype:
+            raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {self.gate_up_proj.dtype}; cast one of "
+                            "them")
+        x2 = x.reshape(t, h)
+        ids = k_ids.reshape(t, k)
+        wts = None if top_k_weights is None else top_k_weights.reshape(t, k)
+        routing = route(ids, wts, self.num_experts)
+        w1, w2 = self._gemm_weights(x2)
+        act = self.activation
+        mid = grouped_matmul(x2, w1, routing=routing, gather=True, bias=self.gate_up_proj_bias, activation=act,
+                             recipe=self._recipe)
+        y = grouped_matmul(mid, w2, routing=routing, scatter=True, bias=self.down_proj_bias, recipe=self._recipe)
+        return y.reshape(x.shape)
+
+    def _gemm_weights(self, x: Tensor) -> tuple[Any, Any]:
+        """The two weights as grouped_matmul takes them: MXTensors [E, N, K] along K
+        (frozen, or float weights that need no gradient), or the float [E, N, K] views
+        (autograd, or compiled code: the GEMM quantizes them itself)."""
+        if self.frozen:
+            return self._frozen_mx("gate_up_proj"), self._frozen_mx("down_proj")
+        w1, w2 = self.gate_up_proj, self.down_proj
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (w1.requires_grad or w2.requires_grad)):
+            return self._float_weight("gate_up_proj"), self._float_weight("down_proj")
+        return self.quantized_weight("gate_up_proj"), self.quantized_weight("down_proj")
+
+    def extra_repr(self) -> str:
+        where = "frozen MXFP4" if self.frozen else ("float [E, in, out]" if self.transposed else "float [E, out, in]")
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation}, "
+                f"bias={self.gate_up_proj_bias is not None}, weights={where}, recipe={self._recipe.describe()}")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if not isinstance(self.__dict__.get("_pmx_weight_cache"), WeightCache):
+            self._pmx_weight_cache = WeightCache()
+        self._mx_memo = {}
+
+
+def _as_out_in(w: MXTensor, name: str) -> MXTensor:
+    """An expert weight's MXTensor as [E, N, K] along axis 2: as it is, or relabelled
+    from [E, K, N] along axis 1 (the same bytes: both store [E, N, K/2])."""
+    if not isinstance(w, MXTensor):
+        raise TypeError(f"{name}: expected an MXTensor; got {type(w).__name__}")
+    if len(w.shape) != 3 or w.axis not in (1, 2):
+        raise ValueError(f"{name}: expected an MXTensor [E, N, K] along axis 2 (or [E, K, N] along axis 1); got shape "
+                         f"{tuple(w.shape)} along axis {w.axis}")
+    if w.axis == 2:
+        return w
+    e, k, n = w.shape
+    return replace(w, shape=torch.Size((e, n, k)), axis=2)

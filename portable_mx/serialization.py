@@ -1,0 +1,129 @@
+"""MXTensors in state dicts and safetensors files: quantized inference weights saved as
+their bytes (4.25 bits per element plus macro factors / outliers) and loaded back
+bit for bit.
+
+An MXTensor named ``w`` becomes plain tensors under ``w.`` (its :meth:`MXTensor.parts`
+by name: ``w.qdata`` uint8, ``w.scales`` uint8, and with the recipe's corrections
+``w.macro_scales`` fp32, ``w.outlier_values`` bf16, ``w.outlier_indices`` uint8; in the
+MXTensor's own layout, the quantized axis last) and ``w.mx_meta``: a uint8 tensor
+holding the JSON of its shape, dtype, axis and recipe. Only tensors, so the same dict
+goes through ``torch.save`` / ``torch.load(weights_only=True)``, distributed
+checkpoints and safetensors, which store nothing else. Plain tensors pass through
+under their own names. Loading checks every part's dtype and shape against the
+metadata and raises a ValueError naming the entry otherwise.
+
+safetensors is optional (``pip install safetensors``, or the ``hf`` extra); :func:`save_safetensors`
+and :func:`load_safetensors` raise an ImportError saying so where it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Union
+
+import torch
+
+from .recipe import QuantRecipe
+from .tensor import FLOAT_DTYPES, MXTensor
+
+Entry = Union[MXTensor, torch.Tensor]
+
+__all__ = ["load_safetensors", "load_state_dict", "save_safetensors", "state_dict"]
+
+META = "mx_meta"
+FORMAT = "portable_mx.MXTensor/1"
+_PARTS = ("qdata", "scales", "macro_scales", "outlier_values", "outlier_indices")
+_DTYPES = {str(d).removeprefix("torch."): d for d in FLOAT_DTYPES}
+
+
+def _meta(mx: MXTensor) -> torch.Tensor:
+    text = json.dumps({"format": FORMAT, "shape": list(mx.shape), "dtype": str(mx.dtype).removeprefix("torch."),
+                       "axis": mx.axis, "recipe": json.loads(mx.recipe.model_dump_json())}, sort_keys=True)
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
+def state_dict(tensors: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
+    """``tensors`` (names -> MXTensor or tensor) as a dict of plain tensors (see the
+    module doc for the names). Shares storage with the MXTensors (no copies)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def put(key: str, value: torch.Tensor) -> None:
+        if key in out:
+            raise ValueError(f"state_dict: two entries would be saved as {key!r}; rename one")
+        out[key] = value
+
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"state_dict: names must be non-empty strings; got {name!r}")
+        if isinstance(t, MXTensor):
+            for part in _PARTS:
+                value = getattr(t, part)
+                if value is not None:
+                    put(f"{name}.{part}", value)
+            put(f"{name}.{META}", _meta(t))
+        elif isinstance(t, torch.Tensor):
+            put(name, t)
+        else:
+            raise TypeError(f"state_dict: {name!r} must be an MXTensor or a torch.Tensor; got {type(t).__name__}")
+    return out
+
+
+def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
+    raw = state[f"{name}.{META}"]
+    try:
+        meta = json.loads(bytes(raw.cpu().tolist()).decode())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"unknown format {meta.get('format')!r} (this version reads {FORMAT!r})")
+        shape, dtype, axis = torch.Size(meta["shape"]), _DTYPES[meta["dtype"]], int(meta["axis"])
+        recipe = QuantRecipe.model_validate(meta["recipe"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(f"load_state_dict: {name!r}: unreadable MXTensor metadata ({e})") from None
+    parts = {p: state.get(f"{name}.{p}") for p in _PARTS}
+    device = parts["qdata"].device if parts["qdata"] is not None else torch.device("cpu")
+    expected = MXTensor.zeros(shape, dtype, axis, recipe, torch.device("meta"))
+    for p in _PARTS:
+        want, got = getattr(expected, p), parts[p]
+        if want is None and got is None:
+            continue
+        if want is None or got is None or got.dtype != want.dtype or got.shape != want.shape:
+            what = "absent" if got is None else f"{got.dtype} {tuple(got.shape)}"
+            need = "absent" if want is None else f"{want.dtype} {tuple(want.shape)}"
+            raise ValueError(f"load_state_dict: {name}.{p} is {what}; an MXTensor of shape {tuple(shape)} "
+                             f"quantized along axis {axis} with {recipe.describe()} needs {need}")
+        if got.device != device:
+            raise ValueError(f"load_state_dict: the parts of {name!r} are on different devices")
+    return MXTensor(shape=shape, dtype=dtype, axis=axis, recipe=recipe, **{p: parts[p] for p in _PARTS})
+
+
+def load_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
+    """The inverse of :func:`state_dict`: names -> MXTensor (for every ``name.mx_meta``)
+    or tensor (everything else), sharing the tensors' storage."""
+    names = [k[: -len(META) - 1] for k in state if k.endswith("." + META)]
+    taken = {f"{n}.{p}" for n in names for p in (*_PARTS, META)}
+    out: dict[str, Entry] = {n: _mx_from(n, state) for n in names}
+    for k, v in state.items():
+        if k not in taken:
+            out[k] = v
+    return out
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ImportError("saving and loading MXTensors as safetensors needs the optional safetensors package: "
+                          "pip install safetensors (or \"portable_mx[hf]\")") from None
+    return safetensors.torch
+
+
+def save_safetensors(tensors: Mapping[str, Entry], path: Any, metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` (names -> MXTensor or tensor) to a safetensors file."""
+    st = _safetensors()
+    st.save_file({k: v.contiguous() for k, v in state_dict(tensors).items()}, str(path),
+                 metadata=dict(metadata) if metadata else None)
+
+
+def load_safetensors(path: Any, device: Any = "cpu") -> dict[str, Entry]:
+    """Read a file written by :func:`save_safetensors`: names -> MXTensor or tensor."""
+    return load_state_dict(_safetensors().load_file(str(path), device=str(device)))

@@ -1,0 +1,239 @@
+"""gpt-oss-layout checkpoints (portable_mx.checkpoints.gpt_oss): bytes <-> MXTensor, the
+reader's checks, and write -> read -> write byte identity. Needs safetensors (the `hf`
+extra); skips with the install command elsewhere."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx.checkpoints import gpt_oss
+
+st = pytest.importorskip("safetensors.torch", reason='needs safetensors: pip install "portable_mx[hf]"')
+
+# openai/gpt-oss gpt_oss/torch/weights.py FP4_VALUES: code = sign << 3 | magnitude
+FP4_VALUES = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+E, H, I = 2, 64, 32  # experts, hidden, intermediate: gate_up [E, 2I, H], down [E, H, I]
+PREFIX = "model.layers.{}.mlp.experts"
+
+
+def gpt_oss_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The gpt-oss rule, written from its reference (low nibble = even element), in float64:
+    blocks u8 [E, N, G, 16], scales u8 [E, N, G] -> [E, N, 32 G]."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float64)
+    b = blocks.to(torch.int64)
+    vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).reshape(*blocks.shape[:-1], 32)
+    vals = vals * torch.pow(2.0, scales.to(torch.float64) - 127)[..., None]
+    return vals.reshape(*blocks.shape[:2], -1)
+
+
+def config() -> dict:
+    return {"model_type": "gpt_oss", "num_local_experts": E, "hidden_size": H, "intermediate_size": I,
+            "num_hidden_layers": 2}
+
+
+def state_dict(seed: int = 0) -> dict:
+    """transformers' GptOss layout for 2 layers: float experts [E, in, out], bf16 rest."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for layer in range(2):
+        p = PREFIX.format(layer)
+        sd[f"{p}.gate_up_proj"] = torch.randn(E, H, 2 * I, generator=g)
+        sd[f"{p}.gate_up_proj_bias"] = torch.randn(E, 2 * I, generator=g).bfloat16()
+        sd[f"{p}.down_proj"] = torch.randn(E, I, H, generator=g) * 4
+        sd[f"{p}.down_proj_bias"] = torch.randn(E, H, generator=g).bfloat16()
+        sd[f"model.layers.{layer}.mlp.router.weight"] = torch.randn(E, H, generator=g).bfloat16()
+        sd[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(H).bfloat16()
+    sd["model.embed_tokens.weight"] = torch.randn(16, H, generator=g).bfloat16()
+    return sd
+
+
+def digests(d) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def test_wrap_is_a_view_and_decodes_like_gpt_oss():
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 5, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (3, 5, 2), dtype=torch.uint8, generator=g)
+    mx = gpt_oss.wrap(blocks, scales, name="w")
+    assert mx.shape == (3, 5, 64) and mx.axis == 2 and mx.dtype == torch.bfloat16
+    assert mx.qdata.data_ptr() == blocks.data_ptr() and mx.scales.data_ptr() == scales.data_ptr()
+    assert torch.equal(pmx.dequantize(mx, dtype=torch.float64), gpt_oss_decode(blocks, scales))
+    b2, s2 = gpt_oss.unwrap(mx)
+    assert b2.data_ptr() == blocks.data_ptr() and torch.equal(b2, blocks) and torch.equal(s2, scales)
+
+
+def test_quantize_experts_is_pmx_quantize_of_the_out_in_weight():
+    """[E, in, out] quantized along in = the [E, out, in] weight quantized along its last
+    axis: the checkpoint bytes are pmx.quantize(w, axis=-1) of W [E, N, K]."""
+    sd = state_dict()
+    q = gpt_oss.quantize_experts(sd)
+    name = PREFIX.format(0) + ".gate_up_proj"
+    blocks, scales = gpt_oss.unwrap(q[name])
+    ref = pmx.quantize(sd[name].transpose(1, 2).contiguous(), axis=-1)
+    assert torch.equal(blocks.reshape(E, 2 * I, H // 2), ref.qdata) and torch.equal(scales, ref.scales)
+    assert q[PREFIX.format(0) + ".gate_up_proj_bias"] is sd[PREFIX.format(0) + ".gate_up_proj_bias"]
+
+
+def test_save_read_save_is_byte_identical(tmp_path):
+    sd = state_dict()
+    q = gpt_oss.quantize_experts(sd)
+    a, b = tmp_path / "a", tmp_path / "b"
+    gpt_oss.save(a, q, config())
+    with st.safe_open(str(a / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        blocks = f.get_tensor(PREFIX.format(1) + ".down_proj_blocks")
+        assert f.metadata() == {"format": "pt"}
+    assert PREFIX.format(1) + ".down_proj" not in names
+    assert blocks.dtype == torch.uint8 and blocks.shape == (E, H, I // 32, 16)
+    written = json.loads((a / "config.json").read_text())
+    assert written["quantization_config"] == gpt_oss.QUANTIZATION_CONFIG and written["hidden_size"] == H
+
+    ckpt = gpt_oss.GptOssCheckpoint(a)
+    assert ckpt.expert_modules() == [PREFIX.format(0), PREFIX.format(1)]
+    assert set(ckpt) == set(sd)
+    for name, value in q.items():
+        got = ckpt[name]
+        if isinstance(value, pmx.MXTensor):
+            assert isinstance(got, pmx.MXTensor) and got.shape == (value.shape[0], value.shape[2], value.shape[1])
+            assert torch.equal(got.qdata, value.qdata) and torch.equal(got.scales, value.scales)
+            # the values: the float weight's MXFP4 values, [E, out, in]
+            assert torch.equal(pmx.dequantize(got, dtype=torch.float32),
+                               pmx.dequantize(value, dtype=torch.float32).transpose(1, 2))
+        else:
+            assert torch.equal(got, value) and got.dtype == value.dtype
+    layer = ckpt.experts(1)
+    assert sorted(layer) == ["down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"]
+
+    gpt_oss.save(b, {name: ckpt[name] for name in ckpt}, ckpt.config)
+    assert digests(a) == digests(b)
+
+
+def test_sharded_checkpoint_round_trip_reads_one_file_at_a_time(tmp_path, monkeypatch):
+    q = gpt_oss.quantize_experts(state_dict(2))
+    stored = sorted(s for n, v in q.items() for s, _ in gpt_oss._stored_tensors(n, v))
+    # a weight's _blocks and _scales in different files, as a sharded hub checkpoint may have them
+    first = [s for s in stored if "layers.0" in s and not s.endswith("gate_up_proj_scales")]
+    shards = {"model-00001-of-00002.safetensors": first,
+              "model-00002-of-00002.safetensors": [s for s in stored if s not in first]}
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    gpt_oss.save(a, q, config(), shards=shards)
+    index = json.loads((a / "model.safetensors.index.json").read_text())
+    assert index["weight_map"][PREFIX.format(0) + ".gate_up_proj_scales"] == "model-00002-of-00002.safetensors"
+
+    reads = []
+    real = gpt_oss._safetensors
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.f.get_tensor(name)
+
+        def __getattr__(self, attr):
+            return getattr(self.f, attr)
+
+    class Module:
+        @staticmethod
+        def safe_open(path, framework):
+            return Counting(real().safe_open(path, framework=framework))
+
+    monkeypatch.setattr(gpt_oss, "_safetensors", lambda: Module)
+    ckpt = gpt_oss.GptOssCheckpoint(a)
+    assert reads == []  # opening reads headers only
+    w = ckpt[PREFIX.format(0) + ".gate_up_proj"]
+    assert reads == [PREFIX.format(0) + ".gate_up_proj_blocks", PREFIX.format(0) + ".gate_up_proj_scales"]
+    assert torch.equal(w.scales, gpt_oss.unwrap(q[PREFIX.format(0) + ".gate_up_proj"])[1])
+    reads.clear()
+    gpt_oss.save(b, ckpt, ckpt.config)  # from the open checkpoint: each stored tensor read once
+    assert sorted(reads) == stored
+    gpt_oss.save(c, dict(ckpt.items()), ckpt.config, shards=ckpt.shards)  # through MXTensors
+    assert digests(a) == digests(b) == digests(c)
+
+
+# ----------------------------------------------------------------------------- bad checkpoints
+
+
+def write_raw(d, tensors: dict, cfg: dict = None) -> None:
+    d.mkdir()
+    st.save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg or config()))
+
+
+def raw_layer() -> dict:
+    q = gpt_oss.quantize_experts({k: v for k, v in state_dict().items() if "layers.0" in k})
+    return {s: t.contiguous() for n, v in q.items() for s, t in gpt_oss._stored_tensors(n, v)}
+
+
+def test_missing_scales_names_the_tensor(tmp_path):
+    raw = raw_layer()
+    del raw[PREFIX.format(0) + ".down_proj_scales"]
+    write_raw(tmp_path / "c", raw)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj_scales is missing"):
+        gpt_oss.GptOssCheckpoint(tmp_path / "c")
+
+
+def test_float_blocks_of_a_dequantized_save_are_refused(tmp_path):
+    """transformers' save_pretrained of a dequantized gpt-oss: bf16 [E, H, 2I] under the
+    _blocks name. Reading it raises, naming the tensor and its dtype; writing it too."""
+    raw = raw_layer()
+    name = PREFIX.format(0) + ".gate_up_proj_blocks"
+    raw[name] = torch.zeros(E, H, 2 * I, dtype=torch.bfloat16)
+    write_raw(tmp_path / "c", raw)
+    with pytest.raises(ValueError, match=rf"{name}: dtype BF16, expected U8.*save_pretrained"):
+        gpt_oss.GptOssCheckpoint(tmp_path / "c")
+    with pytest.raises(ValueError, match=rf"{name}: dtype BF16, expected U8"):
+        gpt_oss.save(tmp_path / "out", raw, config())
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj: a float expert weight.*quantize_experts"):
+        gpt_oss.save(tmp_path / "out", state_dict(), config())
+
+
+@pytest.mark.parametrize("bad", ["scales_dtype", "scales_shape", "blocks_vs_config", "bias_shape"])
+def test_wrong_dtype_or_shape_names_the_tensor(tmp_path, bad):
+    raw = raw_layer()
+    p = PREFIX.format(0)
+    if bad == "scales_dtype":
+        name = f"{p}.gate_up_proj_scales"
+        raw[name] = raw[name].to(torch.float32)
+        pattern = rf"{name}: dtype F32, expected U8"
+    elif bad == "scales_shape":
+        name = f"{p}.down_proj_scales"
+        raw[name] = raw[name][:, :-1].contiguous()
+        pattern = rf"{name}: shape \[{E}, {H - 1}, 1\], expected \[{E}, {H}, 1\]"
+    elif bad == "blocks_vs_config":  # one expert short of config.json's num_local_experts
+        name = f"{p}.gate_up_proj_blocks"
+        raw[name] = raw[name][:1].contiguous()
+        raw[f"{p}.gate_up_proj_scales"] = raw[f"{p}.gate_up_proj_scales"][:1].contiguous()
+        raw[f"{p}.gate_up_proj_bias"] = raw[f"{p}.gate_up_proj_bias"][:1].contiguous()
+        pattern = rf"{name}: shape \[1, {2 * I}, 2, 16\], expected \[{E}, {2 * I}, 2, 16\] from config.json"
+    else:
+        name = f"{p}.down_proj_bias"
+        raw[name] = raw[name][:, :8].contiguous()
+        pattern = rf"{name}: shape \[{E}, 8\], expected \[{E}, {H}\]"
+    write_raw(tmp_path / "c", raw)
+    with pytest.raises(ValueError, match=pattern):
+        gpt_oss.GptOssCheckpoint(tmp_path / "c")
+
+
+def test_writer_keeps_or_checks_quantization_config(tmp_path):
+    q = gpt_oss.quantize_experts(state_dict())
+    cfg = {**config(), "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}}
+    gpt_oss.save(tmp_path / "a", q, cfg)
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["quantization_config"] == \
+        cfg["quantization_config"]
+    with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
+        gpt_oss.save(tmp_path / "b", q, {**config(), "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="macro-block"):
+        gpt_oss.unwrap(pmx.quantize(torch.randn(2, 4, 64), pmx.QuantRecipe(macro_block=64), axis=-1), name="w")

@@ -1,0 +1,89 @@
+"""portable_mx MXTensor <-> torchao MXTensor (portable_mx.checkpoints.torchao): no copy,
+bit-exact both ways, and torchao's to_mx writes portable_mx's bytes for all four scale
+rules. Needs torchao (the `hf` extra); skips with the install command elsewhere."""
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx.checkpoints.torchao import from_torchao, to_torchao
+
+pytest.importorskip("torchao", reason='needs torchao: pip install "portable_mx[hf]"')
+from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import MXTensor as AOMXTensor  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import to_mx  # noqa: E402
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
+
+RULES = ["floor", "rceil", "even", "ceil"]
+
+
+def awkward(dtype: torch.dtype) -> torch.Tensor:
+    """[64, 256]: magnitudes over 1e-3..1e3 along K, a zero block, -0.0, a tiny block, a
+    NaN block, a block of ties, and an Inf in block (4, 2)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 256)
+    x[0, :32] = 0
+    x[1, 5] = -0.0
+    x[2, :32] = 1e-30
+    x[3, 40] = float("nan")
+    x[4, 70] = float("inf")
+    x[5, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+    return x.to(dtype)
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and \
+        a.storage_offset() == b.storage_offset()
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_to_mx_writes_pmx_bytes(rule, dtype):
+    """Equal scales and codes, except: inside a NaN block (scale 0xFF) torchao leaves junk
+    codes where portable_mx writes 0, and a block holding an Inf gets a finite scale from
+    torchao (253 floor, 254 rceil) where portable_mx writes a NaN block (numerics.md)."""
+    x = awkward(dtype)
+    scale, qdata = to_mx(x, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode(rule))
+    mx = pmx.quantize(x, pmx.QuantRecipe(scale_rule=rule))
+    scale = scale.view(torch.uint8)
+    inf_block = torch.zeros_like(mx.scales, dtype=torch.bool)
+    inf_block[4, 2] = True
+    assert mx.scales[4, 2] == 0xFF and (mx.scales == 0xFF).sum() == 2
+    assert torch.equal(scale[~inf_block], mx.scales[~inf_block])
+    finite = (mx.scales != 0xFF).repeat_interleave(16, dim=-1)
+    assert torch.equal(qdata.view(torch.uint8)[finite], mx.qdata[finite])
+    # and torchao's own tensor read through from_torchao: the same values bit for bit
+    ao = AOMXTensor(qdata, scale.view(torch.float8_e8m0fnu), torch.float4_e2m1fn_x2, 32, dtype,
+                    KernelPreference.EMULATED, None, False)
+    ours, theirs = pmx.dequantize(from_torchao(ao), dtype=torch.float32), ao.dequantize(torch.float32)
+    assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("shape", [(48, 96), (4, 40, 64)])
+def test_round_trip_shares_storage_and_is_bit_exact(shape):
+    g = torch.Generator().manual_seed(3)
+    mx = pmx.quantize(torch.randn(*shape, generator=g).bfloat16())
+    ao = to_torchao(mx)
+    assert isinstance(ao, AOMXTensor) and tuple(ao.shape) == shape and ao.dtype == torch.bfloat16
+    assert same_storage(ao.qdata, mx.qdata) and same_storage(ao.scale, mx.scales)
+    assert ao.scale.dtype == torch.float8_e8m0fnu
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(ao.dequantize(dtype), pmx.dequantize(mx, dtype=dtype))
+    back = from_torchao(ao)
+    assert same_storage(back.qdata, mx.qdata) and same_storage(back.scales, mx.scales)
+    assert back.shape == mx.shape and back.axis == mx.axis and back.dtype == mx.dtype
+    assert torch.equal(back.qdata, mx.qdata) and torch.equal(back.scales, mx.scales)
+
+
+def test_what_torchao_cannot_hold_is_refused():
+    x = torch.randn(8, 64)
+    with pytest.raises(ValueError, match="macro-block"):
+        to_torchao(pmx.quantize(x, pmx.QuantRecipe(macro_block=64)))
+    with pytest.raises(ValueError, match="outliers"):
+        to_torchao(pmx.quantize(x, pmx.QuantRecipe(outliers_per_block=1)))
+    with pytest.raises(ValueError, match="last dimension; this one is quantized along axis 0"):
+        to_torchao(pmx.quantize(x, axis=0))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        to_torchao(pmx.quantize(torch.randn(8, 40)))
+    with pytest.raises(TypeError, match="torchao's MXTensor"):
+        from_torchao(torch.zeros(2))

@@ -1,0 +1,116 @@
+"""MXLinear under FSDP2 and DDP on 2 gloo ranks on the CPU, against one process.
+
+The model is the issue's: ``convert(Linear(64, 128), GELU, Linear(128, 64))``; each step
+trains AdamW on a fresh seeded batch of 64 rows, half per rank. Two references, both one
+process with no process group, computed in the test process:
+
+- the full batch (64 rows in one forward): what the ranks compute up to the fp32
+  summation order of the gradient (the dW GEMM sums 64 rows in one GEMM there, two
+  sums of 32 plus an all-reduce here), for recipes with nearest rounding;
+- the ranks' micro-batches (32 rows each, gradients averaged): the same arithmetic as
+  the ranks, including stochastic rounding (whose counters restart in every GEMM), so
+  DDP and FSDP2 must give it bit for bit.
+
+One spawned job runs every check of a group on one process group and returns results;
+the tests below read them (a failing check fails its own test, with the rank's
+traceback).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import portable_mx as pmx
+
+from dist_harness import run_ranks
+from dist_training import (DEFAULT, FP32_ORDER, MATRIX_STEPS, RECIPES, ROWS, assert_params, check, ddp_model,
+                           fsdp_model, full_batch_rows, result, train_ranks, train_reference)
+
+# ----------------------------------------------------------------------------- the FSDP2 / DDP job
+
+CACHE_REPEATS = 3
+"""Times the cache regression trains its fresh FSDP2 model (6 steps each)."""
+
+
+def _cache_regression(rank, world):
+    return [train_ranks(fsdp_model(DEFAULT), rank, world) for _ in range(CACHE_REPEATS)]
+
+
+def _cache_regression_in_block(rank, world):
+    model = fsdp_model(DEFAULT)
+    with pmx.nn.weight_cache(model) as cached_layers:
+        params = train_ranks(model, rank, world)
+    return cached_layers, params
+
+
+def fsdp_job(rank, world, only_cache: bool = False):
+    results: dict = {}
+    check(results, "cache", _cache_regression, rank, world)
+    if only_cache:
+        return results
+    check(results, "cache_block", _cache_regression_in_block, rank, world)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    n = MATRIX_STEPS
+    for name, recipe in RECIPES.items():
+        rows = full_batch_rows(recipe)
+        check(results, f"fsdp/{name}/fp32", lambda: train_ranks(fsdp_model(recipe), rank, world, n, rows=rows))
+        check(results, f"fsdp/{name}/bf16",
+              lambda: train_ranks(fsdp_model(recipe, bf16), rank, world, n, param_dtype=torch.bfloat16))
+        check(results, f"ddp/{name}", lambda: train_ranks(ddp_model(recipe), rank, world, n, rows=rows))
+    return results
+
+
+@pytest.fixture(scope="module")
+def fsdp_results():
+    return run_ranks(fsdp_job, 2)
+
+
+def test_fsdp2_mxlinear_matches_one_process_full_batch(fsdp_results):
+    """The issue's defect (a quantized weight cached across FSDP2's in-place refills of
+    the unsharded weight: the forward used an earlier step's weight, parameters off by
+    4e-2): fresh FSDP2 runs of 6 AdamW steps on 2 ranks agree with one process on the
+    full batch within fp32 summation order, every time."""
+    want = train_reference(DEFAULT)
+    runs = result(fsdp_results, "cache")
+    diffs = [max((got[k] - want[k]).abs().max().item() for k in want) for got in runs]
+    assert max(diffs) <= FP32_ORDER, f"max |diff| of each run: {[f'{d:.2g}' for d in diffs]} (> {FP32_ORDER:g})"
+    for got in runs:
+        assert_params(got, want, FP32_ORDER)
+
+
+def test_fsdp2_inside_weight_cache_block(fsdp_results):
+    """The same inside ``pmx.nn.weight_cache(model)``: FSDP-managed layers never cache
+    (the block reports 0 caching layers) and training is unchanged."""
+    cached_layers, got = result(fsdp_results, "cache_block")
+    assert_params(got, train_reference(DEFAULT), FP32_ORDER)
+    assert cached_layers == 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("engine", ["fsdp/{}/fp32", "fsdp/{}/bf16", "ddp/{}"])
+def test_ranks_equal_one_process_on_their_micro_batches(fsdp_results, engine, recipe):
+    """DDP (static graph, gradients as bucket views) and FSDP2 (high-precision gather;
+    fp32, and MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) give the
+    parameters of one process that averages the gradients of the ranks' micro-batches,
+    bit for bit, for every recipe (stochastic rounding included)."""
+    name = engine.format(recipe)
+    r = RECIPES[recipe]
+    bf16 = name.endswith("bf16")
+    want = train_reference(r, MATRIX_STEPS, micro_batches=2, param_dtype=torch.bfloat16 if bf16 else None,
+                           rows=ROWS if bf16 else full_batch_rows(r))
+    assert_params(result(fsdp_results, name), want, what=name)
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if RECIPES[r].rounding == "nearest"])
+@pytest.mark.parametrize("engine", ["fsdp/{}/fp32", "ddp/{}"])
+def test_ranks_equal_one_process_on_the_full_batch(fsdp_results, engine, recipe):
+    """The same fp32 runs against one process on the full batch, for the recipes with
+    nearest rounding: equal within fp32 summation order (stochastic rounding draws
+    different numbers for a row in a batch of 32 than in one of 64)."""
+    name = engine.format(recipe)
+    r = RECIPES[recipe]
+    want = train_reference(r, MATRIX_STEPS, rows=full_batch_rows(r))
+    assert_params(result(fsdp_results, name), want, FP32_ORDER, what=name)

@@ -1,0 +1,341 @@
+"""The MXFP4 all-gather of MXLinear weights under FSDP2 (``pmx.nn.enable_fsdp_mx_all_gather``)
+on 2 gloo ranks on the CPU: bit-identical training to FSDP2's high-precision gather
+(fp32 and bf16 param_dtype, each recipe that can use it), the gathered bytes equal to
+quantizing the full weight, the fallbacks with their one warning per layer, the bytes on
+the wire against the bf16 and fp32 gathers, and a clear error where ranks disagree.
+Activation checkpointing works with it. One spawned job runs every check; the tests read
+its results."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import portable_mx as pmx
+
+from dist_harness import run_ranks
+from dist_training import DIMS, MATRIX_STEPS, RECIPES, assert_params, check, fsdp_model, make_model, result, train_ranks
+
+MX_RECIPES = ("default", "mbs", "of", "w4a16")
+"""Recipes the MXFP4 gather serves (with DIMS, MBS-64 serves layer 0, N = 128, and falls
+back on layer 2, N = 64: 32 rows per rank)."""
+FALLBACKS = {
+    "sr": (RECIPES["sr"], DIMS),
+    "grad_input_high": (pmx.QuantRecipe(grad_input="high"), DIMS),
+    "rows": (RECIPES["default"], (64, 96, 33)),  # 48 rows per rank; 33 rows: uneven, padded
+}
+
+
+def _policy(dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return None if dtype == "fp32" else MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _pair(rank, world, recipe, dtype="fp32", dims=DIMS):
+    """(high-precision gather, MXFP4 gather, its warnings): parameters after the same
+    training."""
+    mp = _policy(dtype)
+    pd = None if mp is None else torch.bfloat16
+    hp = train_ranks(fsdp_model(recipe, mp, dims=dims), rank, world, MATRIX_STEPS, param_dtype=pd, dims=dims)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mx = train_ranks(fsdp_model(recipe, mp, dims=dims, mx_gather=True), rank, world, MATRIX_STEPS,
+                         param_dtype=pd, dims=dims)
+    ours = [(w.category.__name__, str(w.message)) for w in caught if w.category is pmx.nn.MXAllGatherFallback]
+    return hp, mx, ours
+
+
+def _gathered_bytes_equal_quantize(rank, world, recipe, dtype):
+    """After a step, unshard each layer and compare its gathered bytes with quantizing
+    the full high-precision weight (cast to the gather dtype) along K and along N."""
+    mp = _policy(dtype)
+    pd = None if mp is None else torch.bfloat16
+    model = fsdp_model(recipe, mp, mx_gather=True)
+    train_ranks(model, rank, world, 1, param_dtype=pd)
+    out = {}
+    for name in ("0", "2"):
+        layer = model[int(name)]
+        full = model.state_dict()[f"{name}.weight"].full_tensor().to(pd or torch.float32)
+        layer.unshard()
+        w = layer.weight
+        kind = type(w).__name__
+        if kind == "MXGathered":
+            want_k = pmx.quantize(full, recipe, axis=1).parts()
+            want_n = pmx.quantize(full, recipe, axis=0).rows().parts()
+            same = all(torch.equal(a, b) for a, b in zip(w._payload.k_parts, want_k)) and \
+                len(w._payload.k_parts) == len(want_k) and len(w._payload.n_parts) == len(want_n) and \
+                all(torch.equal(a, b) for a, b in zip(w._payload.n_parts, want_n))
+            try:
+                w.sum()
+                same = False  # the high-precision values are not there: any other op must raise
+            except RuntimeError as e:
+                same = same and f"layer {name!r}" in str(e) and "holds only its MXFP4 bytes" in str(e)
+        else:
+            same = torch.equal(w.detach(), full)
+        layer.reshard()
+        out[name] = (kind, same)
+    return out
+
+
+def _wire_bytes(rank, world, mx_gather, dtype):
+    """Bytes this rank sends to FSDP2's all-gathers in one training step (counted at
+    torch.distributed.all_gather_single, weights and biases), and what
+    pmx.nn.gathered_bytes reports for the weights."""
+    import torch.distributed as dist
+
+    sent = [0]
+    real = dist.all_gather_single
+
+    def counting(output_tensor, input_tensor, *args, **kwargs):
+        sent[0] += input_tensor.numel() * input_tensor.element_size()
+        return real(output_tensor, input_tensor, *args, **kwargs)
+
+    mp = _policy(dtype)
+    model = fsdp_model(RECIPES["default"], mp, mx_gather=mx_gather)
+    dist.all_gather_single = counting
+    try:
+        train_ranks(model, rank, world, 1, param_dtype=None if mp is None else torch.bfloat16)
+    finally:
+        dist.all_gather_single = real
+    return sent[0], pmx.nn.gathered_bytes(model)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Activation checkpointing around ``inner`` (recomputed in the backward)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _activation_checkpointing(rank, world):
+    """(high-precision gather, MXFP4 gather) parameters with layer 0 and the GELU under
+    activation checkpointing (the forward recomputed from the re-gathered weight)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build(mx_gather):
+        model = make_model(RECIPES["default"])
+        if mx_gather:
+            pmx.nn.enable_fsdp_mx_all_gather(model)
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        model = torch.nn.Sequential(_Checkpointed(torch.nn.Sequential(model[0], model[1])), model[2])
+        fully_shard(model)
+        return model
+
+    rename = {"0.inner.0.weight": "0.weight", "0.inner.0.bias": "0.bias", "1.weight": "2.weight", "1.bias": "2.bias"}
+    return [{rename[k]: v for k, v in train_ranks(build(m), rank, world, MATRIX_STEPS).items()} for m in (False, True)]
+
+
+def _disagree(rank, world, what):
+    """Rank 1 builds layer 0 differently; the first forward must raise on every rank,
+    after which the process group still works."""
+    import torch.distributed as dist
+
+    recipe, dims = RECIPES["default"], DIMS
+    if rank == 1 and what == "recipe":
+        recipe = RECIPES["of"]
+    if rank == 1 and what == "shape":
+        dims = (64, 192, 64)
+    model = fsdp_model(recipe, dims=dims, mx_gather=True)
+    try:
+        model(torch.zeros(4, 64))
+        message = None
+    except ValueError as e:
+        message = str(e)
+    dist.barrier()
+    return message
+
+
+def _recipe_changes_after_first_gather(rank, world):
+    model = fsdp_model(RECIPES["default"], mx_gather=True)
+    model(torch.zeros(4, 64))
+    model[0].recipe = RECIPES["of"]
+    try:
+        model(torch.zeros(4, 64))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def mx_job(rank, world):
+    results: dict = {}
+    for name in MX_RECIPES:
+        for dtype in ("fp32", "bf16"):
+            check(results, f"pair/{name}/{dtype}", _pair, rank, world, RECIPES[name], dtype)
+    for name, (recipe, dims) in FALLBACKS.items():
+        check(results, f"fallback/{name}", _pair, rank, world, recipe, "fp32", dims)
+    for name in ("default", "mbs", "of"):
+        check(results, f"bytes_equal/{name}", _gathered_bytes_equal_quantize, rank, world, RECIPES[name],
+              "bf16" if name == "of" else "fp32")
+    for mx_gather, dtype in ((True, "fp32"), (True, "bf16"), (False, "fp32"), (False, "bf16")):
+        check(results, f"wire/{'mx' if mx_gather else 'hp'}/{dtype}", _wire_bytes, rank, world, mx_gather, dtype)
+    check(results, "activation_checkpointing", _activation_checkpointing, rank, world)
+    for what in ("recipe", "shape"):
+        check(results, f"disagree/{what}", _disagree, rank, world, what)
+    check(results, "recipe_change", _recipe_changes_after_first_gather, rank, world)
+    return results
+
+
+@pytest.fixture(scope="module")
+def mx_results():
+    return run_ranks(mx_job, 2)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", MX_RECIPES)
+def test_mx_gather_is_bit_identical_to_the_high_precision_gather(mx_results, recipe, dtype):
+    """3 AdamW steps with the MXFP4 all-gather give FSDP2's high-precision gather's
+    parameters bit for bit (fp32 params, and MixedPrecisionPolicy(param_dtype=bf16))."""
+    hp, mx, warned = result(mx_results, f"pair/{recipe}/{dtype}")
+    assert_params(mx, hp, what=f"{recipe}/{dtype}")
+    if recipe == "mbs":  # layer 2: 32 rows per rank, not a multiple of the macro block 64
+        assert len(warned) == 1 and "'2'" in warned[0][1] and "macro block 64" in warned[0][1], warned
+    else:
+        assert warned == []
+
+
+def test_mx_gather_falls_back_to_high_precision_with_one_warning_per_layer(mx_results):
+    """Stochastic rounding, grad_input="high", rows per rank not a multiple of 32 (48)
+    and uneven sharding (33 rows over 2 ranks) gather in high precision: the same
+    parameters as FSDP2's own gather, and one MXAllGatherFallback per layer naming the
+    layer and the reason."""
+    reasons = {"sr": ["stochastic rounding"] * 2, "grad_input_high": ["grad_input='high'"] * 2,
+               "rows": ["48 rows per rank", "16.5 rows per rank"]}
+    for name, expected in reasons.items():
+        hp, mx, warned = result(mx_results, f"fallback/{name}")
+        assert_params(mx, hp, what=name)
+        assert len(warned) == 2, (name, warned)
+        for (_, message), layer, reason in zip(warned, ("'0'", "'2'"), expected):
+            assert layer in message and reason in message and "high precision" in message, message
+
+
+def test_mx_gather_under_activation_checkpointing(mx_results):
+    """With layer 0 under activation checkpointing (its forward recomputed in the
+    backward from the re-gathered weight) both gathers give the parameters of the run
+    without checkpointing, bit for bit."""
+    hp, mx = result(mx_results, "activation_checkpointing")
+    plain, _, _ = result(mx_results, "pair/default/fp32")
+    assert_params(hp, plain, what="high-precision gather:")
+    assert_params(mx, plain, what="MXFP4 gather:")
+
+
+@pytest.mark.parametrize("recipe", ["default", "mbs", "of"])
+def test_gathered_bytes_are_the_full_weight_quantized(mx_results, recipe):
+    """An unsharded layer holds exactly quantize(full weight) along K (the forward's
+    copy) and along N (the dX GEMM's copy), and refuses other ops with an error naming
+    it: MBS-64's layer 2 holds its high-precision weight (fallback); OF runs under bf16
+    param_dtype (the shard cast before quantizing)."""
+    got = result(mx_results, f"bytes_equal/{recipe}")
+    want_kind = {"0": "MXGathered", "2": "Parameter" if recipe == "mbs" else "MXGathered"}
+    assert {k: v[0] for k, v in got.items()} == {"0": want_kind["0"], "2": want_kind["2"]}
+    assert all(same for _, same in got.values()), got
+
+
+def test_bytes_on_the_wire_against_the_bf16_gather(mx_results, record_property):
+    """Per training step (one forward and one backward gather of each layer), the bytes
+    a rank sends: 1.0625 per weight element with the MXFP4 gather (codes 0.5 + scales
+    1/32, for each of the two copies) whatever the param dtype, against 2 with FSDP2's
+    bf16 gather and 4 with fp32; pmx.nn.gathered_bytes counts the weights' share of it
+    (the rest is the biases)."""
+    shard = DIMS[0] * DIMS[1] // 2 + DIMS[1] * DIMS[2] // 2  # weight elements per rank, both layers
+    bias = (DIMS[1] + DIMS[2]) // 2
+    gathers = 2  # forward and backward (reshard_after_forward)
+    figures = {}
+    for mode, dtype in (("mx", "fp32"), ("mx", "bf16"), ("hp", "fp32"), ("hp", "bf16")):
+        wire, counted = result(mx_results, f"wire/{mode}/{dtype}")
+        size = 4 if dtype == "fp32" else 2
+        weights = math.floor(1.0625 * shard) if mode == "mx" else size * shard
+        assert wire == gathers * (weights + size * bias), (mode, dtype, wire)
+        assert counted == (gathers * weights if mode == "mx" else 0), (mode, dtype, counted)
+        figures[f"{mode}/{dtype}"] = wire
+    ratio = figures["mx/bf16"] / figures["hp/bf16"]
+    record_property("bytes_per_step", figures)
+    print(f"\nall-gather bytes per rank per step: {figures}; MXFP4 / bf16 gather = {ratio:.3f}")
+    assert ratio < 0.55
+
+
+@pytest.mark.parametrize("what", ["recipe", "shape"])
+def test_ranks_that_disagree_on_a_layer_get_a_clear_error(mx_results, what):
+    """Rank 1 builds layer 0 with another recipe (OF-1) or shape (192 out_features):
+    the first forward raises a ValueError on both ranks naming the layer and each
+    rank's view of it, and the process group still works (no hang, no garbage)."""
+    messages = [res[f"disagree/{what}"] for res in mx_results]
+    for status, message in messages:
+        assert status == "ok", message
+        assert message is not None and "layer '0'" in message and "ranks disagree" in message, message
+        if what == "recipe":
+            assert "rank 0" in message and "OF-1" in message
+        else:
+            assert "[128, 64]" in message and "[192, 64]" in message
+
+
+def test_a_recipe_change_after_the_first_gather_raises(mx_results):
+    message = result(mx_results, "recipe_change")
+    assert message is not None and "layer '0'" in message and "changed after its first all-gather" in message
+
+
+# ----------------------------------------------------------------------------- one process, no process group
+
+
+def test_prepared_model_trains_like_the_plain_model_outside_fsdp():
+    """enable_fsdp_mx_all_gather changes nothing outside FSDP2: the wrapped weights train
+    bit for bit like the plain ones, the state dict holds plain tensors, and the
+    optimizer's state is plain."""
+    from dist_training import batch, loss_fn, make_model
+
+    plain, wrapped = make_model(RECIPES["default"]), make_model(RECIPES["default"])
+    assert pmx.nn.enable_fsdp_mx_all_gather(wrapped) == 2
+    assert pmx.nn.enable_fsdp_mx_all_gather(wrapped) == 2  # idempotent
+    assert type(wrapped[0].weight).__name__ == "MXWeight" and wrapped[0].weight.requires_grad
+    assert all(type(v) is torch.Tensor for v in wrapped.state_dict().values())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, wrapped)]
+    for step in range(2):
+        x, y = batch(step)
+        for model, opt in zip((plain, wrapped), opts):
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_params(wrapped.state_dict(), plain.state_dict())
+    assert type(opts[1].state[wrapped[0].weight]["exp_avg"]) is torch.Tensor
+    wrapped.load_state_dict(make_model(RECIPES["default"], seed=3).state_dict())  # in place, into the wrapper
+    assert type(wrapped[0].weight).__name__ == "MXWeight"
+    assert torch.equal(wrapped.state_dict()["0.weight"], make_model(RECIPES["default"], seed=3)[0].weight)
+
+
+def test_enable_rejects_bad_input_and_skips_tied_weights():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+        pmx.nn.enable_fsdp_mx_all_gather("model")
+    model = pmx.nn.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)))
+    model[1].weight = model[0].weight
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert pmx.nn.enable_fsdp_mx_all_gather(model) == 0
+    assert [str(w.message).split(" shares")[0] for w in caught] == [
+        "MXFP4 all-gather: layer '0'", "MXFP4 all-gather: layer '1'"]
+    assert model[1].weight is model[0].weight
+
+
+def test_the_single_process_path_never_loads_the_distributed_code():
+    """import portable_mx, convert, forward and backward: portable_mx.distributed stays
+    unloaded (the pmx.nn names load it on first use)."""
+    code = ("import sys, torch, portable_mx as pmx\n"
+            "m = pmx.nn.convert(torch.nn.Linear(32, 16))\n"
+            "m(torch.randn(4, 32)).sum().backward()\n"
+            "assert 'portable_mx.distributed' not in sys.modules, 'loaded'\n"
+            "pmx.nn.enable_fsdp_mx_all_gather\n"
+            "assert 'portable_mx.distributed.fsdp' in sys.modules\n")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,192 @@
+"""A tiny gpt-oss and one Qwen3-MoE layer end to end on the CPU, against transformers.
+
+gpt-oss: GptOssForCausalLM from a small config (2 layers, 4 experts, random weights), its
+experts quantized and saved in the gpt-oss layout by portable_mx's writer; transformers'
+own loader (Mxfp4Config(dequantize=True): the CPU path, bf16) and the same model with its
+experts on portable_mx (W4A16 grouped GEMMs on the checkpoint's bytes) give the same
+logits up to bf16 rounding; save -> load -> save is byte-identical. Qwen3-MoE: one
+Qwen3MoeSparseMoeBlock with quantized experts against the block's own forward on the
+dequantized weights. Needs transformers and safetensors (the `hf` extra)."""
+
+import hashlib
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx.checkpoints import gpt_oss
+from portable_mx.nn import MXExperts
+
+transformers = pytest.importorskip("transformers", reason='needs transformers: pip install "portable_mx[hf]"')
+pytest.importorskip("safetensors", reason='needs safetensors: pip install "portable_mx[hf]"')
+
+W4A16 = pmx.QuantRecipe(activations="bf16")
+BF16_ULP = 2.0 ** -7  # the spacing of bf16 numbers in [1, 2)
+
+
+def digests(d) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory):
+    """(config, checkpoint dir): a random tiny GptOss written by portable_mx's writer."""
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, hidden_size=64, intermediate_size=96,
+        head_dim=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, sliding_window=8,
+        max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # routers with a spread, so that routing is not a near-tie anywhere
+        for layer in model.model.layers:
+            layer.mlp.router.weight.normal_(0, 0.5)
+            layer.mlp.experts.gate_up_proj.normal_(0, 0.2)
+            layer.mlp.experts.down_proj.normal_(0, 0.2)
+            layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.1)
+            layer.mlp.experts.down_proj_bias.normal_(0, 0.1)
+    sd = {k: v if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v.bfloat16()
+          for k, v in model.state_dict().items()}
+    path = tmp_path_factory.mktemp("gpt_oss") / "ckpt"
+    gpt_oss.save(path, gpt_oss.quantize_experts(sd), cfg.to_dict())
+    return cfg, path
+
+
+def load(path, dtype=torch.bfloat16):
+    """transformers' loader on a CPU: MXFP4 experts dequantized to `dtype`."""
+    return transformers.GptOssForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=dtype).eval()
+
+
+def test_transformers_loads_our_checkpoint_to_our_values(gpt_oss_checkpoint):
+    _, path = gpt_oss_checkpoint
+    ckpt = gpt_oss.GptOssCheckpoint(path)
+    hf = load(path)
+    for layer in range(2):
+        experts = hf.model.layers[layer].mlp.experts  # [E, in, out] bf16
+        ours = ckpt.experts(layer)
+        for proj in ("gate_up_proj", "down_proj"):
+            want = pmx.dequantize(ours[proj], dtype=torch.bfloat16).transpose(1, 2)
+            assert torch.equal(getattr(experts, proj).data, want)
+            assert torch.equal(getattr(experts, f"{proj}_bias").data, ours[f"{proj}_bias"])
+    assert torch.equal(hf.model.layers[1].mlp.router.weight.data, ckpt["model.layers.1.mlp.router.weight"])
+
+
+def test_gpt_oss_logits_match_transformers_and_save_is_byte_identical(gpt_oss_checkpoint, tmp_path, monkeypatch):
+    """Tolerance: both models are bf16 and share every module but the experts. Inside
+    them transformers rounds each GEMM output to bf16, adds the bias in bf16 and runs
+    the SwiGLU in bf16; portable_mx accumulates in fp32, adds bias and activation in fp32
+    and rounds once. Those roundings differ by a bf16 ulp here and there and reach the
+    logits through the rest of the network: allowed, 4 bf16 ulps of the largest logit,
+    and portable_mx must be at least as close as transformers' own bf16 model to the
+    fp32 model of the same weights (within 2x). Wrong experts (re-initialized, the wrong
+    activation, a dropped bias) move the logits by far more."""
+    cfg, path = gpt_oss_checkpoint
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf = load(path)(ids).logits.float()
+        fp32 = load(path, torch.float32)(ids).logits
+
+    ours_model = gpt_oss.load_experts(load(path), path)  # the checkpoint's bytes, W4A16 by default
+    assert sum(isinstance(m, MXExperts) and m.frozen for m in ours_model.modules()) == 2
+    assert not any(type(m).__name__ == "GptOssExperts" for m in ours_model.modules())
+    import portable_mx.nn.experts as experts_module
+
+    calls = []
+    real = experts_module.grouped_matmul
+    monkeypatch.setattr(experts_module, "grouped_matmul",
+                        lambda *a, **k: (calls.append(k.get("activation")), real(*a, **k))[1])
+    with torch.no_grad():
+        ours = ours_model(ids).logits.float()
+    assert calls == ["swiglu_oai", None] * 2  # one grouped launch per projection per layer
+
+    scale = hf.abs().max()
+    assert (ours - hf).abs().max() <= 4 * BF16_ULP * scale
+    assert (ours - fp32).abs().max() <= 2 * (hf - fp32).abs().max()
+
+    # convert() of transformers' dequantized experts (float Parameters quantized per
+    # forward) runs the same values: the same logits bit for bit
+    converted = pmx.nn.convert(load(path), W4A16, skip=lambda name, m: isinstance(m, torch.nn.Linear))
+    assert sum(isinstance(m, MXExperts) and not m.frozen for m in converted.modules()) == 2
+    with torch.no_grad():
+        assert torch.equal(converted(ids).logits.float(), ours)
+
+    # save -> load -> save: the loaded model's state dict is the checkpoint, byte for byte
+    gpt_oss.save(tmp_path / "again", ours_model.state_dict(), gpt_oss.GptOssCheckpoint(path).config)
+    assert digests(tmp_path / "again") == digests(path)
+
+
+def test_transformers_save_of_a_dequantized_model_is_not_taken_for_mxfp4(gpt_oss_checkpoint, tmp_path):
+    """transformers' save_pretrained of the dequantized model drops quantization_config
+    and writes bf16 experts (5.23: under the _blocks names; 5.24: under the plain ones).
+    Either way load_experts refuses it, naming the tensor or saying there are no MXFP4
+    experts, and gpt_oss.save refuses the dequantized state dict."""
+    _, path = gpt_oss_checkpoint
+    hf = load(path)
+    hf.save_pretrained(tmp_path / "resaved")
+    with pytest.raises(ValueError, match=r"(_blocks: dtype BF16, expected U8|quantizes no experts)"):
+        gpt_oss.load_experts(load(path), tmp_path / "resaved")
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj: a float expert weight"):
+        gpt_oss.save(tmp_path / "ours", hf.state_dict(), hf.config.to_dict())
+
+
+@pytest.mark.parametrize("via", ["from_mx", "convert"])
+def test_qwen3_moe_layer_matches_the_block_on_dequantized_weights(via):
+    """One Qwen3MoeSparseMoeBlock (4 experts, top-2, [gate | up] concatenated, SiLU, no
+    biases): its experts quantized, the block's forward on the dequantized weights (bf16)
+    against the same block with MXExperts (W4A16). Tolerance: as for gpt-oss, bf16
+    roundings inside the experts, here 4 bf16 ulps of the largest output."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                      norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(2)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 0.5)
+        w1 = pmx.quantize(torch.randn(4, 64, 64) * 0.2, axis=-1)  # gate_up [E, 2I, H] along H
+        w2 = pmx.quantize(torch.randn(4, 64, 32) * 0.2, axis=-1)  # down [E, H, I] along I
+        block.experts.gate_up_proj.copy_(pmx.dequantize(w1))
+        block.experts.down_proj.copy_(pmx.dequantize(w2))
+    block = block.to(torch.bfloat16)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        ref = block(x).float()
+    if via == "from_mx":
+        block.experts = MXExperts.from_mx(w1, w2, activation="swiglu", recipe=W4A16)
+    else:
+        assert pmx.nn.convert(block, W4A16) is block and isinstance(block.experts, MXExperts)
+        assert block.experts.gate_up_proj.dtype == torch.bfloat16 and not block.experts.transposed
+    with torch.no_grad():
+        ours = block(x).float()
+    assert (ours - ref).abs().max() <= 4 * BF16_ULP * ref.abs().max()
+
+
+def readme_blocks(marker: str = "readme-gpt-oss") -> list[str]:
+    """The ```python blocks of README.md between `<!-- {marker}: ...` and its end marker."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index(f"<!-- {marker}:")
+    section = text[start:text.index(f"<!-- {marker}: end -->", start)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_gpt_oss_example_runs(gpt_oss_checkpoint, tmp_path, monkeypatch):
+    """The README's gpt-oss code, as written, on the tiny checkpoint named gpt-oss-20b."""
+    import shutil
+
+    _, path = gpt_oss_checkpoint
+    shutil.copytree(path, tmp_path / "gpt-oss-20b")
+    monkeypatch.chdir(tmp_path)
+    blocks = readme_blocks()
+    assert len(blocks) == 2
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md (gpt-oss layer)", "exec"), scope)
+    assert scope["y"].shape == (16, 64) and scope["y"].dtype == torch.bfloat16 and scope["y"].isfinite().all()
+    exec(compile(blocks[1], "README.md (gpt-oss model)", "exec"), scope)
+    assert scope["logits"].shape == (1, 3, 128)
+    layer0 = scope["model"].model.layers[0].mlp.experts  # the model's layer-0 experts: the example's
+    with torch.no_grad():
+        assert torch.equal(layer0(scope["x"], scope["ids"], scope["top"].softmax(dim=-1)), scope["y"])
+    assert digests(tmp_path / "gpt-oss-20b-copy") == digests(tmp_path / "gpt-oss-20b")

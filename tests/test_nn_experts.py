@@ -1,0 +1,243 @@
+"""pmx.nn.MXExperts: the experts of a MoE layer on MXFP4 weights, against a float64 loop
+written from the math; float (quantized per forward, weight_cache) and frozen (MXTensor
+buffers) modes; autograd; the frozen state dict. No optional package needed."""
+
+import copy
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx import registry
+from portable_mx.nn import MXExperts
+
+E, H, I, T, K_TOP = 4, 64, 32, 12, 2
+W4A16 = pmx.QuantRecipe(activations="bf16")
+
+
+def routing(seed: int = 0):
+    """ids [T, k] over experts {0, 1, 3} (expert 2 empty, expert 0 heavy), softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([0, 1, 3, 0, 0, 3])[torch.randint(0, 6, (T, K_TOP), generator=g)]
+    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], (ids[:, 0] + 1) % 2, ids[:, 1])  # distinct slots
+    wts = torch.softmax(torch.randn(T, K_TOP, generator=g), dim=-1)
+    return ids, wts
+
+
+def act64(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu_oai":  # gpt-oss: interleaved, clamped, alpha 1.702, +1 on up
+        gate, up = h[..., 0::2].clamp(max=7.0), h[..., 1::2].clamp(-7.0, 7.0)
+        return gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    gate, up = h[..., :I], h[..., I:]
+    return gate * torch.sigmoid(gate) * up
+
+
+def oracle(x, ids, wts, w1, w2, b1, b2, activation):
+    """y [T, H] in float64 and a bound on |MXExperts - y|, for W4A16 (x and the
+    intermediate rounded to bf16). w1 [E, 2I, H], w2 [E, H, I]: the dequantized weights.
+
+    Bound: the intermediate is rounded to bf16 on both sides, from fp32 and from float64
+    values; where they round differently they differ by one bf16 ulp (<= 2^-7 |a|), which
+    reaches y through |w| |W2| |a| 2^-7; fp32 accumulation adds at most 2^-20 of the sum
+    of |terms| here (K <= 64), and the output rounding half an ulp of x's dtype."""
+    xr = x.to(torch.bfloat16).double()
+    y = torch.zeros(T, H, dtype=torch.float64)
+    spread = torch.zeros(T, H, dtype=torch.float64)
+    mags = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(K_TOP):
+            e = int(ids[t, j])
+            w = float(wts[t, j])
+            a = act64(w1[e].double() @ xr[t] + b1[e].double(), activation)
+            ar = a.to(x.dtype).to(torch.bfloat16).double()
+            y[t] += w * (w2[e].double() @ ar + b2[e].double())
+            spread[t] += abs(w) * (w2[e].double().abs() @ (2.0 ** -7 * a.abs()))
+            mags[t] += abs(w) * (w2[e].double().abs() @ ar.abs() + b2[e].double().abs())
+    ulp = 2.0 ** -8 if x.dtype == torch.bfloat16 else 2.0 ** -24
+    return y, spread + 2.0 ** -20 * mags + ulp * y.abs()
+
+
+def frozen_experts(activation: str, seed: int = 1, recipe=W4A16):
+    g = torch.Generator().manual_seed(seed)
+    w1 = pmx.quantize(torch.randn(E, 2 * I, H, generator=g) / 4, axis=-1)
+    w2 = pmx.quantize(torch.randn(E, H, I, generator=g) / 4, axis=-1)
+    b1, b2 = torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    return MXExperts.from_mx(w1, w2, b1, b2, activation=activation, recipe=recipe)
+
+
+@pytest.mark.parametrize("activation", ["swiglu_oai", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_experts_match_a_float64_loop(activation, dtype):
+    experts = frozen_experts(activation)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ids, wts = routing()
+    y = experts(x, ids, wts.to(dtype))
+    assert y.dtype == dtype and y.shape == (T, H)
+    w1 = pmx.dequantize(experts.quantized_weight("gate_up_proj"), dtype=torch.float64)
+    w2 = pmx.dequantize(experts.quantized_weight("down_proj"), dtype=torch.float64)
+    ref, bound = oracle(x, ids, wts.to(dtype), w1, w2, experts.gate_up_proj_bias, experts.down_proj_bias, activation)
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max err {err.max():.3g}, bound there {bound[err.argmax() // H].max():.3g}"
+    # leading dims are flattened: [2, T/2, H] in, the same rows out
+    y3 = experts(x.reshape(2, T // 2, H), ids.reshape(2, T // 2, K_TOP), wts.to(dtype).reshape(2, T // 2, K_TOP))
+    assert torch.equal(y3.reshape(T, H), y)
+
+
+def test_frozen_experts_on_the_triton_kernels(gemm_kernel, monkeypatch):
+    """The same module on the grouped GEMM's Triton kernels (the interpreter on a CPU):
+    within the float64 loop's bound too."""
+    backend, device = gemm_kernel
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    experts = frozen_experts("swiglu_oai").to(device)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ids, wts = routing()
+    y = experts(x.to(device), ids.to(device), wts.bfloat16().to(device)).cpu()
+    w1 = pmx.dequantize(frozen_experts("swiglu_oai").quantized_weight("gate_up_proj"), dtype=torch.float64)
+    w2 = pmx.dequantize(frozen_experts("swiglu_oai").quantized_weight("down_proj"), dtype=torch.float64)
+    ref, bound = oracle(x, ids, wts.bfloat16(), w1, w2, experts.gate_up_proj_bias.cpu(),
+                        experts.down_proj_bias.cpu(), "swiglu_oai")
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), W4A16], ids=["a4w4", "w4a16"])
+def test_float_mode_quantizes_its_parameters_like_frozen_mode(transposed, recipe):
+    """Float Parameters in either layout ([E, in, out] transposed, [E, out, in]) give the
+    MXTensors of the [E, out, in] weights along in, and the frozen module of those
+    MXTensors gives the same output bit for bit."""
+    torch.manual_seed(4)
+    experts = MXExperts(E, H, I, activation="swiglu_oai", transposed=transposed, recipe=recipe)
+    assert experts.gate_up_proj.shape == ((E, H, 2 * I) if transposed else (E, 2 * I, H))
+    out_in = {p: getattr(experts, p).detach() for p in ("gate_up_proj", "down_proj")}
+    if transposed:
+        out_in = {p: w.transpose(1, 2).contiguous() for p, w in out_in.items()}
+    mx = {p: pmx.quantize(w, recipe, axis=-1) for p, w in out_in.items()}
+    for p in mx:
+        got = experts.quantized_weight(p)
+        assert got.shape == mx[p].shape and got.axis == 2
+        assert torch.equal(got.qdata, mx[p].qdata) and torch.equal(got.scales, mx[p].scales)
+    frozen = MXExperts.from_mx(mx["gate_up_proj"], mx["down_proj"], experts.gate_up_proj_bias,
+                               experts.down_proj_bias, recipe=recipe)
+    x = torch.randn(T, H)
+    ids, wts = routing(5)
+    with torch.no_grad():
+        assert torch.equal(experts(x, ids, wts), frozen(x, ids, wts))
+
+
+def test_weight_cache_block(monkeypatch):
+    """Outside pmx.nn.weight_cache the float weights are quantized on every forward (so a
+    write through .data is seen); inside, once, until an optimizer step."""
+    builds = []
+    real = MXExperts._quantizer
+
+    def counting(self, proj):
+        build = real(self, proj)
+        return lambda w: (builds.append(proj), build(w))[1]
+
+    monkeypatch.setattr(MXExperts, "_quantizer", counting)
+    torch.manual_seed(6)
+    experts = MXExperts(E, H, I, transposed=True, recipe=W4A16)
+    model = torch.nn.ModuleDict({"experts": experts, "other": torch.nn.Linear(4, 4)})
+    opt = torch.optim.SGD(experts.parameters(), lr=0.5)
+    x = torch.randn(T, H)
+    ids, wts = routing(7)
+
+    def forward(grad=False):
+        builds.clear()
+        with torch.set_grad_enabled(grad):
+            return experts(x, ids, wts), len(builds)
+
+    y0, n = forward()
+    assert n == 2
+    experts.down_proj.data.mul_(2)  # no version bump: seen only because nothing is cached here
+    y1, n = forward()
+    assert n == 2 and not torch.equal(y0, y1)
+    with pmx.nn.weight_cache(model) as layers:
+        assert layers == 1
+        y2, n = forward()
+        assert n == 2 and torch.equal(y1, y2)
+        assert forward()[1] == 0 and experts.quantized_weight("down_proj") is experts.quantized_weight("down_proj")
+        y, _ = forward(grad=True)  # a forward that needs gradients quantizes inside the GEMM
+        y.square().sum().backward()
+        opt.step()
+        y3, n = forward()
+        assert n == 2 and not torch.equal(y3, y2)
+        assert forward()[1] == 0
+    assert not experts._pmx_weight_cache.entries
+
+
+def test_autograd_reaches_weights_biases_inputs_and_router():
+    torch.manual_seed(8)
+    experts = MXExperts(E, H, I, activation="swiglu_oai", transposed=True, recipe=W4A16)
+    x = torch.randn(T, H, requires_grad=True)
+    ids, w = routing(9)
+    wts = w.clone().requires_grad_(True)
+    experts(x, ids, wts).sum().backward()
+    # d sum(y) / d b2[e, :] = sum of the router weights of the rows routed to e (exact)
+    want = torch.zeros(E)
+    want.index_add_(0, ids.reshape(-1), w.reshape(-1))
+    assert torch.allclose(experts.down_proj_bias.grad, want[:, None].expand(E, H), rtol=0, atol=1e-6)
+    assert (want[2] == 0) and (experts.gate_up_proj.grad[2] == 0).all() and (experts.down_proj.grad[2] == 0).all()
+    for p in (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias):
+        assert p.grad.isfinite().all() and p.grad[0].abs().sum() > 0
+    assert x.grad.shape == x.shape and x.grad.isfinite().all() and x.grad.abs().sum() > 0
+    # d sum(y) / d w[t, j] = sum over n of expert ids[t, j]'s output row (bias included)
+    w1 = pmx.dequantize(experts.quantized_weight("gate_up_proj"), dtype=torch.float64)
+    w2 = pmx.dequantize(experts.quantized_weight("down_proj"), dtype=torch.float64)
+    for t, j in ((0, 0), (5, 1)):
+        one = torch.zeros(T, K_TOP)
+        one[t, j] = 1.0
+        ref, bound = oracle(x.detach(), ids, one, w1, w2, experts.gate_up_proj_bias.detach(),
+                            experts.down_proj_bias.detach(), "swiglu_oai")
+        assert abs(wts.grad[t, j].double() - ref[t].sum()) <= bound[t].sum() + 1e-5 * ref[t].abs().sum()
+    # frozen experts: the gradient reaches x (the weights are constants)
+    frozen = frozen_experts("swiglu")
+    x2 = torch.randn(T, H, requires_grad=True)
+    frozen(x2, ids, w).sum().backward()
+    assert x2.grad.isfinite().all() and x2.grad.abs().sum() > 0
+
+
+def test_frozen_state_dict_is_the_checkpoint_layout():
+    mbs = pmx.QuantRecipe(macro_block=64, outliers_per_block=1)
+    g = torch.Generator().manual_seed(10)
+    w1 = pmx.quantize(torch.randn(E, 2 * I, H, generator=g), mbs, axis=-1)
+    w2 = pmx.quantize(torch.randn(E, H, I, generator=g), axis=-1)
+    experts = MXExperts.from_mx(w1, w2, torch.zeros(E, 2 * I).bfloat16(), torch.zeros(E, H).bfloat16(),
+                                recipe=W4A16)
+    sd = experts.state_dict()
+    assert sorted(sd) == sorted([
+        "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_macro_scales", "gate_up_proj_outlier_values",
+        "gate_up_proj_outlier_indices", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales",
+        "down_proj_bias"])
+    assert sd["down_proj_blocks"].dtype == torch.uint8 and sd["down_proj_blocks"].shape == (E, H, 1, 16)
+    assert sd["down_proj_blocks"].data_ptr() == w2.qdata.data_ptr()  # the MXTensor's bytes, not a copy
+    x = torch.randn(T, H)
+    ids, wts = routing(11)
+    y = experts(x, ids, wts)
+    moved = copy.deepcopy(experts).to(torch.float16)  # float parts are kept as bits: untouched
+    assert moved.gate_up_proj_bias.dtype == torch.float16
+    assert torch.equal(pmx.dequantize(moved.quantized_weight("gate_up_proj")), pmx.dequantize(w1))
+    other = MXExperts.from_mx(pmx.quantize(torch.randn(E, 2 * I, H), mbs, axis=-1), w2, torch.ones(E, 2 * I),
+                              torch.ones(E, H), recipe=W4A16)
+    other.load_state_dict(sd)
+    assert torch.equal(other(x, ids, wts), y)
+
+
+def test_bad_input_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        MXExperts(E, H, I, activation="gelu")
+    w1 = pmx.quantize(torch.randn(E, 2 * I, H), axis=-1)
+    with pytest.raises(ValueError, match="do not fit together"):
+        MXExperts.from_mx(w1, pmx.quantize(torch.randn(E, H, 2 * I), axis=-1))
+    with pytest.raises(ValueError, match=r"\[E, N, K\] along axis 2"):
+        MXExperts.from_mx(w1, pmx.quantize(torch.randn(E, H, I), axis=0))
+    experts = MXExperts(E, H, I)
+    ids, wts = routing()
+    with pytest.raises(TypeError, match="x is torch.bfloat16 but the weights are torch.float32"):
+        experts(torch.randn(T, H).bfloat16(), ids, wts)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+        experts(torch.randn(T, H + 1), ids, wts)
+    with pytest.raises(ValueError, match="top_k_index must be an integer tensor"):
+        experts(torch.randn(T, H), ids.float(), wts)
+    with pytest.raises(ValueError, match="top_k_weights"):
+        experts(torch.randn(T, H), ids, wts[:, :1])

@@ -1,0 +1,213 @@
+"""The grouped GEMM's Triton kernels (backends/triton/grouped_gemm.py) on both of the
+dense GEMM's routes: held to the independent float64 oracle of tests/moe_oracle.py (as
+the reference is in tests/test_moe.py), their backward to the reference backend's, the
+k-way combine to the reference bit for bit, split-K deterministic.
+
+On a machine without a GPU the kernels run in the Triton interpreter (triton >= 3.8; its
+dot in fp32 on the upcast route: numerics.md section 5); with one, compiled. The
+interpreter's route is ``tl.dot_scaled``; the upcast route (sm_90, gfx942) is forced by
+replacing the backend's ``gemm_route``, on both weight layouts (plain, and sm_90's
+hopper layout, decoded by its pure-Triton twin).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx import registry
+
+from conftest import kernel_backends, no_kernels_reason
+from moe_oracle import assert_within, grouped_oracle, py_routing
+from test_moe import ids_of, left_values, rand
+
+QR = pmx.QuantRecipe
+pytestmark = pytest.mark.skipif(not kernel_backends("matmul"), reason=no_kernels_reason("matmul"))
+
+
+@pytest.fixture(params=["default", "upcast-plain", "upcast-hopper"])
+def route(request, gemm_kernel, monkeypatch):
+    """(backend, device) of the kernel backend, its GEMM route as the parameter says."""
+    from portable_mx.backends.triton.backend import GemmRoute
+    from portable_mx.backends.triton.gemm_upcast import UpcastRoute
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES, PLAIN_VALUES
+
+    backend, device = gemm_kernel
+    if request.param != "default":
+        values = HOPPER_VALUES if request.param == "upcast-hopper" else PLAIN_VALUES
+        monkeypatch.setattr(backend, "gemm_route", lambda target, a, b: GemmRoute("upcast", upcast=UpcastRoute(values)))
+    backend._devices.clear()  # plans made on another route
+    yield backend, device
+    backend._devices.clear()
+
+
+CASES = [
+    # (recipe, w_recipe, gather, scatter, bias, activation, T, k, E, skew)
+    (QR(), QR(), True, True, torch.float32, "swiglu_oai", 9, 4, 6, False),
+    (QR(activations="bf16"), QR(macro_block=64, outliers_per_block=1), True, False, None, "swiglu", 40, 2, 5, True),
+    (QR(macro_block=64), QR(outliers_per_block=2), False, False, torch.bfloat16, None, 12, 3, 7, True),
+    (QR(activations="fp16"), QR(), True, True, None, "swiglu_oai", 1, 4, 16, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].describe()}x{c[1].describe()}-{c[5]}-T{c[6]}k{c[7]}E{c[8]}")
+def test_forward_equals_the_oracle(route, case):
+    """Ragged, skewed and empty-expert routings (expert 0 takes several tiles of rows in
+    the skewed ones), T = 1 over 16 experts, gather, scatter, bias, both activations,
+    A4W4 and W4A16 with MBS and OF."""
+    backend, device = route
+    recipe, w_recipe, gather, scatter, bias_dtype, act, t, k, e, skew = case
+    n, kk = 128, 96  # N a multiple of 64 (the hopper layout applies), K off the 64-column tile
+    ids = ids_of(t, k, e, seed=40, skew=skew)
+    weights = torch.softmax(rand(t, k, seed=41), -1)
+    pr = py_routing(ids, e)
+    x = rand(t if gather else t * k, kk, seed=42)
+    w_mx = pmx.quantize(rand(e, n, kk, seed=43, scale=0.3), w_recipe, axis=-1)
+    bias = None if bias_dtype is None else rand(e, n, seed=44, dtype=bias_dtype)
+    r = pmx.route(ids.to(device), weights.to(device), e)
+    with pytest.MonkeyPatch.context() as mp:  # the kernels (the test's data is quantized by the reference)
+        mp.setenv(registry.ENV_BACKEND, backend.name)
+        out = pmx.grouped_matmul(x.to(device), w_mx.to(device), routing=r, gather=gather, scatter=scatter,
+                                 bias=None if bias is None else bias.to(device), activation=act, recipe=recipe)
+    aq = left_values(x, recipe)[pr["gather"]] if gather else left_values(x, recipe)
+    exact, bound = grouped_oracle(aq, pmx.dequantize(w_mx, dtype=torch.float32), pr["expert_of_row"], bias, act,
+                                  pr["scatter"] if scatter else None, weights, k)
+    assert_within(out.cpu(), exact, bound)
+    # and close to the reference backend's (they differ in accumulation order and exp only):
+    # the worst-case bound above is loose next to that, this catches a wrong epilogue constant
+    ref = pmx.grouped_matmul(x, w_mx, routing=pmx.route(ids, weights, e), gather=gather, scatter=scatter,
+                             bias=bias, activation=act, recipe=recipe)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_offsets_split_k_and_counters(route):
+    """Rows already sorted (offsets, experts 1 and 3 empty), forced split-K: within the
+    bound, the same bits twice, the split-K counters back at zero."""
+    from portable_mx.backends.triton import splitk
+
+    backend, device = route
+    e, n, kk = 5, 64, 400
+    counts = [6, 0, 19, 0, 2]
+    offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    x = rand(sum(counts), kk, seed=45, dtype=torch.bfloat16)
+    w_mx = pmx.quantize(rand(e, n, kk, seed=46), axis=-1)
+    original = backend.grouped_config
+    split = lambda *args: dataclasses.replace(original(*args), split_k=3)  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "grouped_config", split)
+        mp.setenv(registry.ENV_BACKEND, backend.name)
+        recipe = QR(activations="bf16")
+        outs = [pmx.grouped_matmul(x.to(device), w_mx.to(device), offsets=offsets.to(device), recipe=recipe)
+                for _ in range(2)]
+    assert int(splitk.counters(device).abs().sum()) == 0
+    assert torch.equal(outs[0], outs[1])
+    rows = [i for i, c in enumerate(counts) for _ in range(c)]
+    exact, bound = grouped_oracle(x.float(), pmx.dequantize(w_mx, dtype=torch.float32), rows,
+                                  out_dtype=torch.bfloat16)
+    assert_within(outs[0].cpu(), exact, bound)
+
+
+@pytest.mark.parametrize("k, wdtype, out_dtype", [(1, None, torch.float32), (3, torch.bfloat16, torch.float32),
+                                                  (8, torch.float32, torch.bfloat16)])
+def test_combine_equals_the_reference_bit_for_bit(gemm_kernel, k, wdtype, out_dtype):
+    backend, device = gemm_kernel
+    t, n = 13, 300
+    ids = ids_of(t, k, 6, seed=47)
+    r = pmx.route(ids, None if wdtype is None else rand(t, k, seed=48, dtype=wdtype), 6)
+    rows = rand(t * k, n, seed=49)
+    ref = registry.get("reference").combine(rows, r.scatter_index, None if wdtype is None else r.weights, k, out_dtype)
+    with backend.running():
+        got = backend.combine(rows.to(device), r.scatter_index.to(device),
+                              None if wdtype is None else r.weights.to(device), k, out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.parametrize("recipe, act", [(QR(macro_block=64), "swiglu_oai"),
+                                         (QR(activations="bf16", outliers_per_block=1), "swiglu")],
+                         ids=lambda v: v.describe() if isinstance(v, QR) else v)
+def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
+    """One projection end to end (gather, bias, activation, weighted scatter) with every
+    gradient (x, w, bias, router weights): the kernel backend's equal the reference
+    backend's up to fp32 accumulation order."""
+    backend, device = gemm_kernel
+    e, n, kk, t, k = 4, 64, 64, 6, 2
+    ids = ids_of(t, k, e, seed=50, skew=True)
+    base = dict(x=rand(t, kk, seed=51), w=rand(e, n, kk, seed=52, scale=0.3), b=rand(e, n, seed=53),
+                l=rand(t, k, seed=54))
+    g = rand(t, n // 2, seed=55)
+    grads = {}
+    for name, dev in (("reference", "cpu"), (backend.name, device)):
+        monkeypatch.setenv(registry.ENV_BACKEND, name)
+        leaves = {key: v.to(dev).requires_grad_() for key, v in base.items()}
+        r = pmx.route(ids.to(dev), torch.softmax(leaves["l"], -1), e)
+        out = pmx.grouped_matmul(leaves["x"], leaves["w"], routing=r, gather=True, scatter=True, bias=leaves["b"],
+                                 activation=act, recipe=recipe)
+        out.backward(g.to(dev))
+        grads[name] = {key: v.grad.cpu() for key, v in leaves.items()}
+    for key in base:
+        want = grads["reference"][key]
+        torch.testing.assert_close(grads[backend.name][key], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_grouped_launches_for_the_compile_matrix():
+    """Every target gets the grouped GEMM on its dense route (upcast on sm_90 and gfx942,
+    tl.dot_scaled elsewhere), A4W4 on the native targets marked for the native-instruction
+    check, the combine; configs from grouped_config (sm_100's A4W4 tiles 128 rows)."""
+    from portable_mx.backends.targets import TARGETS
+
+    for name, target in TARGETS.items():
+        backend = registry.get("cuda" if target.vendor == "nvidia" else "rocm")
+        launches = backend.grouped_launches(target)
+        kernels = {launch.kernel for launch in launches}
+        gemm = "grouped-gemm-upcast" if name in ("sm_90", "gfx942") else "grouped-gemm"
+        assert kernels == {gemm, "grouped-combine"}, (name, kernels)
+        a4w4 = [launch for launch in launches if launch.label.startswith("A4W4")]
+        assert a4w4 and all(launch.multiplies_mx == (gemm == "grouped-gemm") for launch in a4w4)
+        assert any("swiglu_oai" in launch.label for launch in launches)
+        assert any("gather+swiglu" in launch.label for launch in launches)
+        if name == "sm_100":
+            assert all(launch.constexprs["BLOCK_M"] == 128 for launch in a4w4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_a_moe_layer_makes_no_host_sync_and_replays_in_a_cuda_graph():
+    """Router top-k, pmx.route and both projections (gather + swiglu_oai, weighted
+    scatter): no synchronising call (torch's sync debug mode raises on one), then one CUDA
+    graph replayed on new inputs, equal to the eager layer bit for bit."""
+    e, h, i, t, k = 8, 256, 128, 16, 2
+    recipe = QR(activations="bf16")
+    w1 = pmx.quantize(rand(e, 2 * i, h, seed=60).cuda(), axis=-1)
+    w2 = pmx.quantize(rand(e, h, i, seed=61).cuda(), axis=-1)
+    b1 = rand(e, 2 * i, seed=64).cuda()
+    x = rand(t, h, seed=62).to("cuda", torch.bfloat16)
+    logits = rand(t, e, seed=63).cuda()
+
+    def layer():
+        top, ids = torch.topk(logits, k)
+        r = pmx.route(ids, torch.softmax(top, -1), e)
+        hidden = pmx.grouped_matmul(x, w1, routing=r, gather=True, bias=b1.to(torch.bfloat16),
+                                    activation="swiglu_oai", recipe=recipe)
+        return pmx.grouped_matmul(hidden, w2, routing=r, scatter=True, recipe=recipe)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # plans, compiled kernels, split-K buffers
+            layer()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    x.copy_(rand(t, h, seed=65).to("cuda", torch.bfloat16))
+    logits.copy_(rand(t, e, seed=66).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, layer())

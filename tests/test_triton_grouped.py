@@ -26,20 +26,25 @@ QR = pmx.QuantRecipe
 pytestmark = pytest.mark.skipif(not kernel_backends("matmul"), reason=no_kernels_reason("matmul"))
 
 
-@pytest.fixture(params=["default", "upcast-plain", "upcast-hopper"])
-def route(request, gemm_kernel, monkeypatch):
-    """(backend, device) of the kernel backend, its GEMM route as the parameter says."""
+def on_route(gemm_kernel, monkeypatch, name):
+    """(backend, device) of the kernel backend with its GEMM route set to ``name``:
+    "default" (the target's), "upcast-plain" or "upcast-hopper" (forced)."""
     from portable_mx.backends.triton.backend import GemmRoute
     from portable_mx.backends.triton.gemm_upcast import UpcastRoute
     from portable_mx.backends.triton.layouts import HOPPER_VALUES, PLAIN_VALUES
 
     backend, device = gemm_kernel
-    if request.param != "default":
-        values = HOPPER_VALUES if request.param == "upcast-hopper" else PLAIN_VALUES
+    if name != "default":
+        values = HOPPER_VALUES if name == "upcast-hopper" else PLAIN_VALUES
         monkeypatch.setattr(backend, "gemm_route", lambda target, a, b: GemmRoute("upcast", upcast=UpcastRoute(values)))
     backend._devices.clear()  # plans made on another route
-    yield backend, device
-    backend._devices.clear()
+    return backend, device
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans(gemm_kernel):
+    yield
+    gemm_kernel[0]._devices.clear()
 
 
 CASES = [
@@ -51,12 +56,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].describe()}x{c[1].describe()}-{c[5]}-T{c[6]}k{c[7]}E{c[8]}")
-def test_forward_equals_the_oracle(route, case):
+# every case on the target's route; on the forced upcast routes, two cases each
+ROUTED = [("default", c) for c in CASES] + [("upcast-hopper", CASES[0]), ("upcast-hopper", CASES[2]),
+                                            ("upcast-plain", CASES[1]), ("upcast-plain", CASES[3])]
+
+
+@pytest.mark.parametrize("route, case", ROUTED, ids=lambda v: v if isinstance(v, str) else
+                         f"{v[0].describe()}x{v[1].describe()}-{v[5]}-T{v[6]}k{v[7]}E{v[8]}")
+def test_forward_equals_the_oracle(gemm_kernel, monkeypatch, route, case):
     """Ragged, skewed and empty-expert routings (expert 0 takes several tiles of rows in
     the skewed ones), T = 1 over 16 experts, gather, scatter, bias, both activations,
     A4W4 and W4A16 with MBS and OF."""
-    backend, device = route
+    backend, device = on_route(gemm_kernel, monkeypatch, route)
     recipe, w_recipe, gather, scatter, bias_dtype, act, t, k, e, skew = case
     n, kk = 128, 96  # N a multiple of 64 (the hopper layout applies), K off the 64-column tile
     ids = ids_of(t, k, e, seed=40, skew=skew)
@@ -81,12 +92,13 @@ def test_forward_equals_the_oracle(route, case):
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_offsets_split_k_and_counters(route):
+@pytest.mark.parametrize("route", ["default", "upcast-hopper"])
+def test_offsets_split_k_and_counters(gemm_kernel, monkeypatch, route):
     """Rows already sorted (offsets, experts 1 and 3 empty), forced split-K: within the
     bound, the same bits twice, the split-K counters back at zero."""
     from portable_mx.backends.triton import splitk
 
-    backend, device = route
+    backend, device = on_route(gemm_kernel, monkeypatch, route)
     e, n, kk = 5, 64, 400
     counts = [6, 0, 19, 0, 2]
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -674,10 +674,10 @@ class TritonBackend(Backend):
     def grouped_launches(self, target: Target) -> list[KernelLaunch]:
         """The grouped GEMM's launches for the compile matrix: gpt-oss's two projections
         (E = 32, top-4, N = 5760 / 2880, K = 2880: gather + bias + swiglu_oai, and the
-        fp32 rows of the scattering one) and Qwen3-30B-A3B's first (E = 128, top-8, N =
-        1536, K = 2048, concatenated swiglu), at decode (T = 1) and prefill (T = 4096),
-        W4A16 and A4W4 (the native block-scaled MMA where the target has one), MBS and OF;
-        and the k-way combine."""
+        fp32 rows of the scattering one) at decode (T = 1) and prefill (T = 4096), W4A16
+        and A4W4 (the native block-scaled MMA where the target has one), Qwen3-30B-A3B's
+        first at prefill (E = 128, top-8, N = 1536, K = 2048, concatenated swiglu), MBS
+        and OF on both kinds; and the k-way combine (top-8)."""
         from . import grouped_gemm
         from .gemm import Operand
 
@@ -686,12 +686,12 @@ class TritonBackend(Backend):
         second = grouped_gemm.Epilogue(False, torch.bfloat16, None)
         qwen = grouped_gemm.Epilogue(True, None, "swiglu")
         cases = []
-        for tokens in (1, 4096):
+        for tokens in (1, 4096):  # decode (split-K on the second projection) and prefill
             cases += [(bf16, mx, first, tokens * 4, 32, 5760, 2880, torch.bfloat16),
                       (bf16, mx, second, tokens * 4, 32, 2880, 2880, torch.float32),
-                      (mx, mx, first, tokens * 4, 32, 5760, 2880, torch.bfloat16),
-                      (bf16, mx, qwen, tokens * 8, 128, 1536, 2048, torch.bfloat16)]
-        cases += [(Operand(None, 128, 0), heavy, first, 512 * 4, 32, 5760, 2880, torch.bfloat16),
+                      (mx, mx, first, tokens * 4, 32, 5760, 2880, torch.bfloat16)]
+        cases += [(bf16, mx, qwen, 4096 * 8, 128, 1536, 2048, torch.bfloat16),
+                  (Operand(None, 128, 0), heavy, first, 512 * 4, 32, 5760, 2880, torch.bfloat16),
                   (bf16, heavy, second, 4, 32, 2880, 2880, torch.float32)]
         out, seen = [], set()
         for a, b, epi, rows, experts, n, kp, store in cases:
@@ -700,7 +700,7 @@ class TritonBackend(Backend):
                 seen.add(launch.label)
                 out.append(launch)
         config = self.tiles.get("combine", TileConfig(16, 256, num_warps=4))
-        for k, weights, store in ((4, torch.bfloat16, torch.bfloat16), (8, torch.float32, torch.float32)):
+        for k, weights, store in ((8, torch.bfloat16, torch.bfloat16),):
             out.append(grouped_gemm.combine_launch_spec(k, weights, store, self.options(config), config.block_r,
                                                         config.block_k))
         return out

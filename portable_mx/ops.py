@@ -17,7 +17,7 @@ import torch
 from . import _custom_ops, _dispatch, registry
 from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
-from .recipe import DEFAULT_RECIPE, QuantRecipe
+from .recipe import DEFAULT_RECIPE, VALIDATED, QuantRecipe, validated
 from .tensor import FLOAT_DTYPES, MXTensor
 
 Operand = Union[torch.Tensor, MXTensor]
@@ -34,10 +34,15 @@ _Tensor = torch.Tensor
 
 
 def _recipe(recipe: Any) -> QuantRecipe:
+    """The recipe of a public call: None -> the default, a mapping -> ``QuantRecipe(**it)``,
+    a QuantRecipe -> checked once per object (:func:`portable_mx.recipe.validated`: one
+    built around the constructor, e.g. by ``BaseModel.model_construct``, is refused here).
+    Under ``torch.compile`` a QuantRecipe passes as it is: the custom op it reaches
+    re-validates its JSON when the graph is traced."""
     if recipe is None:
         return DEFAULT_RECIPE
     if isinstance(recipe, QuantRecipe):
-        return recipe
+        return recipe if _is_compiling() else validated(recipe)
     if isinstance(recipe, Mapping):
         return QuantRecipe(**recipe)
     raise TypeError(f"recipe must be a QuantRecipe, a mapping of its fields or None; got {type(recipe).__name__}")
@@ -62,9 +67,12 @@ def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
     return axis % ndim
 
 
-def _prepare(op: str, x: Any, recipe: Any, axis: Any) -> tuple[torch.Tensor, QuantRecipe, int]:
+def _prepare(op: str, x: Any, recipe: Any, axis: Any, compiling: bool) -> tuple[torch.Tensor, QuantRecipe, int]:
     """Validate the (x, recipe, axis) of quantize/decompose; return x, the recipe, axis >= 0."""
-    recipe = _recipe(recipe)
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+    elif compiling or id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
+        recipe = _recipe(recipe)
     x = _check_float_tensor(x, "x")
     nd = x.dim()
     if nd == 0:
@@ -82,8 +90,9 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     1-D, any device. The axis is zero-padded to a multiple of 32; NaN/Inf blocks get the
     NaN scale. Returns an :class:`MXTensor`; its bytes are identical on every backend.
     """
-    x, recipe, axis = _prepare("quantize", x, recipe, axis)
-    if _is_compiling():
+    compiling = _is_compiling()
+    x, recipe, axis = _prepare("quantize", x, recipe, axis, compiling)
+    if compiling:
         if not x.numel():
             return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
         return _custom_ops.quantize(x, recipe, axis)
@@ -132,7 +141,7 @@ def decompose(
     NaN statistics, and the whole-tensor figures of the result (``totals``, ``shares``,
     ``relative_mse``, ``summary``) raise ValueError.
     """
-    x, recipe, axis = _prepare("decompose", x, recipe, axis)
+    x, recipe, axis = _prepare("decompose", x, recipe, axis, _is_compiling())
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
     refuse_func_transforms("decompose")
@@ -158,7 +167,13 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     dequantized operands, rounded once to a's dtype. Under autograd the backward GEMMs
     follow ``recipe.grad_input`` / ``recipe.grad_weight`` (see :mod:`portable_mx._custom_ops`).
     """
-    if recipe.__class__ is not QuantRecipe:
+    compiling = _is_compiling()
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+    elif compiling:
+        if recipe.__class__ is not QuantRecipe:
+            recipe = _recipe(recipe)
+    elif id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
         recipe = _recipe(recipe)
     a_mx, b_mx = isinstance(a, MXTensor), isinstance(b, MXTensor)
     a_dtype, a_dev, a_shape = (a.dtype, a.device, a.shape) if a_mx else _operand_info(a, "a")
@@ -180,7 +195,7 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     if b_mx and b.axis != 0:
         raise ValueError(f"an MXTensor b must be quantized along axis 0 (K); it is along axis {b.axis}")
 
-    if _is_compiling():
+    if compiling:
         return _custom_ops.mx_matmul(a, b, recipe)
     refuse_func_transforms("matmul")
     if torch.is_grad_enabled() and ((not a_mx and a.requires_grad) or (not b_mx and b.requires_grad)):

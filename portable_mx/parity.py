@@ -56,6 +56,14 @@ from .decompose import DEFINITIONS
 
 HELP = "bit-exact parity report of quantize/decompose on a fixed corpus, or compare reports"
 
+EXIT_OK, EXIT_MISMATCH, EXIT_UNAVAILABLE, EXIT_NOTHING_CHECKED = 0, 1, 2, 3
+EXIT_CODES = """exit status:
+  0  every case ran (run) / the reports agree on every case (--compare)
+  1  a case errored (run) / the reports disagree (--compare): a parity failure
+  2  the backend or device cannot be used here, or bad arguments
+  3  nothing was checked: a report file is missing, unreadable or not a parity report,
+     a report holds no cases, or --filter matches no case of the corpus"""
+
 SCHEMA = "portable_mx.parity/1"
 CORPORA = ("small", "full")
 SEED = 20240521
@@ -441,12 +449,20 @@ def build_report(
     """Run the corpus on ``device`` with the backends the registry selects now (set
     ``PORTABLE_MX_BACKEND`` to force one; see :func:`forced_backend`) and return the report.
 
-    ``case_filter`` is an fnmatch pattern on case ids (a partial report).
+    ``case_filter`` is an fnmatch pattern on case ids (a partial report); one that
+    matches no case raises ValueError.
     """
     from . import registry
 
     device = torch.device(device)
-    cases = [c for c in build_cases(corpus) if case_filter is None or fnmatchcase(c.id, case_filter)]
+    everything = build_cases(corpus)
+    cases = [c for c in everything if case_filter is None or fnmatchcase(c.id, case_filter)]
+    if not cases:
+        raise ValueError(
+            f"--filter {case_filter!r} matches none of the {len(everything)} cases of corpus {corpus!r} "
+            f"(case ids look like {everything[0].id!r}, {everything[-1].id!r}): a report of no "
+            "case proves nothing"
+        )
     entries = {}
     for i, case in enumerate(cases):
         if progress is not None:
@@ -563,9 +579,15 @@ def _compare_case(case_id: str, a: Mapping[str, Any], b: Mapping[str, Any], emit
 
 
 def find_mismatches(reports: Sequence[Mapping[str, Any]], labels: Optional[Sequence[str]] = None) -> list[Mismatch]:
-    """Every disagreement between ``reports[0]`` (the baseline) and each other report."""
+    """Every disagreement between ``reports[0]`` (the baseline) and each other report.
+    Raises ValueError for fewer than two reports or a report with no cases (a comparison
+    of nothing proves nothing)."""
     if len(reports) < 2:
         raise ValueError(f"comparing needs at least two reports; got {len(reports)}")
+    for i, report in enumerate(reports):
+        if not (report.get("cases") if isinstance(report, Mapping) else None):
+            name = labels[i] if labels is not None else f"report{i}"
+            raise ValueError(f"{name} holds no cases: a comparison of nothing proves nothing")
     labels = list(labels) if labels is not None else [f"report{i}" for i in range(len(reports))]
     base, base_label = reports[0], labels[0]
     out: list[Mismatch] = []
@@ -594,7 +616,8 @@ def compare_reports(reports: Sequence[Mapping[str, Any]], labels: Optional[Seque
 
     Hashes, shapes, dtypes, counts and count fractions must be identical; energies and the
     other summary statistics equal within :data:`TOLERANCES`; both reports must hold the
-    same cases, built from the same inputs, and neither may have errored.
+    same cases, built from the same inputs, and neither may have errored. A report with no
+    cases raises ValueError.
     """
     return [str(m) for m in find_mismatches(reports, labels)]
 
@@ -621,6 +644,8 @@ def _default_device() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXIT_CODES
     parser.add_argument("--corpus", choices=CORPORA, default="small",
                         help="small: seconds on a CPU, even in the Triton interpreter; full: for GPUs (default small)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -640,14 +665,46 @@ def _progress(i: int, n: int, case_id: str) -> None:
         print(f"parity: {i}/{n} {case_id}", file=sys.stderr, flush=True)
 
 
+class ReportError(ValueError):
+    """A report file that cannot be compared: missing, unreadable, not a parity report,
+    or holding no cases (the message names the file)."""
+
+
+def load_report(path: str) -> dict[str, Any]:
+    """The parity report in the JSON file ``path``; raises :class:`ReportError` (one line
+    naming the file) when it is missing, unreadable, not JSON, not a report, or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except OSError as err:
+        raise ReportError(f"cannot read report {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ReportError(f"report {path} is not UTF-8 text (byte {err.start}): not a parity report") from None
+    except json.JSONDecodeError as err:
+        raise ReportError(f"report {path} is not valid JSON (line {err.lineno} column {err.colno}: {err.msg})") from None
+    schema = report.get("schema") if isinstance(report, dict) else None
+    if not (isinstance(schema, str) and schema.startswith(SCHEMA.split("/")[0] + "/")
+            and isinstance(report.get("cases"), dict)):
+        raise ReportError(
+            f"{path} is not a parity report (no \"schema\": \"{SCHEMA}\" and \"cases\"); "
+            "write one with `portable-mx parity --json PATH`"
+        )
+    if not report["cases"]:
+        raise ReportError(f"report {path} holds no cases: a comparison of nothing proves nothing")
+    return report
+
+
 def _run_compare(paths: Sequence[str]) -> int:
     if len(paths) < 2:
         print("parity --compare needs at least two reports", file=sys.stderr)
-        return 2
+        return EXIT_UNAVAILABLE
     reports = []
     for p in paths:
-        with open(p, encoding="utf-8") as f:
-            reports.append(json.load(f))
+        try:
+            reports.append(load_report(p))
+        except ReportError as err:
+            print(f"parity: {err}", file=sys.stderr)
+            return EXIT_NOTHING_CHECKED
     mismatches = find_mismatches(reports, labels=[os.path.basename(p) for p in paths])
     for p, r in zip(paths, reports):
         print(f"{p}: {r.get('device', {}).get('description')} backends {r.get('backends')} "
@@ -655,14 +712,16 @@ def _run_compare(paths: Sequence[str]) -> int:
     if mismatches:
         print(format_table(mismatches))
         print(f"parity: {len(mismatches)} mismatch(es)")
-        return 1
+        return EXIT_MISMATCH
     print(f"parity: {len(paths)} reports agree on {len(reports[0].get('cases', {}))} cases")
-    return 0
+    return EXIT_OK
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the corpus (or compare reports); exit status 0 = all cases ran (reports agree),
-    1 = a case errored (a mismatch), 2 = the backend or device cannot be used."""
+    """Run the corpus (or compare reports) and return the exit status (:data:`EXIT_CODES`):
+    0 = all cases ran (reports agree), 1 = a case errored (a mismatch), 2 = the backend or
+    device cannot be used, 3 = nothing was checked (an unreadable or empty report, a
+    ``--filter`` that matches nothing)."""
     if args.compare:
         return _run_compare(args.compare)
     from . import registry
@@ -672,7 +731,7 @@ def run(args: argparse.Namespace) -> int:
         torch.empty(1, device=device)
     except Exception as err:  # no such device here: say so once, not once per case
         print(f"parity: cannot use device {device}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+        return EXIT_UNAVAILABLE
     start = time.perf_counter()
     with forced_backend(args.backend):
         try:
@@ -682,8 +741,12 @@ def run(args: argparse.Namespace) -> int:
                 registry.select(op, device)
         except registry.BackendUnavailableError as err:
             print(f"parity: {err}", file=sys.stderr)
-            return 2
-        report = build_report(args.corpus, device, case_filter=args.filter, progress=_progress)
+            return EXIT_UNAVAILABLE
+        try:
+            report = build_report(args.corpus, device, case_filter=args.filter, progress=_progress)
+        except ValueError as err:  # a --filter that matches nothing
+            print(f"parity: {err}", file=sys.stderr)
+            return EXIT_NOTHING_CHECKED
     errors = {k: e["error"] for k, e in report["cases"].items() if "error" in e}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -695,7 +758,7 @@ def run(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - start:.1f} s" + (f", written to {args.json}" if args.json else ""))
     for case_id, err in errors.items():
         print(f"  error: {case_id}: {err}")
-    return 1 if errors else 0
+    return EXIT_MISMATCH if errors else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,10 +1,28 @@
 """QuantRecipe: every choice that changes the bytes an MXFP4 quantizer writes, and which
-operands of a GEMM (forward and backward) are quantized at all."""
+operands of a GEMM (forward and backward) are quantized at all.
+
+Every way of obtaining a recipe validates it: the constructor, ``model_validate`` /
+``model_validate_json`` (which call the constructor), ``model_copy(update=...)`` and
+``model_construct`` (both rebuilt through the constructor here), unpickling. A recipe
+made by going around all of them (``object.__new__``, pydantic's own
+``BaseModel.model_construct``) is caught where it enters the library:
+:func:`validated`, which the public ops and the nn layers call, checks each recipe object
+once and remembers it by identity (so a valid recipe changed in place afterwards with
+``object.__setattr__``, which a frozen model forbids, is not checked again).
+
+The constructor interns: equal keyword arguments give the same object
+(``QuantRecipe(activations="bf16") is QuantRecipe(activations="bf16")``), so that a
+recipe built per call costs a dictionary lookup and hits every identity-keyed memo. Under
+``torch.compile`` the same lookup makes a recipe built inside the compiled function a
+constant of the graph (no graph break, no recompilation).
+"""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .format import BLOCK_SIZE
@@ -13,6 +31,12 @@ ScaleRuleName = Literal["floor", "rceil", "even", "ceil"]
 RoundingName = Literal["nearest", "stochastic"]
 ActivationsName = Literal["mxfp4", "bf16", "fp16"]
 GradGemmName = Literal["mxfp4", "high"]
+
+MAX_MACRO_BLOCK = 1 << 16
+"""The longest macro block (65,536 elements): the macro factor of a longer one costs the
+backends work and memory in proportion to its length, whatever K is."""
+
+_is_compiling = torch.compiler.is_compiling
 
 
 class QuantRecipe(BaseModel):
@@ -25,7 +49,10 @@ class QuantRecipe(BaseModel):
     - ``rounding``: "nearest" (ties to the even code) or "stochastic".
     - ``seed``: key of the counter-based generator used by stochastic rounding, in
       [0, 2**63). The counter of an element is its flat index in the [rows, K_padded] view.
-    - ``macro_block``: None, or the macro-block length along K, a positive multiple of 32.
+    - ``macro_block``: None, or the macro-block length along K, a multiple of 32 from 64
+      to :data:`MAX_MACRO_BLOCK` (65,536). A macro block as long as the padded K or
+      longer holds the whole row: one macro factor per row, the same bytes whatever its
+      length beyond that (``macro_scales`` is then ``[*lead, 1]``).
     - ``outliers_per_block``: 0, 1 or 2 elements per 32-block kept exactly in bf16.
     - ``activations``: the left operand of :func:`portable_mx.matmul` (activations, and the
       output gradient in the backward dX GEMM): "mxfp4" (A4W4, the default) or "bf16" /
@@ -36,6 +63,14 @@ class QuantRecipe(BaseModel):
     - ``grad_weight``: the backward GEMM dW = X^T @ dY: "mxfp4" quantizes X and dY along M;
       "high" multiplies them unquantized. With 16-bit ``activations`` it is always "high"
       (weight-only quantization quantizes no activation).
+
+    Construction: ``QuantRecipe(**fields)`` validates and interns (equal arguments, same
+    object). ``model_copy(update=...)`` is ``QuantRecipe(**fields_set, **update)``: the
+    fields this recipe was given explicitly plus the update, validated like the
+    constructor (so ``QuantRecipe().model_copy(update={"macro_block": 64})`` selects
+    "rceil", and a copy of an explicit "floor" recipe with a macro block is rejected);
+    ``model_construct(**fields)`` validates too. Inside ``torch.compile`` a recipe built
+    from constant arguments is a constant of the graph.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -48,6 +83,53 @@ class QuantRecipe(BaseModel):
     activations: ActivationsName = "mxfp4"
     grad_input: GradGemmName = "mxfp4"
     grad_weight: GradGemmName = "mxfp4"
+
+    # ------------------------------------------------------------------- construction
+
+    def __new__(cls, /, **data: Any) -> "QuantRecipe":
+        if not _is_compiling():
+            if not data:
+                # a blank instance: pydantic's own paths (copies, unpickling) fill it;
+                # QuantRecipe() fills it in __init__
+                return super().__new__(cls)
+            return _interned(cls, data)
+        # torch.compile: the fields must be constants of the trace (an int argument that
+        # changes between calls turns symbolic: build that recipe outside, or compile with
+        # dynamic=False, one graph per value)
+        name = _intern(cls, data)  # QuantRecipe(...) under torch.compile: its fields must be constants
+        return getattr(_Interned, name)
+
+    def __init__(self, /, **data: Any) -> None:
+        if self.__dict__:  # an interned recipe from __new__, validated when it was made
+            return
+        super().__init__(**data)
+        _remember(self)
+
+    @classmethod
+    def model_construct(cls, _fields_set: Optional[set[str]] = None, **values: Any) -> "QuantRecipe":
+        """``QuantRecipe(**values)``: validated (a recipe is never built unchecked)."""
+        return cls(**values)
+
+    def model_copy(self, *, update: Optional[dict[str, Any]] = None, deep: bool = False) -> "QuantRecipe":
+        """``QuantRecipe(**fields_set, **update)``: the fields this recipe was given
+        explicitly, updated, validated like the constructor. Without an update, the recipe
+        itself (it is immutable)."""
+        if not update:
+            return self
+        return type(self)(**{**{k: self.__dict__[k] for k in self.model_fields_set}, **update})
+
+    def __copy__(self) -> "QuantRecipe":
+        return self
+
+    def __deepcopy__(self, memo: Optional[dict] = None) -> "QuantRecipe":
+        return self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _check_fields(self)
+        _remember(self)
+
+    # ------------------------------------------------------------------- validation
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +147,12 @@ class QuantRecipe(BaseModel):
                 f"macro_block must be None or a positive multiple of {BLOCK_SIZE} "
                 f"(64, 128, 256, ...); got {v!r}"
             )
+        if v is not None and v > MAX_MACRO_BLOCK:
+            raise ValueError(
+                f"macro_block must be at most {MAX_MACRO_BLOCK} (2**16); got {v!r}. A macro "
+                "block as long as the padded K or longer holds the whole row (one macro "
+                f"factor per row): for longer rows use {MAX_MACRO_BLOCK}"
+            )
         return v
 
     @model_validator(mode="after")
@@ -75,6 +163,8 @@ class QuantRecipe(BaseModel):
                 f"quantizes each 32-block with rceil); got scale_rule={self.scale_rule!r}"
             )
         return self
+
+    # ------------------------------------------------------------------- derived
 
     @property
     def quantizes_activations(self) -> bool:
@@ -97,6 +187,104 @@ class QuantRecipe(BaseModel):
             if getattr(self, name) == "high":
                 parts.append(f"{name}=high")
         return "/".join(parts)
+
+
+# ----------------------------------------------------------------------------- interning
+
+
+class _Interned:
+    """The interned recipes, as attributes named ``r_<digest of the arguments>``: dynamo
+    reads a class attribute afresh at each lookup and guards on it, which makes a recipe
+    built inside a compiled function a constant of its graph."""
+
+
+_NAMES: dict[str, str] = {}  # repr of the sorted arguments -> attribute of _Interned
+_PINNED: set[str] = set()  # attributes interned while dynamo traced: never evicted
+_MAX_INTERNED = 4096
+
+
+def _key(cls: type, data: dict[str, Any]) -> str:
+    """The interning key of ``cls(**data)``: exact for the plain types (True, 1 and 1.0
+    differ, as they may to the validator)."""
+    return repr((cls.__module__, cls.__qualname__, sorted((k, type(v).__qualname__, v) for k, v in data.items())))
+
+
+def _interned(cls: type, data: dict[str, Any]) -> "QuantRecipe":
+    """The interned recipe ``cls(**data)``, built (validated) on first use."""
+    key = _key(cls, data)
+    name = _NAMES.get(key)
+    if name is not None:
+        obj = getattr(_Interned, name, None)
+        if obj is not None:
+            return obj
+    obj = BaseModel.__new__(cls)
+    BaseModel.__init__(obj, **data)  # raises pydantic.ValidationError for bad fields
+    if len(_NAMES) >= _MAX_INTERNED:  # recipes made per call (a seed per step): stay bounded
+        for k, n in list(_NAMES.items()):
+            if n not in _PINNED:
+                _NAMES.pop(k, None)
+                if hasattr(_Interned, n):
+                    delattr(_Interned, n)
+    name = "r_" + hashlib.sha1(key.encode()).hexdigest()[:20]
+    setattr(_Interned, name, obj)
+    _NAMES[key] = name
+    _remember(obj)
+    if _is_compiling():  # made while dynamo traces: a compiled graph may guard on it
+        _PINNED.add(name)
+    return obj
+
+
+@torch.compiler.assume_constant_result
+def _intern(cls: type, data: dict[str, Any]) -> str:
+    """The attribute of :class:`_Interned` holding ``cls(**data)``. Runs eagerly even
+    under ``torch.compile`` (dynamo keeps its result as a constant of the graph)."""
+    _interned(cls, data)
+    return _NAMES[_key(cls, data)]
+
+
+# ----------------------------------------------------------------------------- validated
+
+
+VALIDATED: dict[int, QuantRecipe] = {}
+"""id -> recipe, for every recipe object known to be valid. The references are strong, so
+an id here is the id of that very object (no other live object can have it): the hot
+path's whole check is ``id(r) in VALIDATED``. Cleared (in place) when it grows large."""
+
+
+def _remember(recipe: QuantRecipe) -> None:
+    if len(VALIDATED) >= 4 * _MAX_INTERNED:
+        VALIDATED.clear()
+    VALIDATED[id(recipe)] = recipe
+
+
+def _check_fields(recipe: QuantRecipe) -> QuantRecipe:
+    """The recipe the constructor makes of ``recipe``'s fields (raises if invalid)."""
+    fields = dict(recipe.__dict__)
+    names = set(QuantRecipe.model_fields)
+    if set(fields) != names:
+        missing, extra = sorted(names - set(fields)), sorted(set(fields) - names)
+        raise ValueError(
+            f"this QuantRecipe was not built by QuantRecipe(...): fields missing {missing}, "
+            f"unknown {extra}. Build recipes with QuantRecipe(**fields) or model_copy(update=...)"
+        )
+    return QuantRecipe(**fields)
+
+
+def validated(recipe: Any) -> QuantRecipe:
+    """``recipe`` when it is a valid :class:`QuantRecipe` (checked once per object, then
+    remembered by identity), else the recipe its fields make when the constructor only
+    converts them (e.g. a string seed); raises ``pydantic.ValidationError`` (a
+    ``ValueError``) naming the field for an invalid one and ``TypeError`` for a
+    non-recipe. What the public ops and nn layers call on every recipe they receive."""
+    if id(recipe) in VALIDATED:
+        return recipe
+    if not isinstance(recipe, QuantRecipe):
+        raise TypeError(f"expected a QuantRecipe; got {type(recipe).__name__}")
+    good = _check_fields(recipe)
+    if good.__dict__ == recipe.__dict__ and all(type(v) is type(good.__dict__[k]) for k, v in recipe.__dict__.items()):
+        _remember(recipe)
+        return recipe
+    return good
 
 
 DEFAULT_RECIPE = QuantRecipe()

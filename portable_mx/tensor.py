@@ -12,7 +12,7 @@ import torch
 from . import _dispatch
 from ._transforms import refuse_func_transforms
 from .format import BLOCK_SIZE
-from .recipe import QuantRecipe
+from .recipe import QuantRecipe, validated
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes portable_mx quantizes from and dequantizes to."""
@@ -49,6 +49,13 @@ class MXTensor:
 
     Element (lead, k) decodes to ``code * 2**(scale-127) * m`` except at outlier
     positions, which hold the stored bf16 value; all of it is exact in fp32.
+
+    ``MXTensor(...)`` and ``dataclasses.replace`` check that the parts agree with
+    ``shape``, ``axis`` and ``recipe`` (dtypes and shapes above, macro factors exactly when
+    ``recipe.macro_block``, outliers exactly when ``recipe.outliers_per_block``, every
+    part on qdata's device) and raise ValueError / TypeError naming the part; the bytes
+    themselves are not read (no device synchronisation). The library's own constructor,
+    :meth:`_make`, builds from parts that agree by construction and checks nothing.
     """
 
     qdata: torch.Tensor
@@ -60,6 +67,9 @@ class MXTensor:
     macro_scales: Optional[torch.Tensor] = None
     outlier_values: Optional[torch.Tensor] = None
     outlier_indices: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        _check_consistent(self)
 
     @property
     def device(self) -> torch.device:
@@ -133,8 +143,7 @@ class MXTensor:
         it = iter(parts[2:])
         macro = next(it) if recipe.macro_block is not None else None
         ov, oi = (next(it), next(it)) if recipe.outliers_per_block else (None, None)
-        return cls(qdata=parts[0], scales=parts[1], shape=torch.Size(shape), dtype=dtype, axis=axis,
-                   recipe=recipe, macro_scales=macro, outlier_values=ov, outlier_indices=oi)
+        return cls._make(parts[0], parts[1], torch.Size(shape), dtype, axis, recipe, macro, ov, oi)
 
     def rows(self) -> "MXTensor":
         """The (R, K), axis 1 view backends work on, R = prod(lead_shape): this MXTensor
@@ -151,9 +160,9 @@ class MXTensor:
                 return t
             return t.reshape(r, *t.shape[t.dim() - extra:])
 
-        return MXTensor(qdata=flat(self.qdata, 1), scales=flat(self.scales, 1), shape=torch.Size((r, self.k)),
-                        dtype=self.dtype, axis=1, recipe=self.recipe, macro_scales=flat(self.macro_scales, 1),
-                        outlier_values=flat(self.outlier_values, 2), outlier_indices=flat(self.outlier_indices, 2))
+        return MXTensor._make(flat(self.qdata, 1), flat(self.scales, 1), torch.Size((r, self.k)), self.dtype, 1,
+                              self.recipe, flat(self.macro_scales, 1), flat(self.outlier_values, 2),
+                              flat(self.outlier_indices, 2))
 
     def unrows(self, shape: torch.Size, axis: int) -> "MXTensor":
         """This rows-layout MXTensor (R, K), axis 1, as the MXTensor of a tensor of
@@ -165,10 +174,9 @@ class MXTensor:
         def unflat(t: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
             return None if t is None else t.reshape(*lead, *t.shape[t.dim() - extra:])
 
-        return MXTensor(qdata=unflat(self.qdata, 1), scales=unflat(self.scales, 1), shape=torch.Size(shape),
-                        dtype=self.dtype, axis=axis, recipe=self.recipe, macro_scales=unflat(self.macro_scales, 1),
-                        outlier_values=unflat(self.outlier_values, 2),
-                        outlier_indices=unflat(self.outlier_indices, 2))
+        return MXTensor._make(unflat(self.qdata, 1), unflat(self.scales, 1), torch.Size(shape), self.dtype, axis,
+                              self.recipe, unflat(self.macro_scales, 1), unflat(self.outlier_values, 2),
+                              unflat(self.outlier_indices, 2))
 
     @classmethod
     def zeros(cls, shape: torch.Size, dtype: torch.dtype, axis: int, recipe: QuantRecipe,
@@ -186,8 +194,8 @@ class MXTensor:
         if recipe.outliers_per_block:
             ov = torch.zeros(r, nb, recipe.outliers_per_block, dtype=torch.bfloat16, device=device)
             oi = torch.zeros(r, nb, recipe.outliers_per_block, **u8)
-        rows = cls(qdata=torch.zeros(r, kp // 2, **u8), scales=torch.zeros(r, nb, **u8), shape=torch.Size((r, k)),
-                   dtype=dtype, axis=1, recipe=recipe, macro_scales=macro, outlier_values=ov, outlier_indices=oi)
+        rows = cls._make(torch.zeros(r, kp // 2, **u8), torch.zeros(r, nb, **u8), torch.Size((r, k)), dtype, 1,
+                         recipe, macro, ov, oi)
         return rows.unrows(torch.Size(shape), axis)
 
     @classmethod
@@ -218,7 +226,9 @@ class MXTensor:
               outlier_values: Optional[torch.Tensor] = None,
               outlier_indices: Optional[torch.Tensor] = None) -> "MXTensor":
         """The constructor for the hot path: the same object as ``MXTensor(...)`` without
-        the frozen dataclass's per-field ``object.__setattr__`` (at about a third of the cost)."""
+        the frozen dataclass's per-field ``object.__setattr__`` (at about a third of the
+        cost) and without the consistency checks: only for parts that agree with the
+        other fields by construction (the library's own outputs and views)."""
         obj = object.__new__(cls)
         obj.__dict__.update(qdata=qdata, scales=scales, shape=shape, dtype=dtype, axis=axis, recipe=recipe,
                             macro_scales=macro_scales, outlier_values=outlier_values,
@@ -233,3 +243,67 @@ class MXTensor:
             f"MXTensor(shape={tuple(self.shape)}, axis={self.axis}, dtype={self.dtype}, "
             f"recipe={self.recipe.describe()}, device={self.device})"
         )
+
+
+# ----------------------------------------------------------------------------- consistency
+
+
+def part_layout(shape: torch.Size, axis: int, recipe: QuantRecipe) -> dict[str, Optional[tuple[torch.dtype, tuple]]]:
+    """(dtype, shape) of each part of the MXTensor of a tensor of ``shape`` quantized along
+    ``axis`` with ``recipe``: :func:`part_specs` with the lead dims ``shape[:axis] +
+    shape[axis+1:]`` in place of the rows; None for a part the recipe has no use for."""
+    lead = tuple(shape[:axis]) + tuple(shape[axis + 1:])
+    layout: dict[str, Optional[tuple[torch.dtype, tuple]]] = dict.fromkeys(
+        ("qdata", "scales", "macro_scales", "outlier_values", "outlier_indices"))
+    for name, dtype, rows_shape in part_specs(recipe, 1, shape[axis]):
+        layout[name] = (dtype, lead + tuple(rows_shape[1:]))
+    return layout
+
+
+def _check_consistent(mx: MXTensor) -> None:
+    """What ``MXTensor(...)`` checks (see the class doc); normalises ``shape`` to a
+    torch.Size and ``recipe`` to its validated form."""
+    shape = mx.shape
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise TypeError(f"MXTensor: shape must be a tuple of non-negative ints; got {shape!r}")
+    if not isinstance(mx.axis, int) or isinstance(mx.axis, bool) or not 0 <= mx.axis < len(shape):
+        raise ValueError(f"MXTensor: axis must be an int in [0, {len(shape)}) for shape {tuple(shape)}; got {mx.axis!r}")
+    if mx.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"MXTensor: dtype (the original tensor's) must be one of {FLOAT_DTYPES}; got {mx.dtype!r}")
+    recipe = mx.recipe
+    if torch.compiler.is_compiling():  # traced: the custom ops re-validate the recipe's JSON
+        if not isinstance(recipe, QuantRecipe):
+            raise TypeError(f"MXTensor: recipe must be a QuantRecipe; got {type(recipe).__name__}")
+    else:
+        recipe = validated(recipe)
+    if not isinstance(shape, torch.Size):
+        object.__setattr__(mx, "shape", torch.Size(shape))
+    if recipe is not mx.recipe:
+        object.__setattr__(mx, "recipe", recipe)
+    if not isinstance(mx.qdata, torch.Tensor):
+        raise TypeError(f"MXTensor: qdata must be a torch.Tensor; got {type(mx.qdata).__name__}")
+    device = mx.qdata.device
+    for name, want in part_layout(mx.shape, mx.axis, recipe).items():
+        part = getattr(mx, name)
+        if want is None:
+            if part is not None:
+                raise ValueError(
+                    f"MXTensor: {name} is set but the recipe {recipe.describe()} has no "
+                    f"{'macro_block' if name == 'macro_scales' else 'outliers_per_block'}: it would be ignored"
+                )
+            continue
+        dtype, part_shape = want
+        if part is None:
+            raise ValueError(
+                f"MXTensor: {name} is missing: shape {tuple(mx.shape)}, axis {mx.axis} and recipe "
+                f"{recipe.describe()} need a {dtype} tensor {part_shape}"
+            )
+        if not isinstance(part, torch.Tensor):
+            raise TypeError(f"MXTensor: {name} must be a torch.Tensor; got {type(part).__name__}")
+        if part.dtype != dtype or tuple(part.shape) != part_shape or part.device != device:
+            raise ValueError(
+                f"MXTensor: {name} must be {dtype} {part_shape} on {device} (qdata's device) for shape "
+                f"{tuple(mx.shape)}, axis {mx.axis} and recipe {recipe.describe()}; got {part.dtype} "
+                f"{tuple(part.shape)} on {part.device}"
+            )

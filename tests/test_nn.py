@@ -3,6 +3,7 @@ operands quantized independently along the stated axes; MXLinear, its weight cac
 convert(); training a small MLP on each CPU backend; torch.compile and opcheck."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -341,6 +342,20 @@ def test_convert_swaps_linears_in_place_and_skips_by_name_or_predicate():
     net = convert(Net(), skip=("blocks.*", lambda name, m: name == "proj"))
     assert [n for n, k in kinds(net).items() if k == "MXLinear"] == ["lm_head"]
     assert sum(isinstance(m, MXLinear) for m in convert(Net(), skip="*head").modules()) == 3
+
+
+def test_convert_warns_once_about_skip_patterns_that_match_no_linear():
+    net = Net()
+    with pytest.warns(UserWarning) as record:
+        convert(net, skip=["lm-head", "blocks.0", "proj", lambda name, m: False])
+    assert len(record) == 1
+    text = str(record[0].message)
+    assert "['lm-head', 'blocks.0']" in text and "'blocks.0.0'" in text and "'lm_head'" in text, text
+    assert kinds(net)["proj"] == "Linear" and kinds(net)["lm_head"] == "MXLinear"  # the rules still apply
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(Net(), skip=["lm_head", "blocks.*"])  # every pattern matched: silent
+        convert(Net())
 
 
 def test_convert_shared_and_root_linear():

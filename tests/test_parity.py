@@ -227,6 +227,55 @@ def test_cli_refuses_a_device_it_cannot_use(capsys):
     assert "cannot use device cuda:99" in capsys.readouterr().err
 
 
+def test_compare_of_nothing_fails(tmp_path, capsys):
+    """Two reports with no cases, or a report whose cases are gone, prove nothing: exit 3
+    with a message, never 0."""
+    empty = {"schema": parity.SCHEMA, "corpus": "small", "case_filter": None, "cases": {}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        path.write_text(json.dumps(empty))
+    assert parity.run(_parser().parse_args(["--compare", str(a), str(b)])) == 3
+    assert "a.json holds no cases" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="holds no cases"):
+        parity.compare_reports([empty, copy.deepcopy(empty)])
+
+
+def test_a_filter_that_matches_nothing_fails(capsys):
+    args = _parser().parse_args(["--device", "cpu", "--backend", "reference", "--filter", "quantize/no-such-tensor/*"])
+    assert parity.run(args) == 3
+    err = capsys.readouterr().err
+    assert "'quantize/no-such-tensor/*' matches none of the" in err and "quantize/" in err
+    with pytest.raises(ValueError, match="matches none"):
+        parity.build_report("small", "cpu", case_filter="nothing")
+
+
+@pytest.mark.parametrize("content,words", [
+    (None, "cannot read report"),
+    (b"{not json", "is not valid JSON (line 1"),
+    (b"\xff\xfe\x00", "is not UTF-8 text"),
+    (b"[1, 2]", "is not a parity report"),
+    (b'{"cases": {"c": {}}}', "is not a parity report"),
+])
+def test_compare_of_an_unreadable_report_says_which_file(tmp_path, capsys, content, words):
+    """Missing, corrupt or foreign files: one line naming the file and exit 3, which is
+    not the mismatch status 1."""
+    good = tmp_path / "good.json"
+    assert parity.run(_parser().parse_args(["--device", "cpu", "--backend", "reference", "--filter", "quantize/tiny/*",
+                                            "--json", str(good)])) == 0
+    bad = tmp_path / "bad.json"
+    if content is not None:
+        bad.write_bytes(content)
+    capsys.readouterr()
+    assert parity.run(_parser().parse_args(["--compare", str(good), str(bad)])) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("parity: ") and str(bad) in err and words in err and "\n" not in err, err
+
+
+def test_the_help_lists_the_exit_statuses():
+    text = _parser().format_help()
+    assert "exit status" in text and all(f"\n  {code}  " in text for code in (0, 1, 2, 3))
+
+
 def test_portable_mx_cli_dispatches_parity(tmp_path):
     from portable_mx import cli
 

@@ -1,7 +1,13 @@
-"""QuantRecipe validation: invalid recipes name the field and the allowed values."""
+"""QuantRecipe validation: invalid recipes name the field and the allowed values; every
+way of obtaining a recipe validates it or is refused where the recipe enters the library;
+the macro-block bound; recipes built inside ``torch.compile(fullgraph=True)``."""
+
+import copy
+import pickle
 
 import pydantic
 import pytest
+import torch
 
 import portable_mx as pmx
 
@@ -42,3 +48,150 @@ def test_frozen_and_hashable():
         r.outliers_per_block = 2
     assert {r: 1}[pmx.QuantRecipe(outliers_per_block=1)] == 1
     assert r.describe() == "floor/nearest/OF-1"
+
+
+# ----------------------------------------------------------------------------- every way of getting a recipe validates
+
+
+def test_model_copy_validates_like_the_constructor():
+    with pytest.raises(pydantic.ValidationError, match="scale_rule must be 'rceil' when macro_block"):
+        pmx.QuantRecipe(scale_rule="floor").model_copy(update={"macro_block": 64})
+    with pytest.raises(pydantic.ValidationError, match="outliers_per_block"):
+        pmx.QuantRecipe().model_copy(update={"outliers_per_block": 40})
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        pmx.QuantRecipe().model_copy(update={"block_size": 16})
+    # an unset scale_rule is selected as by the constructor; set fields are kept
+    copied = pmx.QuantRecipe(rounding="stochastic", seed=3).model_copy(update={"macro_block": 64})
+    assert (copied.scale_rule, copied.rounding, copied.seed, copied.macro_block) == ("rceil", "stochastic", 3, 64)
+    r = pmx.QuantRecipe(outliers_per_block=1)
+    assert r.model_copy() is r and r.model_copy(update={"outliers_per_block": 2}).outliers_per_block == 2
+
+
+def test_model_construct_validates():
+    with pytest.raises(pydantic.ValidationError, match="outliers_per_block"):
+        pmx.QuantRecipe.model_construct(outliers_per_block=40)
+    with pytest.raises(pydantic.ValidationError, match="scale_rule must be 'rceil'"):
+        pmx.QuantRecipe.model_construct(scale_rule="floor", macro_block=64)
+    assert pmx.QuantRecipe.model_construct(macro_block=64) == pmx.QuantRecipe(macro_block=64)
+
+
+def test_unpickling_and_copies_validate():
+    good = pmx.QuantRecipe(macro_block=128, outliers_per_block=1)
+    assert pickle.loads(pickle.dumps(good)) == good
+    assert copy.copy(good) is good and copy.deepcopy(good) is good  # immutable: a copy is itself
+    state = good.__getstate__()
+    state["__dict__"] = {**state["__dict__"], "outliers_per_block": 40}
+    blank = pmx.QuantRecipe.__new__(pmx.QuantRecipe)
+    with pytest.raises(pydantic.ValidationError, match="outliers_per_block"):
+        blank.__setstate__(state)
+
+
+def _bypassed(**fields):
+    """A QuantRecipe made around every validating path (pydantic's own model_construct)."""
+    return pydantic.BaseModel.model_construct.__func__(pmx.QuantRecipe, **fields)
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"scale_rule": "floor", "macro_block": 64}, "scale_rule must be 'rceil'"),
+    ({"outliers_per_block": 40}, "outliers_per_block"),
+])
+def test_a_recipe_built_around_validation_is_refused_where_it_enters(fields, words):
+    bad = _bypassed(**fields)
+    x, w = torch.randn(4, 64), torch.randn(64, 8)
+    calls = {
+        "quantize": lambda: pmx.quantize(x, bad),
+        "decompose": lambda: pmx.decompose(x, bad),
+        "matmul": lambda: pmx.matmul(x, w, bad),
+        "MXLinear": lambda: pmx.nn.MXLinear(64, 8, recipe=bad),
+        "convert": lambda: pmx.nn.convert(torch.nn.Sequential(torch.nn.Linear(64, 8)), bad),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=words):
+            call()
+    empty = pmx.QuantRecipe.__new__(pmx.QuantRecipe)  # no fields at all
+    with pytest.raises(ValueError, match=r"not built by QuantRecipe\(\.\.\.\)"):
+        pmx.quantize(x, empty)
+
+
+def test_the_same_arguments_give_the_same_recipe():
+    a = pmx.QuantRecipe(activations="bf16", seed=1)
+    assert a is pmx.QuantRecipe(seed=1, activations="bf16")
+    assert pmx.QuantRecipe(seed=True) == pmx.QuantRecipe(seed=1)  # pydantic's coercion, unchanged
+    assert pmx.QuantRecipe() == pmx.recipe.DEFAULT_RECIPE
+
+
+# ----------------------------------------------------------------------------- macro_block bound
+
+
+def test_macro_block_is_bounded():
+    with pytest.raises(pydantic.ValidationError, match="macro_block must be at most 65536"):
+        pmx.QuantRecipe(macro_block=2**40)
+    with pytest.raises(pydantic.ValidationError, match="at most 65536"):
+        pmx.QuantRecipe(macro_block=65536 + 32)
+    assert pmx.QuantRecipe(macro_block=65536).macro_block == 65536
+
+
+def test_a_macro_block_longer_than_the_row_holds_the_whole_row():
+    """K = 70 (padded 96): macro blocks of 128, 4096 and 65536 all make one macro factor
+    per row and write the same bytes."""
+    x = torch.randn(3, 70, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 70)
+    outs = [pmx.quantize(x, pmx.QuantRecipe(macro_block=mb)) for mb in (128, 4096, 65536)]
+    for mx in outs:
+        assert mx.macro_scales.shape == (3, 1)
+        for name in ("qdata", "scales", "macro_scales"):
+            assert torch.equal(getattr(mx, name), getattr(outs[0], name)), name
+
+
+# ----------------------------------------------------------------------------- recipes built inside torch.compile
+
+
+def test_a_recipe_built_inside_a_compiled_function_is_a_graph_constant():
+    """fullgraph=True raises on any graph break: the recipes are built inside, and used by
+    matmul, quantize and an MXLinear whose recipe is set inside; one compilation serves
+    later calls, also after other recipes were made eagerly."""
+    import torch._dynamo.testing
+
+    x, w = torch.randn(4, 64), torch.randn(64, 8)
+    lin = pmx.nn.MXLinear(64, 8)
+
+    def f(x, w):
+        w4a16 = pmx.QuantRecipe(activations="bf16")
+        mbs = pmx.QuantRecipe(macro_block=64, outliers_per_block=1)
+        lin.recipe = mbs
+        y = pmx.matmul(x, w, w4a16) + pmx.matmul(x, w, pmx.QuantRecipe()) + lin(x)
+        q = pmx.quantize(x, mbs, axis=0)
+        return y, q.qdata, q.scales, q.macro_scales
+
+    want = f(x, w)
+    lin.recipe = None
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    for _ in range(2):
+        got = compiled(x, w)
+        assert all(torch.equal(g, v) for g, v in zip(got, want))
+        assert lin.recipe == pmx.QuantRecipe(macro_block=64, outliers_per_block=1)
+        pmx.QuantRecipe(seed=12345)  # a new recipe made eagerly between calls
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_interned_recipes_stay_bounded_and_compiled_ones_are_kept(monkeypatch):
+    """Recipes made per call (a seed per step) do not accumulate; one that a compiled graph
+    was built on survives the eviction (no recompilation)."""
+    import torch._dynamo.testing
+
+    from portable_mx import recipe as recipe_module
+
+    monkeypatch.setattr(recipe_module, "_MAX_INTERNED", len(recipe_module._NAMES) + 4)
+    x = torch.randn(2, 32)
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: pmx.quantize(t, pmx.QuantRecipe(rounding="stochastic", seed=987654)).qdata,
+                             fullgraph=True, backend=counter)
+    want = compiled(x)
+    for seed in range(40):
+        pmx.QuantRecipe(rounding="stochastic", seed=10**6 + seed)
+    assert len(recipe_module._NAMES) <= recipe_module._MAX_INTERNED + len(recipe_module._PINNED)
+    assert torch.equal(compiled(x), want) and counter.frame_count == 1
+    torch._dynamo.reset()

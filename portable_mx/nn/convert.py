@@ -4,6 +4,7 @@ transformers expert modules (GptOss, Qwen3-MoE) for :class:`MXExperts`."""
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -46,7 +47,10 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     fnmatch pattern matched against the qualified module name (as in
     ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``), a
     predicate ``(name, module) -> bool``, or an iterable of both; a layer matching any
-    rule is kept. A Linear shared by several parents becomes one shared MXLinear. When
+    rule is kept. A pattern that matches no ``nn.Linear`` of the model skips nothing: one
+    ``UserWarning`` lists such patterns with some of the Linear layers' names (a typo, or a
+    pattern naming a container, e.g. ``"layers.0"`` where ``"layers.0.*"`` was meant).
+    A Linear shared by several parents becomes one shared MXLinear. When
     ``model`` itself is an ``nn.Linear`` a new MXLinear is returned (use the return
     value). Count the converted layers with
     ``sum(isinstance(m, MXLinear) for m in model.modules())``.
@@ -55,6 +59,9 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
         raise TypeError(f"convert expects a torch.nn.Module; got {type(model).__name__}")
     recipe = ops._recipe(recipe)
     rules = _skip_rules(skip)
+    patterns = [r for r in rules if isinstance(r, str)]
+    linear_names: list[str] = []  # every Linear the rules were asked about
+    matched: set[str] = set()  # the patterns that matched one of them
 
     def converted(module: torch.nn.Module) -> Any:
         if type(module) is torch.nn.Linear:
@@ -64,6 +71,8 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     def keep(name: str, module: torch.nn.Module) -> bool:
         if type(module) is not torch.nn.Linear and family_of(module) is None:
             return True
+        linear_names.append(name)
+        matched.update(p for p in patterns if fnmatch.fnmatchcase(name, p))
         return any(fnmatch.fnmatchcase(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
 
     if not keep("", model):
@@ -80,5 +89,22 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             elif not keep(name, child):
                 swapped[id(child)] = converted(child)
                 setattr(parent, child_name, swapped[id(child)])
+    unmatched = [p for p in patterns if p not in matched]
+    if unmatched:
+        _warn_unmatched(unmatched, [n for n in linear_names if n])
     return model
+
+
+def _warn_unmatched(unmatched: list[str], linear_names: list[str]) -> None:
+    if linear_names:
+        shown = ", ".join(repr(n) for n in linear_names[:6]) + (", ..." if len(linear_names) > 6 else "")
+        where = f"its {len(linear_names)} Linear layer(s) are named {shown}"
+    else:
+        where = "it has no nn.Linear layer (besides the converted ones)"
+    warnings.warn(
+        f"convert: skip pattern(s) {unmatched} match no nn.Linear layer of the model and skip nothing; "
+        f"{where} (patterns are fnmatch globs on the full name, e.g. 'layers.0.*')",
+        UserWarning,
+        stacklevel=3,
+    )
 

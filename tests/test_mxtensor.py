@@ -1,0 +1,70 @@
+"""MXTensor(...) and dataclasses.replace check that the parts agree with shape, axis and
+recipe (what a hand-built or edited MXTensor must hold); the library's own MXTensors pass
+the same checks."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import portable_mx as pmx
+from portable_mx.tensor import MXTensor
+
+MBS_OF = pmx.QuantRecipe(macro_block=64, outliers_per_block=1)
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _fields(mx):
+    return {f.name: getattr(mx, f.name) for f in dataclasses.fields(mx)}
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), MBS_OF])
+def test_the_library_s_own_mxtensors_are_consistent(recipe):
+    """Every layout the library makes (3-D along a middle axis, its rows view, zeros,
+    moved) rebuilds through the checked constructor unchanged."""
+    mx = pmx.quantize(_x(2, 70, 3), recipe, axis=1)
+    for t in (mx, mx.rows(), mx.rows().unrows(mx.shape, 1), MXTensor.zeros(torch.Size((0, 5)), torch.float32, 1, recipe,
+                                                                         torch.device("cpu")), mx.to("cpu")):
+        again = MXTensor(**_fields(t))
+        assert again.shape == t.shape and again.axis == t.axis and again.recipe == t.recipe
+        assert torch.equal(pmx.dequantize(again), pmx.dequantize(t))
+        dataclasses.replace(t)  # the same checks through replace
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"shape": torch.Size((4, 70, 3))}, "qdata must be torch.uint8 (4, 3, 48)"),  # lead dims disagree
+    ({"shape": torch.Size((2, 200, 3))}, "qdata must be torch.uint8 (2, 3, 112)"),  # K disagrees
+    ({"axis": 0}, "qdata must be"),
+    ({"axis": 3}, "axis must be an int in [0, 3)"),
+    ({"recipe": pmx.QuantRecipe(macro_block=128, outliers_per_block=1)}, "macro_scales must be torch.float32 (2, 3, 1)"),
+    ({"recipe": pmx.QuantRecipe(macro_block=64)}, "outlier_values is set but the recipe"),
+    ({"recipe": pmx.QuantRecipe(macro_block=64, outliers_per_block=2)}, "outlier_values must be torch.bfloat16"),
+    ({"recipe": pmx.QuantRecipe(outliers_per_block=1)}, "macro_scales is set but the recipe"),
+    ({"macro_scales": None}, "macro_scales is missing"),
+    ({"outlier_indices": None}, "outlier_indices is missing"),
+    ({"scales": torch.zeros(2, 3, 3, dtype=torch.int8)}, "scales must be torch.uint8 (2, 3, 3)"),
+    ({"scales": torch.zeros(2, 3, 3, dtype=torch.uint8, device="meta")}, "on cpu (qdata's device)"),
+    ({"dtype": torch.int32}, "dtype (the original tensor's) must be one of"),
+    ({"shape": (2, -70, 3)}, "shape must be a tuple of non-negative ints"),
+])
+def test_an_edited_mxtensor_that_disagrees_with_its_data_is_refused(change, words):
+    mx = pmx.quantize(_x(2, 70, 3), MBS_OF, axis=1)
+    with pytest.raises((ValueError, TypeError)) as err:
+        dataclasses.replace(mx, **change)
+    assert words in str(err.value), str(err.value)
+    with pytest.raises((ValueError, TypeError)):
+        MXTensor(**{**_fields(mx), **change})
+
+
+def test_a_hand_built_mxtensor_is_normalised_and_usable():
+    mx = pmx.quantize(_x(5, 40))
+    built = MXTensor(qdata=mx.qdata, scales=mx.scales, shape=(5, 40), dtype=torch.float32, axis=1,
+                     recipe=pmx.QuantRecipe())
+    assert isinstance(built.shape, torch.Size)
+    assert torch.equal(pmx.dequantize(built), pmx.dequantize(mx))
+    with pytest.raises(ValueError, match=r"qdata must be torch.uint8 \(6, 32\)"):  # one row short
+        MXTensor(qdata=mx.qdata, scales=mx.scales, shape=(6, 40), dtype=torch.float32, axis=1,
+                 recipe=pmx.QuantRecipe())

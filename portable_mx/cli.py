@@ -104,6 +104,13 @@ _SUBCOMMANDS = {
 }
 
 
+def _optional_installs() -> dict[str, str]:
+    """Optional dependencies a subcommand may reach (module name -> what to install)."""
+    from .backends.triton import INSTALL
+
+    return {"triton": INSTALL}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import importlib
 
@@ -127,7 +134,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command in broken:
         print(f"portable-mx {args.command}: {broken[args.command]}", file=sys.stderr)
         return 2
-    return int(modules[args.command].run(args))
+    try:
+        return int(modules[args.command].run(args))
+    except ModuleNotFoundError as err:  # an optional dependency a subcommand's path needs
+        install = _optional_installs().get((err.name or "").split(".")[0])
+        if install is None:
+            raise
+        print(f"portable-mx {args.command}: needs {err.name}, which is not installed here. Install it: {install}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -201,7 +201,13 @@ def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> i
     ``backends`` defaults to the registered ones."""
     from . import registry
     from .aot import compile_all
+    from .backends.triton import required_for
 
+    missing = required_for("portable-mx compile-matrix",
+                           "to compile every kernel launch for every target ahead of time (no GPU needed)")
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     try:
         items = collect(registry.registered() if backends is None else backends,
                         targets=_names(args.targets), kernels=_names(args.kernels))

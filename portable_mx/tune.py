@@ -471,6 +471,13 @@ def run(args: argparse.Namespace) -> int:
         if args.target is None:
             print("portable-mx tune --static: --target is required", file=sys.stderr)
             return 2
+        from .backends.triton import required_for
+
+        missing = required_for("portable-mx tune --static",
+                               "to compile the candidates for --target ahead of time (no GPU needed)")
+        if missing:
+            print(missing, file=sys.stderr)
+            return 2
         return run_static(args)
     if args.target is not None:
         print("portable-mx tune: --target goes with --static (tuning uses this machine's device)", file=sys.stderr)

@@ -11,6 +11,11 @@ every edge case the reference is held to.
 The same suite passes with and without a GPU: tests that simulate a device do so
 whatever the machine has, and tests that need a GPU are marked ``gpu`` (``pytest -m
 gpu`` runs them alone; the ``kernel`` fixture marks its GPU parameters so).
+
+triton is not a requirement of portable_mx (a CPU build of torch brings none): tests that
+need it are marked ``triton`` and skip, saying what to install, where it is missing or
+older than the kernels need; a module that needs it to import at all skips whole with
+``pytest.importorskip("triton", reason=NEEDS_TRITON)``.
 """
 
 import os
@@ -24,8 +29,25 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # silence triton 3.9's n
 import pytest  # noqa: E402
 
 from portable_mx import registry  # noqa: E402
+from portable_mx.backends.triton import INSTALL as INSTALL_TRITON, triton_problem  # noqa: E402
 
 os.environ.setdefault(registry.ENV_BACKEND, "reference")
+
+TRITON_PROBLEM = triton_problem()
+"""None when a triton the kernels run on (>= 3.6) imports here, else why not (one line)."""
+NEEDS_TRITON = f"needs triton >= 3.6: {INSTALL_TRITON}"
+"""The skip reason of tests that need triton: what to install."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``triton`` skip, saying why and what to install, where triton is
+    missing or too old."""
+    if TRITON_PROBLEM is None:
+        return
+    skip = pytest.mark.skip(reason=f"{NEEDS_TRITON} ({TRITON_PROBLEM})")
+    for item in items:
+        if item.get_closest_marker("triton"):
+            item.add_marker(skip)
 
 
 def cpu_backends() -> list[str]:

@@ -29,11 +29,16 @@ from portable_mx import cli, registry
 from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.backends.targets import TARGETS
 from portable_mx.backends.triton import config_rules
-from portable_mx.backends.triton.gemm import Operand
 from portable_mx.backends.triton.launch import GemmConfig
 from portable_mx.recipe import QuantRecipe
 from portable_mx.tuning import cache
 from portable_mx.tuning.space import config_to_json, gemm_space
+
+from conftest import NEEDS_TRITON
+
+# The GEMM's operands (Operand) are defined beside the GEMM kernels, which import triton.
+pytest.importorskip("triton", reason=f"tests/test_config_cache.py {NEEDS_TRITON}")
+from portable_mx.backends.triton.gemm import Operand  # noqa: E402
 
 CPU = torch.device("cpu")
 INTERPRET = registry.get("triton-interpret")

@@ -381,6 +381,7 @@ def _fake_compiled_kernel(recorded):
     return Fake()
 
 
+@pytest.mark.triton
 def test_direct_launch_passes_what_the_jit_passes(monkeypatch):
     """The seam's direct form calls the kept kernel's launcher as ``JITFunction.run``
     does: grid (padded to 3), stream, function, metadata, no launch metadata or hooks,
@@ -587,6 +588,7 @@ def test_op_paths_without_gradients_read_no_values():
 # ----------------------------------------------------------------------------- the benchmark
 
 
+@pytest.mark.triton
 def test_overhead_benchmark_cpu_smoke(tmp_path):
     out = tmp_path / "o.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--cpu-smoke", "--out", str(out)],

@@ -366,7 +366,8 @@ def test_compare_reports_script(tmp_path, report):
     (tmp_path / "reports-cpu" / "parity-cpu-reference-small.json").write_text(json.dumps(small))
     (tmp_path / "reports-cpu" / "compile-matrix.json").write_text("{}")
     (tmp_path / "reports-x" / "parity-x-gpu-small.json").write_text(json.dumps(small))
-    env = {**os.environ, "PORTABLE_MX_REPORTS": str(tmp_path / "out")}
+    # PYTHON: the scripts run the interpreter that runs the tests, not whatever `python` is on PATH
+    env = {**os.environ, "PORTABLE_MX_REPORTS": str(tmp_path / "out"), "PYTHON": sys.executable}
     run = lambda: subprocess.run(["bash", str(ROOT / "ci" / "compare_reports.sh"), str(tmp_path)],  # noqa: E731
                                  capture_output=True, text=True, env=env, timeout=120)
     res = run()

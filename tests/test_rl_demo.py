@@ -60,6 +60,8 @@ def _finite(obj):
 
 
 def test_tiny_run_end_to_end(tmp_path):
+    pytest.importorskip("matplotlib", reason="the RL demo draws report.png with matplotlib, part of the demo "
+                        "extra: pip install 'portable_mx[demo]'")
     out = tmp_path / "demo"
     rc = cli.main(["--tiny", "--out", str(out), "--no-progress"])
     assert rc == 0

@@ -27,7 +27,12 @@ from test_triton_gemm import assert_accumulation_close, randn, rows_mx
 
 REF = ReferenceBackend()
 needs_kernels = pytest.mark.skipif(not kernel_backends("matmul"), reason=no_kernels_reason("matmul"))
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+_no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def needs_gpu(test):
+    """Marks a test ``gpu`` (``pytest -m gpu`` selects it) and skips it without a GPU."""
+    return pytest.mark.gpu(_no_gpu(test))
 
 
 def _routes():
@@ -68,6 +73,7 @@ def bitwise_equal(got, want):
 # ----------------------------------------------------------------------------- layouts
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("rows,k", [(1, 32), (70, 96), (256, 512), (300, 1056)])
 def test_hopper_value_layout_roundtrips(rows, k):
     """swizzle then unswizzle is the identity; the storage is padded to 256 x 256 values."""
@@ -81,6 +87,7 @@ def test_hopper_value_layout_roundtrips(rows, k):
     assert HOPPER_VALUES.row_stride(k) == k_p * 32  # bytes per 64-row block
 
 
+@pytest.mark.triton
 def test_hopper_value_layout_golden_word():
     """The first word of a tile holds rows 0 and 8, columns 0, 1, 8, 9 (thread 0's first
     k16 wgmma fragment) in the bit positions upcast.py's pair masks read."""
@@ -100,6 +107,7 @@ def test_hopper_value_layout_golden_word():
     assert word == want
 
 
+@pytest.mark.triton
 def test_hopper_scale_layout():
     """Round trip, padding, and rows r and r + 8 of a K block side by side."""
     from portable_mx.backends.triton.layouts import HOPPER
@@ -290,6 +298,7 @@ def test_public_matmul_through_the_upcast_route(gemm_kernel, monkeypatch):
 # ----------------------------------------------------------------------------- routing
 
 
+@pytest.mark.triton
 def test_routes_and_default_configs():
     """sm_90: the upcast kernel on the hopper layout with the inline-PTX decode; gfx942:
     the upcast kernel on the plain layout (no tl.dot_scaled there with Triton 3.6); native
@@ -361,6 +370,7 @@ _SM90_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.triton
 def test_sm90_assembly():
     """Compiled for sm_90 (no GPU needed): wgmma takes the decoded weight from registers;
     the inline PTX gets 4 consecutive bytes of one 32-bit word (the first two register

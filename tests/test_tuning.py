@@ -25,10 +25,15 @@ from portable_mx import cli, registry
 from portable_mx.aot import CompileResult
 from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.backends.targets import TARGETS
-from portable_mx.backends.triton.gemm import Operand
 from portable_mx.backends.triton.launch import GemmConfig
 from portable_mx.tuning import cache, macro, search, static
 from portable_mx.tuning.space import GemmSpace, gemm_space
+
+from conftest import NEEDS_TRITON
+
+# The tuner's operands (Operand) are defined beside the GEMM kernels, which import triton.
+pytest.importorskip("triton", reason=f"tests/test_tuning.py {NEEDS_TRITON}")
+from portable_mx.backends.triton.gemm import Operand  # noqa: E402
 
 CPU = torch.device("cpu")
 INTERPRET = registry.get("triton-interpret")

@@ -20,12 +20,18 @@ import torch
 
 from portable_mx import cli, registry
 from portable_mx.backends.targets import TARGETS
-from portable_mx.backends.triton.gemm import Operand
 from portable_mx.backends.triton.launch import GemmConfig
 from portable_mx.recipe import QuantRecipe
 from portable_mx.tuning import cost, replay, search, strategy
 from portable_mx.tuning.space import gemm_space
 from portable_mx.tuning.static import Verdict
+
+from conftest import NEEDS_TRITON
+
+# The cost model's workloads are built from the GEMM's operands (Operand), defined beside
+# the GEMM kernels, which import triton.
+pytest.importorskip("triton", reason=f"tests/test_tuning_cost.py {NEEDS_TRITON}")
+from portable_mx.backends.triton.gemm import Operand  # noqa: E402
 
 H100 = cost.DEFAULT_PROPS["sm_90"]
 W4A16 = QuantRecipe(activations="bf16")

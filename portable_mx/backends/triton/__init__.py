@@ -26,6 +26,11 @@ MIN_TRITON_INTERPRET_GEMM = (3, 8)
 correctly there)."""
 
 
+INSTALL = ("pip install 'triton>=3.6' (a CUDA or ROCm build of torch brings one; on a CPU machine, "
+           "'portable_mx[interpret]' adds one whose interpreter runs every kernel)")
+"""What to install where triton is missing or too old (one line, for error messages)."""
+
+
 def triton_version() -> Optional[tuple[int, int]]:
     """(major, minor) of the importable triton, or None when it does not import."""
     try:
@@ -52,6 +57,17 @@ def triton_problem(minimum: tuple[int, int] = MIN_TRITON,
         need = ".".join(map(str, minimum))
         return f"triton {triton.__version__} is older than {need}, {why}"
     return None
+
+
+def required_for(command: str, purpose: str) -> Optional[str]:
+    """None when triton (>= ``MIN_TRITON``) is usable here, else the one-line error of a
+    command that cannot run without it: what it needs triton for (``purpose``, e.g. "to
+    compile ..."), why triton is not usable here, and what to install."""
+    problem = triton_problem()
+    if problem is None:
+        return None
+    return (f"{command}: needs triton >= {'.'.join(map(str, MIN_TRITON))} {purpose}; here {problem}. "
+            f"Install it: {INSTALL}")
 
 
 def interpreting() -> bool:

@@ -1,0 +1,89 @@
+"""benchmarks/gpu_check.sh fits one device call (issue 26): the worst case of each mode,
+the sum of its steps' time limits read from the script, stays within the budget (540 s: a
+command may run 600 s), the benchmarks run first, then the GPU tests, then parity (in what
+is left of the budget), and nothing runs outside a step with a limit. No GPU needed:
+`--plan` runs nothing."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+BUDGET_S = 540
+MODES = {"default": [], "sweeps": ["--sweeps"]}
+SETUP = ("wheels", "info")
+CALL = re.compile(r"^\s*(step|bench|step_rest)\s+([\w-]+)\s+(\d+)\s", re.M)
+
+
+def _function_body(text: str, name: str) -> str:
+    """The body of the shell function ``name() {`` ... ``}`` (a ``}`` alone on its line)."""
+    match = re.search(rf"^{name}\(\) {{.*?\n(.*?)^}}", text, re.M | re.S)
+    assert match, f"gpu_check.sh has no function {name}()"
+    return match.group(1)
+
+
+def _declared(mode: str) -> list[tuple[str, int, bool]]:
+    """(name, limit, rest) of every step the script's text runs in ``mode``, in order: the
+    set-up steps, then the mode's own (``gpu_tests LIMIT`` is the step tests-gpu); ``rest``
+    for a step limited to what is left of the budget (``step_rest``)."""
+    text = SCRIPT.read_text()
+    calls = []
+    for fn in ("steps_setup", f"steps_{mode}"):
+        for line in _function_body(text, fn).splitlines():
+            if m := CALL.match(line + " "):
+                calls.append((m.group(2), int(m.group(3)), m.group(1) == "step_rest"))
+            elif m := re.match(r"^\s*gpu_tests\s+(\d+)\b", line):
+                calls.append(("tests-gpu", int(m.group(1)), False))
+    return calls
+
+
+def _planned(mode: str) -> tuple[list[tuple[str, int, bool]], int]:
+    """(name, limit, rest) per line of ``gpu_check.sh --plan``, and the worst case it prints."""
+    text = SCRIPT.read_text()
+    assert "--plan" in text, "gpu_check.sh has no --plan"  # never start a real run from a test
+    res = subprocess.run(["bash", str(SCRIPT), "--plan", *MODES[mode]], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [(m.group(1), int(m.group(2)), bool(m.group(3)))
+            for m in re.finditer(r"^  ([\w-]+)\s+(\d+) s( +at most: what is left of the budget)?$", res.stdout, re.M)]
+    worst = re.search(r"^worst case (\d+) s \(budget (\d+) s\)$", res.stdout, re.M)
+    assert rows and worst and int(worst.group(2)) == BUDGET_S, res.stdout
+    return rows, int(worst.group(1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_fits_the_budget(mode):
+    declared = _declared(mode)
+    worst = sum(limit for _, limit, rest in declared if not rest)
+    assert worst <= BUDGET_S, f"{mode}: the step limits add up to {worst} s > {BUDGET_S} s: {declared}"
+    # a step limited to what is left of the budget comes after every step with its own limit
+    rests = [rest for _, _, rest in declared]
+    assert rests == sorted(rests), declared
+    # the plan the script prints is the same list, with the same sum
+    assert _planned(mode) == (declared, worst)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_benchmarks_come_first_then_the_gpu_tests_then_parity(mode):
+    names = [name for name, _, _ in _declared(mode)]
+    assert names[:len(SETUP)] == list(SETUP)
+    rest = names[len(SETUP):]
+    benches = [n for n in rest if n.startswith(("bench-", "sweep-"))]
+    assert benches and rest[:len(benches)] == benches, rest
+    after = rest[len(benches):]
+    assert after[0] == "tests-gpu", rest
+    assert all(n.startswith("parity") for n in after[1:]), rest
+
+
+def test_nothing_runs_outside_a_step_with_a_limit():
+    """Every time limit is a step's: `timeout` appears only in step(), and every step line
+    of the script is in a mode's list."""
+    text = SCRIPT.read_text()
+    assert re.findall(r"\btimeout\b", text) == ["timeout"], "a time limit outside step()"
+    assert "timeout --kill-after" in _function_body(text, "step")
+    calls_in_text = {m.group(2) for m in CALL.finditer(text)}
+    declared = {name for mode in MODES for name, _, _ in _declared(mode)}
+    assert calls_in_text <= declared

@@ -26,6 +26,7 @@ resumed after a kill continues the uninterrupted run's loss curve exactly.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -178,6 +179,10 @@ def main() -> None:
             dist.barrier()
     if log is not None:
         log.close()
+    # finished work objects must not outlive the group into interpreter shutdown (gloo's
+    # threads can then abort the process); every rank leaves together
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ TRITON_INTERPRET set by conftest.py).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import time
@@ -47,8 +48,16 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, out_dir: str, c
                 f.write(traceback.format_exc())
             raise
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Tear down in step: no rank closes its connections while another still has
+        # collectives in flight, and no finished work object (holding tensors) outlives the
+        # group into interpreter shutdown, where gloo's threads then abort the process
+        # ("terminate called without an active exception", seen under load).
+        del result
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+        gc.collect()
 
 
 def run_ranks(fn: Callable, world_size: int = 2, *, timeout: float = 300.0, **kwargs: Any) -> list[Any]:

@@ -1,0 +1,192 @@
+"""Runs the study: the warm-up checkpoint (shipped, reused or trained once), every
+(arm, seed) unit and one component-probe unit per seed in parallel worker processes, then
+the analysis, the verdicts and the outputs.
+
+Outputs in ``out``:
+
+- ``results.json``: every number, deterministic: a second run with the same settings on
+  the same machine and backend writes the same bytes (each unit pins its torch thread
+  count, and nothing in it depends on the order units finish or on wall-clock time).
+- ``timing.json``: the command, worker count, load average, and wall-clock seconds per
+  unit, per evaluation and per iteration (kept apart because they vary run to run).
+- ``report.md``, ``curves.png`` (reward and entropy with interval bands), ``forest.png``
+  (the paired differences): see :mod:`.report`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import platform
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+import portable_mx as pmx
+from portable_mx import registry
+
+from ..run import SHIPPED, _eval_set, load_or_warmup, non_finite
+from . import analysis, verdicts
+from .design import ARMS, StudyConfig
+from .unit import PROBE, init_worker, run_unit
+
+SCHEMA = "rl_demo.study/1"
+# relative cost of one unit, for scheduling the longest first (measured on the CPU scale)
+COST = {"fp32": 1.0, "fwd_only": 2.0, "mxfp4": 3.0, "rceil": 3.0, "aqn": 3.2, "mbs": 3.5, "of": 4.0,
+        "mbs_of": 4.5, "mbs_of_aqn": 4.7, PROBE: 1.5}
+
+
+def shipped_checkpoint_name(cfg: StudyConfig) -> str:
+    m = cfg.demo.model
+    return f"warmup-{cfg.demo.task}-d{m.d_model}l{m.n_layers}-t{cfg.demo.warmup_target:g}.pt"
+
+
+def prepare_checkpoint(cfg: StudyConfig, out: Path, progress=None, fresh: bool = False) -> tuple[Path, dict]:
+    """The warm-up checkpoint every unit starts from: ``out/warmup.pt`` when it matches
+    the configuration, else the one shipped in rl_demo/checkpoints/ under
+    :func:`shipped_checkpoint_name`, else a fresh warm-up (saved to ``out/warmup.pt``).
+    Returns (path, warm-up log)."""
+    path = out / "warmup.pt"
+    if fresh and path.exists():
+        path.unlink()
+    ev = _eval_set(cfg.demo)
+    torch.set_num_threads(cfg.threads_per_unit)  # a fresh warm-up's bits depend on it too
+    _, log = load_or_warmup(cfg.demo, ev, path, progress, shipped=not fresh, shipped_name=shipped_checkpoint_name(cfg))
+    reused = log.get("reused") or ""
+    if reused.startswith("shipped:"):
+        return SHIPPED / reused.split(":", 1)[1], log
+    return path, log
+
+
+def units(cfg: StudyConfig) -> list[tuple[str, int]]:
+    """Every (arm, seed) and ("probe", seed), the most expensive first."""
+    todo = [(a, s) for a in cfg.arms for s in cfg.seeds] + ([(PROBE, s) for s in cfg.seeds] if cfg.probe else [])
+    return sorted(todo, key=lambda u: (-COST.get(u[0], 3.0), u[1]))
+
+
+def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None) -> dict[tuple[str, int], dict]:
+    """Run every unit; ``workers`` processes (0: in this process, one after another)."""
+    todo = units(cfg)
+    bar = progress(total=len(todo), desc="study units", leave=False) if progress else None
+    done: dict[tuple[str, int], dict] = {}
+    if workers <= 0:
+        for a, s in todo:
+            done[(a, s)] = run_unit(cfg, a, s, checkpoint)
+            if bar is not None:
+                bar.update(1)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=init_worker,
+                                 initargs=(cfg.threads_per_unit,)) as pool:
+            futures = {pool.submit(run_unit, cfg, a, s, checkpoint): (a, s) for a, s in todo}
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    a, s = futures[f]
+                    try:
+                        done[(a, s)] = f.result()
+                    except Exception as e:
+                        for p in pending:
+                            p.cancel()
+                        raise RuntimeError(f"study unit (arm {a}, seed {s}) failed: {e}") from e
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(last=f"{a}/{s}")
+    if bar is not None:
+        bar.close()
+    return done
+
+
+def environment(cfg: StudyConfig) -> dict[str, Any]:
+    dev = torch.device(cfg.demo.device)
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:
+        tv = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": tv,
+            "numpy": __import__("numpy").__version__, "portable_mx": pmx.__version__, "device": cfg.demo.device,
+            "machine": platform.machine(), "threads_per_unit": cfg.threads_per_unit,
+            "backends": {op: registry.select(op, dev).name for op in ("quantize", "matmul", "decompose")},
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None}
+
+
+def assemble(cfg: StudyConfig, done: dict[tuple[str, int], dict], warmup_log: dict) -> dict[str, Any]:
+    """results.json's content from the units' outputs (no wall-clock values)."""
+    metrics = {a: {s: analysis.unit_metrics(done[(a, s)]["result"], cfg.window) for s in cfg.seeds} for a in cfg.arms}
+    arm_stats = analysis.arm_statistics(cfg, metrics)
+    con = analysis.contrasts(cfg, metrics)
+    margins = analysis.margins(cfg, arm_stats)
+    crit = analysis.criterion(cfg, arm_stats, con)
+    claims = [verdicts.claim_verdict(cfg, c, metrics, arm_stats, margins) for c in cfg.claims]
+    probe = None
+    if cfg.probe:
+        per_seed = {s: analysis.probe_metrics(done[(PROBE, s)]["result"]) for s in cfg.seeds}
+        probe = analysis.probe_statistics(cfg, per_seed)
+        probe["verdicts"] = [verdicts.probe_verdict(c, sig, text, probe["pairs"]) for c, sig, text in probe["claims"]]
+        probe["seeds"] = {str(s): done[(PROBE, s)]["result"] for s in cfg.seeds}
+        probe["recipe"] = probe["seeds"][str(cfg.seeds[0])]["recipe"]
+    wlog = {k: v for k, v in warmup_log.items() if k not in ("seconds", "reused")}  # those go to timing.json
+    results = {
+        "schema": SCHEMA,
+        "preregistered": cfg.to_dict(),
+        "environment": environment(cfg),
+        "warmup": wlog,
+        "arms": {a: {**ARMS[a].to_dict(), "statistics": arm_stats[a],
+                     "seeds": {str(s): {"metrics": metrics[a][s], **done[(a, s)]["result"]} for s in cfg.seeds}}
+                 for a in cfg.arms},
+        "contrasts": con,
+        "margins": margins,
+        "criterion": crit,
+        "verdicts": claims,
+        "probe": probe,
+    }
+    bad = non_finite(results)
+    results["finite"] = not bad
+    results["non_finite"] = bad[:50]
+    return results
+
+
+def timing(cfg: StudyConfig, done: dict[tuple[str, int], dict], total: float, workers: int, command: str,
+           warmup_log: dict, load: tuple) -> dict[str, Any]:
+    per = {f"{a}/{s}": d["timing"] for (a, s), d in sorted(done.items(), key=lambda kv: (str(kv[0][0]), kv[0][1]))}
+    arm_s = {}
+    for (a, _), d in done.items():
+        arm_s[a] = arm_s.get(a, 0.0) + d["timing"]["seconds"]
+    return {"command": command, "workers": workers, "cpu_count": os.cpu_count(), "total_s": total,
+            "warmup_s": warmup_log.get("seconds") if not warmup_log.get("reused") else 0.0,
+            "warmup_reused": warmup_log.get("reused"),
+            "unit_seconds_sum": sum(d["timing"]["seconds"] for d in done.values()), "arm_seconds": arm_s,
+            "loadavg_start": load[0], "loadavg_end": load[1], "units": per}
+
+
+def _loadavg() -> Optional[list[float]]:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def run_study(cfg: StudyConfig, out: Path, *, workers: int, progress: Optional[Callable] = None,
+              command: str = "", fresh_warmup: bool = False) -> dict[str, Any]:
+    """Everything: checkpoint, units, analysis; writes results.json, timing.json,
+    report.md and the figures to ``out``; returns the results."""
+    from .report import write_report
+
+    t0 = time.perf_counter()
+    load0 = _loadavg()
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint, wlog = prepare_checkpoint(cfg, out, progress, fresh=fresh_warmup)
+    done = execute(cfg, checkpoint, workers, progress)
+    results = assemble(cfg, done, wlog)
+    tim = timing(cfg, done, time.perf_counter() - t0, workers, command, wlog, (load0, _loadavg()))
+    (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
+    (out / "timing.json").write_text(json.dumps(tim, indent=1) + "\n")
+    write_report(results, tim, out)
+    return results

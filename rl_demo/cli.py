@@ -118,6 +118,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0 if results["finite"] else 1
 
 
+def default_workers(device: str) -> int:
+    """Worker processes for --study: one per CPU core on the CPU; on a GPU, up to 8
+    processes share it (its units are small and launch-bound)."""
+    cores = os.cpu_count() or 1
+    return cores if not device.startswith("cuda") else max(1, min(8, cores))
+
+
 def study_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     """``--study``: the pre-registered study of :mod:`rl_demo.study` for ``--device``."""
     if args.quick:
@@ -144,7 +151,7 @@ def study_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         from dataclasses import replace
 
         cfg = replace(cfg, seeds=tuple(args.seeds))
-    workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
+    workers = args.workers if args.workers is not None else default_workers(cfg.demo.device)
     out = args.out or Path("out") / ("rl_demo-study" + ("-tiny" if args.tiny else ""))
     progress = None
     if not args.no_progress:

@@ -232,13 +232,17 @@ def test_study_unit_metrics_by_hand():
     from rl_demo.study.analysis import unit_metrics
 
     log = {"curve": {"reward": [0.1, 0.2, 0.3, 0.5, 0.6, 0.9], "entropy": [1.0, 0.9, 0.8, 0.7, 0.6, 0.2]},
-           "evals": [{"greedy_accuracy_q": 0.5, "greedy_accuracy_hp": 0.6, "kl_hp_q": 0.02, "grad": {"all": {"cos": 0.9}}},
-                     {"greedy_accuracy_q": 0.8, "greedy_accuracy_hp": 0.7, "kl_hp_q": 0.04, "grad": {"all": {"cos": 0.7}}}]}
+           "evals": [{"iteration": 0, "greedy_accuracy_q": 0.5, "greedy_accuracy_hp": 0.6, "kl_hp_q": 0.02,
+                      "grad": {"all": {"cos": 0.9}}},
+                     {"iteration": 6, "greedy_accuracy_q": 0.8, "greedy_accuracy_hp": 0.7, "kl_hp_q": 0.04,
+                      "grad": {"all": {"cos": 0.7}}}]}
     m = unit_metrics(log, 2)
     assert m["start_reward"] == pytest.approx(0.15) and m["final_reward"] == pytest.approx(0.75)
     assert m["reward_gain"] == pytest.approx(0.6) and m["final_entropy"] == pytest.approx(0.4)
-    assert m["final_accuracy"] == 0.8 and m["acc_gap"] == pytest.approx(0.0)
-    assert m["kl"] == pytest.approx(0.03) and m["grad_cos"] == pytest.approx(0.8)
+    assert m["entropy"] == pytest.approx(4.2 / 6)
+    assert m["start_accuracy"] == 0.5 and m["final_accuracy"] == 0.8
+    assert m["start_grad_cos"] == 0.9 and m["grad_cos"] == pytest.approx(0.8)
+    assert m["start_kl"] == 0.02 and m["kl"] == pytest.approx(0.03)
 
 
 def test_study_scale_follows_the_device():
@@ -251,6 +255,12 @@ def test_study_scale_follows_the_device():
     for cfg in (cpu, gpu):
         assert set(cfg.arms) == set(ARMS) and len(cfg.seeds) >= 5
     assert for_device("cuda", tiny=True).scale == "tiny"
+    assert cli.default_workers("cpu") >= 1 and 1 <= cli.default_workers("cuda") <= 8
+    # the command line refuses what would change the pre-registered settings, and a GPU it cannot see
+    assert cli.main(["--study", "--quick"]) == 2
+    assert cli.main(["--study", "--iterations", "5"]) == 2
+    if not torch.cuda.is_available():
+        assert cli.main(["--study", "--device", "cuda"]) == 2
     with pytest.raises(ValueError, match="'cpu' or 'cuda"):
         for_device("mps")
     # MBS alone differs from its parent (rceil) in the macro block only; OF and AQN alone from plain MXFP4

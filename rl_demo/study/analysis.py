@@ -2,21 +2,23 @@
 summary per arm over seeds, paired differences against fp32, plain MXFP4 and each arm's
 parent, the interval criterion, and the component probe over seeds.
 
-Metrics of one (arm, seed) run (T iterations, window W, evaluations at 0, ..., T):
+Metrics of one (arm, seed) run (T iterations, window W, evaluations at 0, ..., T; the
+evaluation at iteration 0 is at the checkpoint, where every arm holds the same weights,
+so its differences between arms are the numerics alone):
 
 - ``start_reward`` / ``final_reward``: mean sampled reward over the first / last W
   iterations (the rollouts' exact-match reward, temperature 1); ``reward_gain`` = final
   - start.
-- ``final_entropy``: mean rollout entropy (nats per answer token) over the last W
-  iterations (for AQN arms: of the noisy rollout copy, which is what samples).
-- ``final_accuracy``: greedy accuracy of the arm's own forward at the last evaluation.
-- ``acc_gap``: greedy accuracy of the arm's forward minus that of the fp32 forward of the
-  same weights, averaged over the evaluations (the rollout quality its numerics cost;
-  0 for fp32).
-- ``kl``: KL(fp32 forward || arm's forward) of the same weights, averaged over the
-  evaluations (0 for fp32).
-- ``grad_cos``: cosine of the whole-model probe gradient through the arm's numerics with
-  the fp32 one of the same weights, averaged over the evaluations (1 for fp32).
+- ``entropy``: mean rollout entropy (nats per answer token) over all iterations;
+  ``final_entropy``: over the last W (for AQN arms: of the noisy rollout copy, which is
+  what samples).
+- ``start_accuracy`` / ``final_accuracy``: greedy accuracy of the arm's own forward at
+  the checkpoint / at the last evaluation.
+- ``start_grad_cos``: cosine of the whole-model probe gradient through the arm's numerics
+  with the fp32 one of the same weights, at the checkpoint; ``grad_cos``: averaged over
+  the evaluations (1 for fp32).
+- ``start_kl`` / ``kl``: KL(fp32 forward || arm's forward) of the same weights, at the
+  checkpoint / averaged over the evaluations (0 for fp32).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from typing import Any
 from . import stats
 from .design import ARMS, PROBE_CLAIMS, StudyConfig
 
-METRICS = ("final_reward", "start_reward", "reward_gain", "final_entropy", "final_accuracy", "acc_gap", "kl",
-           "grad_cos")
+METRICS = ("final_reward", "start_reward", "reward_gain", "entropy", "final_entropy", "start_accuracy",
+           "final_accuracy", "start_grad_cos", "grad_cos", "start_kl", "kl")
 METRIC_LABELS = {
     "final_reward": "final reward", "start_reward": "start reward", "reward_gain": "reward gain",
-    "final_entropy": "rollout entropy (final)", "final_accuracy": "greedy accuracy (final)",
-    "acc_gap": "greedy acc vs fp32 forward", "kl": "KL(fp32 || arm)", "grad_cos": "gradient cosine",
+    "entropy": "rollout entropy", "final_entropy": "rollout entropy (final)",
+    "start_accuracy": "greedy accuracy (checkpoint)", "final_accuracy": "greedy accuracy (final)",
+    "start_grad_cos": "gradient cosine (checkpoint)", "grad_cos": "gradient cosine (mean)",
+    "start_kl": "KL(fp32 || arm) (checkpoint)", "kl": "KL(fp32 || arm) (mean)",
 }
 PROBE_SIGNALS = ("grad_err", "acc_drop", "entropy_shift")
 COMPONENTS = ("scale", "dead", "grid")
@@ -44,12 +48,15 @@ def _mean(xs: list[float]) -> float:
 def unit_metrics(log: dict[str, Any], window: int) -> dict[str, float]:
     """The metrics of the module doc for one (arm, seed) GRPO log."""
     r, ent, ev = log["curve"]["reward"], log["curve"]["entropy"], log["evals"]
+    if ev[0]["iteration"] != 0:
+        raise ValueError("the first evaluation must be at iteration 0 (the checkpoint)")
     start, final = _mean(r[:window]), _mean(r[-window:])
     return {
         "final_reward": final, "start_reward": start, "reward_gain": final - start,
-        "final_entropy": _mean(ent[-window:]), "final_accuracy": ev[-1]["greedy_accuracy_q"],
-        "acc_gap": _mean([e["greedy_accuracy_q"] - e["greedy_accuracy_hp"] for e in ev]),
-        "kl": _mean([e["kl_hp_q"] for e in ev]), "grad_cos": _mean([e["grad"]["all"]["cos"] for e in ev]),
+        "entropy": _mean(ent), "final_entropy": _mean(ent[-window:]),
+        "start_accuracy": ev[0]["greedy_accuracy_q"], "final_accuracy": ev[-1]["greedy_accuracy_q"],
+        "start_grad_cos": ev[0]["grad"]["all"]["cos"], "grad_cos": _mean([e["grad"]["all"]["cos"] for e in ev]),
+        "start_kl": ev[0]["kl_hp_q"], "kl": _mean([e["kl_hp_q"] for e in ev]),
     }
 
 
@@ -83,10 +90,10 @@ def contrasts(cfg: StudyConfig, metrics: dict[str, dict[int, dict[str, float]]])
 def margins(cfg: StudyConfig, arm_stats: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The data-defined margins the claims name: a quarter (``reward_margin_fraction``)
     of the fp32 arm's mean reward gain, and a tenth (``entropy_margin_fraction``) of its
-    mean final rollout entropy."""
+    mean rollout entropy."""
     fp = arm_stats["fp32"]
     return {"reward_margin": cfg.reward_margin_fraction * fp["reward_gain"]["mean"],
-            "entropy_margin": cfg.entropy_margin_fraction * fp["final_entropy"]["mean"]}
+            "entropy_margin": cfg.entropy_margin_fraction * fp["entropy"]["mean"]}
 
 
 def criterion(cfg: StudyConfig, arm_stats: dict[str, dict[str, Any]], con: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from .design import ARMS
 
 PROBE_LABELS = {"grad_err": "gradient error (1 - cos)", "acc_drop": "greedy accuracy drop",
                 "entropy_shift": "|entropy change|"}
-FOREST_METRICS = ("final_reward", "grad_cos", "acc_gap", "final_entropy")
+FOREST_METRICS = ("final_reward", "start_grad_cos", "start_accuracy", "entropy")
 
 
 def _iv(s: dict[str, Any], p: int = 3) -> str:
@@ -135,27 +135,28 @@ def markdown(results: dict[str, Any], timing: dict[str, Any]) -> str:
         L.append("")
 
     L.append("## Arms (mean and interval over seeds)\n")
-    shown = ("start_reward", "final_reward", "reward_gain", "final_entropy", "final_accuracy", "acc_gap", "kl",
-             "grad_cos")
+    shown = ("start_reward", "final_reward", "reward_gain", "entropy", "start_accuracy", "final_accuracy",
+             "start_grad_cos", "grad_cos", "start_kl")
     L.append("| arm | recipe | " + " | ".join(METRIC_LABELS[k] for k in shown) + " |")
     L.append("|---|---|" + "---|" * len(shown))
     for a, arm in results["arms"].items():
         st = arm["statistics"]
         L.append(f"| {arm['label']} | {arm['recipe_tag']}{' + AQN' if arm['aqn'] else ''} | "
-                 + " | ".join(_mv(st[k], 3 if k != "kl" else 4) for k in shown) + " |")
+                 + " | ".join(_mv(st[k], 4 if "kl" in k else 3) for k in shown) + " |")
     L.append("")
     for key, title in (("parent", "one factor: each arm minus its parent"), ("fp32", "each arm minus fp32"),
                        ("mxfp4", "each arm minus plain MXFP4")):
         L.append(f"## Paired differences, {title}\n")
-        L.append("| arm | against | factor | " + " | ".join(METRIC_LABELS[k] for k in FOREST_METRICS + ("kl",))
+        extra = ("reward_gain", "final_accuracy", "grad_cos", "start_kl")
+        L.append("| arm | against | factor | " + " | ".join(METRIC_LABELS[k] for k in FOREST_METRICS + extra)
                  + " |")
-        L.append("|---|---|---|" + "---|" * (len(FOREST_METRICS) + 1))
+        L.append("|---|---|---|" + "---|" * (len(FOREST_METRICS) + len(extra)))
         for a, c in results["contrasts"].items():
             if key not in c:
                 continue
             row = c[key]
             L.append(f"| {a} | {row['against']} | {ARMS[a].factor if key == 'parent' else ''} | "
-                     + " | ".join(_iv(row[k], 4) for k in FOREST_METRICS + ("kl",)) + " |")
+                     + " | ".join(_iv(row[k], 4) for k in FOREST_METRICS + extra) + " |")
         L.append("")
 
     L.append("## Where the time goes\n")
@@ -187,8 +188,11 @@ def limits(results: dict[str, Any]) -> list[str]:
         "The 0.7% claim: the study resolves a relative difference of about the reward interval's half-width "
         "divided by the fp32 final reward, far more than 0.7%; it can refute that claim, not confirm it, unless "
         "the interval is that narrow.",
-        "Gradient accuracy is a cosine on one probe batch per seed, averaged over the evaluations; it says how "
-        "far each GEMM's numerics move the gradient, not how much that costs in reward.",
+        "The mechanism claims (gradient accuracy, rollout quality) are decided at the checkpoint, where every arm "
+        "has the same weights, so the difference is the numerics alone; over training the arms' weights part "
+        "(a quantized arm adapts to its own numerics), and those columns are descriptive. Gradient accuracy is a "
+        "cosine on one probe batch per seed; it says how far the numerics move the gradient, not what that costs "
+        "in reward.",
         "AQN's noise is on the RMSNorm weights (numerics.md section 4) with the default sigma ladder; another "
         "sigma may act differently.",
         "Each claim is one test at 95%; with five claims, one false verdict among them is not unlikely by chance.",

@@ -74,6 +74,7 @@ def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None) -> 
     bar = progress(total=len(todo), desc="study units", leave=False) if progress else None
     done: dict[tuple[str, int], dict] = {}
     if workers <= 0:
+        init_worker(cfg.threads_per_unit, cfg.demo.device)
         for a, s in todo:
             done[(a, s)] = run_unit(cfg, a, s, checkpoint)
             if bar is not None:
@@ -81,7 +82,7 @@ def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None) -> 
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=init_worker,
-                                 initargs=(cfg.threads_per_unit,)) as pool:
+                                 initargs=(cfg.threads_per_unit, cfg.demo.device)) as pool:
             futures = {pool.submit(run_unit, cfg, a, s, checkpoint): (a, s) for a, s in todo}
             pending = set(futures)
             while pending:
@@ -91,8 +92,7 @@ def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None) -> 
                     try:
                         done[(a, s)] = f.result()
                     except Exception as e:
-                        for p in pending:
-                            p.cancel()
+                        pool.shutdown(wait=False, cancel_futures=True)
                         raise RuntimeError(f"study unit (arm {a}, seed {s}) failed: {e}") from e
                     if bar is not None:
                         bar.update(1)
@@ -186,7 +186,7 @@ def run_study(cfg: StudyConfig, out: Path, *, workers: int, progress: Optional[C
     done = execute(cfg, checkpoint, workers, progress)
     results = assemble(cfg, done, wlog)
     tim = timing(cfg, done, time.perf_counter() - t0, workers, command, wlog, (load0, _loadavg()))
-    (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
+    (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), allow_nan=True) + "\n")
     (out / "timing.json").write_text(json.dumps(tim, indent=1) + "\n")
     write_report(results, tim, out)
     return results

@@ -34,9 +34,16 @@ from .design import ARMS, StudyConfig
 PROBE = "probe"
 
 
-def init_worker(threads: int) -> None:
-    """Pin torch's CPU threads in a worker (a unit's bits depend on the thread count)."""
+def init_worker(threads: int, device: str = "cpu") -> None:
+    """Pin torch's CPU threads in a worker (a unit's bits depend on the thread count);
+    on a GPU also ask torch for deterministic algorithms (cuBLAS needs its workspace
+    setting before the first GEMM), so that a rerun on the same GPU repeats the bits."""
     torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def seed_sets(cfg: DemoConfig, model0: GPT, seed: int) -> tuple[EvalSet, ProbeBatch]:

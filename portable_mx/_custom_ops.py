@@ -67,9 +67,9 @@ from torch import Tensor
 
 from . import _dispatch
 from ._precision import HighestPrecision
-from .format import BLOCK_SIZE
+from ._transforms import refuse_func_transforms
 from .recipe import QuantRecipe
-from .tensor import FLOAT_DTYPES, MXTensor
+from .tensor import FLOAT_DTYPES, MXTensor, part_specs
 
 Operand = Union[Tensor, MXTensor]
 
@@ -117,19 +117,6 @@ def _check_pair(a: Tensor, b: Tensor, op: str) -> None:
         raise TypeError(f"{op}: a and b must have the same dtype; got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"{op}: a and b must be on the same device; got {a.device} and {b.device}")
-
-
-def part_specs(recipe: QuantRecipe, rows, k) -> list[tuple[str, torch.dtype, tuple]]:
-    """(name, dtype, shape) of each part of a rows-layout MXTensor (``rows`` x ``k``)."""
-    kp = -(-k // BLOCK_SIZE) * BLOCK_SIZE
-    nb = kp // BLOCK_SIZE
-    spec = [("qdata", torch.uint8, (rows, kp // 2)), ("scales", torch.uint8, (rows, nb))]
-    if recipe.macro_block is not None:
-        spec.append(("macro_scales", torch.float32, (rows, -(-kp // recipe.macro_block))))
-    if recipe.outliers_per_block:
-        o = recipe.outliers_per_block
-        spec += [("outlier_values", torch.bfloat16, (rows, nb, o)), ("outlier_indices", torch.uint8, (rows, nb, o))]
-    return spec
 
 
 def _check_parts(parts: list[Tensor], recipe_text: str, rows: int, k: int, device: torch.device, name: str) -> None:
@@ -330,6 +317,8 @@ def mx_matmul(a: Operand, b: Operand, recipe: QuantRecipe) -> Tensor:
     dtype) or an MXTensor along its last axis; b float ``[K, N]`` or an MXTensor along
     axis 0. Returns ``[..., M, N]`` in a's dtype. An MXTensor operand is dequantized once
     per call as the high-precision copy when the other operand needs a gradient."""
+    if not torch.compiler.is_compiling():
+        refuse_func_transforms("matmul")
     grad = torch.is_grad_enabled()
     a2 = _dispatch.flatten_batch(a)
     a_needs = grad and isinstance(a, Tensor) and a.requires_grad

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from . import registry
-from .decompose import Decomposition, decompose_blocks
+from .decompose import Decomposition, zeros_decomposition
 from .format import BLOCK_SIZE
 from .recipe import QuantRecipe
 
@@ -87,13 +87,7 @@ def decompose(x: torch.Tensor, recipe: QuantRecipe, axis: int, definition: str, 
     rows = to_rows(x, axis)
     lead = torch.Size(x.shape[:axis] + x.shape[axis + 1:])
     if rows.numel() == 0:
-        r, k = rows.shape
-        blocks = torch.zeros(r, _padded(k) // BLOCK_SIZE, BLOCK_SIZE, device=x.device)
-        stats = blocks.sum(-1)
-        dec = decompose_blocks(
-            blocks, blocks, definition=definition, recipe=recipe, clip_count=stats,
-            rest_amax=stats, outlier_mask=None, full=full,
-        )
+        dec = zeros_decomposition(*rows.shape, recipe, definition, full, x.device)
     else:
         dec = _select("decompose", x.device).decompose(rows, recipe, definition, full)
     nb = _padded(x.shape[axis]) // BLOCK_SIZE

@@ -62,13 +62,16 @@ def info(as_json: bool = False) -> dict:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
     print("tuned GEMM configs (user cache, then shipped):")
     for c in report["config_caches"]:
-        print(f"  {c['device']}: {c['file']} ({c['entries']} entries)" if c["file"] else f"  {c['device']}: {c['why']}")
+        if c["file"]:
+            print(f"  {c['device']}: {c['file']} ({c['entries']} entries{'; ' + c['why'] if c['why'] else ''})")
+        else:
+            print(f"  {c['device']}: {c['why']}")
     return report
 
 
 def _config_caches(devices: list[torch.device]) -> list[dict]:
-    """Per device: the config-cache files the GEMM of the backend serving it reads, with
-    their valid entry counts."""
+    """Per device: the config-cache files of the backend serving it (``cache.file_report``:
+    those the GEMM reads, with their usable entry counts, then those kept but not read)."""
     from . import registry
     from .tuning import cache
 
@@ -84,13 +87,11 @@ def _config_caches(devices: list[torch.device]) -> list[dict]:
                         "why": f"the {backend.name} backend has no tunable configs"})
             continue
         arch, name = backend.device_identity(device)
-        files = [p for p in cache._sources(arch, name) if p.exists()]
-        if not files:
+        rows = cache.file_report(arch, name)
+        if not any(row["entries"] for row in rows):
             out.append({"device": str(device), "file": None, "entries": 0,
-                        "why": f"no cache file yet ({cache.cache_file(arch, name)}); defaults in use"})
-        for path in files:
-            loaded = cache.load(path, arch)
-            out.append({"device": str(device), "file": str(path), "entries": len(loaded.entries) if loaded else 0})
+                        "why": f"no tuned configs: defaults in use (tuning writes {cache.cache_file(arch, name)})"})
+        out += [{"device": str(device), **row} for row in rows]
     return out
 
 

@@ -258,3 +258,15 @@ __all__ = [
     "gain_components",
     "ideal_quantize",
 ]
+
+
+def zeros_decomposition(rows: int, k: int, recipe: QuantRecipe, definition: str, full: bool,
+                        device: torch.device) -> Decomposition:
+    """The rows-layout Decomposition of an all-zero ``[rows, k]`` tensor, built without a
+    quantizer: what an empty tensor decomposes to, and the shapes and dtypes that shape
+    propagation (the meta device) reports."""
+    nb = -(-k // 32)
+    blocks = torch.zeros(rows, nb, 32, device=device)
+    stats = blocks.sum(-1)
+    return decompose_blocks(blocks, blocks, definition=definition, recipe=recipe, clip_count=stats,
+                            rest_amax=stats, outlier_mask=None, full=full)

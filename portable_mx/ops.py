@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _custom_ops, _dispatch, registry
+from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
 from .recipe import DEFAULT_RECIPE, QuantRecipe
 from .tensor import FLOAT_DTYPES, MXTensor
@@ -82,10 +83,13 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     NaN scale. Returns an :class:`MXTensor`; its bytes are identical on every backend.
     """
     x, recipe, axis = _prepare("quantize", x, recipe, axis)
+    if _is_compiling():
+        if not x.numel():
+            return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
+        return _custom_ops.quantize(x, recipe, axis)
+    refuse_func_transforms("quantize")
     if not x.numel():
         return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
-    if _is_compiling():
-        return _custom_ops.quantize(x, recipe, axis)
     return _dispatch.quantize(x, recipe, axis)
 
 
@@ -106,7 +110,7 @@ def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Te
         if mx.qdata.numel() == 0:
             return torch.zeros(mx.shape, dtype=dtype, device=mx.device)
         return _custom_ops.dequantize(mx, dtype)
-    return mx.dequantize(dtype)
+    return mx.dequantize(dtype)  # (refuses torch.func transforms)
 
 
 def decompose(
@@ -131,6 +135,7 @@ def decompose(
     x, recipe, axis = _prepare("decompose", x, recipe, axis)
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
+    refuse_func_transforms("decompose")
     return _dispatch.decompose(x, recipe, axis, definition, full)
 
 
@@ -175,8 +180,10 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     if b_mx and b.axis != 0:
         raise ValueError(f"an MXTensor b must be quantized along axis 0 (K); it is along axis {b.axis}")
 
-    if _is_compiling() or (torch.is_grad_enabled() and (
-            (not a_mx and a.requires_grad) or (not b_mx and b.requires_grad))):
+    if _is_compiling():
+        return _custom_ops.mx_matmul(a, b, recipe)
+    refuse_func_transforms("matmul")
+    if torch.is_grad_enabled() and ((not a_mx and a.requires_grad) or (not b_mx and b.requires_grad)):
         return _custom_ops.mx_matmul(a, b, recipe)
     return _dispatch.matmul(a, b, recipe)
 

@@ -4,7 +4,9 @@ A backend declares a name, a priority, the ops it implements and, per device, wh
 can serve it (``unavailable_reason``). :func:`select` picks the highest-priority backend
 that implements the op and serves the device. ``PORTABLE_MX_BACKEND=name`` forces that
 backend for every op it implements and raises :class:`BackendUnavailableError` when it
-cannot serve the device; ops it does not implement fall back to normal selection.
+cannot serve the device; ops it does not implement fall back to normal selection. The
+meta device (shape propagation: tensors without data) is exempt from forcing: the meta
+backend answers it whatever the variable says.
 
 Backends work on a canonical 2-D view: rows of a tensor whose quantized axis is last
 (an :class:`~portable_mx.tensor.MXTensor` of shape ``(R, K)`` and axis 1). The public
@@ -178,7 +180,7 @@ def select(op: str, device: torch.device | str) -> Backend:
 def _decide(op: str, device: torch.device, forced: str) -> Backend:
     """:func:`select` without the memo: asks every candidate whether it serves ``device``."""
     _check_op(op)
-    if forced:
+    if forced and device.type != "meta":  # meta tensors hold no data: nothing to force
         backend = get(forced)
         if op in backend.ops and backend.op_problem(op) is None:
             reason = backend.unavailable_reason(device)

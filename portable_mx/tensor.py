@@ -10,11 +10,26 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _dispatch
+from ._transforms import refuse_func_transforms
 from .format import BLOCK_SIZE
 from .recipe import QuantRecipe
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes portable_mx quantizes from and dequantizes to."""
+
+
+def part_specs(recipe: QuantRecipe, rows: Any, k: Any) -> list[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) of each part of a rows-layout MXTensor (``rows`` x ``k``
+    quantized along k with ``recipe``), in :meth:`MXTensor.parts` order."""
+    kp = -(-k // BLOCK_SIZE) * BLOCK_SIZE
+    nb = kp // BLOCK_SIZE
+    spec = [("qdata", torch.uint8, (rows, kp // 2)), ("scales", torch.uint8, (rows, nb))]
+    if recipe.macro_block is not None:
+        spec.append(("macro_scales", torch.float32, (rows, -(-kp // recipe.macro_block))))
+    if recipe.outliers_per_block:
+        o = recipe.outliers_per_block
+        spec += [("outlier_values", torch.bfloat16, (rows, nb, o)), ("outlier_indices", torch.uint8, (rows, nb, o))]
+    return spec
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class MXTensor:
         dtype = self.dtype if dtype is None else dtype
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES}; got {dtype}")
+        refuse_func_transforms("dequantize")
         return _dispatch.dequantize(self, dtype)
 
     # ------------------------------------------------------------------- layouts
@@ -173,6 +189,13 @@ class MXTensor:
         rows = cls(qdata=torch.zeros(r, kp // 2, **u8), scales=torch.zeros(r, nb, **u8), shape=torch.Size((r, k)),
                    dtype=dtype, axis=1, recipe=recipe, macro_scales=macro, outlier_values=ov, outlier_indices=oi)
         return rows.unrows(torch.Size(shape), axis)
+
+    @classmethod
+    def empty(cls, shape: tuple, dtype: torch.dtype, recipe: QuantRecipe, device: torch.device) -> "MXTensor":
+        """A rows-layout MXTensor of ``shape`` (R, K), axis 1, with uninitialised parts
+        (``torch.empty``): what shape propagation (the meta device) returns."""
+        parts = [torch.empty(s, dtype=d, device=device) for _, d, s in part_specs(recipe, *shape)]
+        return cls.from_parts(parts, shape, dtype, 1, recipe)
 
     # ------------------------------------------------------------------- derived data
 

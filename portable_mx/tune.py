@@ -14,10 +14,11 @@ macro-block study.
 
 The GEMM study (portable_mx.tuning.search) prints a progress bar per shape and a final
 table: the best config, its time, the default config's time and the speed-up; the best
-configs go into ``<out or the user cache dir>/<arch>-<device>.json``, which every later
-process on that device reads. Without a GPU (and without --static or --replay) it says
-so and exits with status 2. ``--exhaustive`` times every survivor, records every time
-(``--json``, ``--record``) and replays each strategy on the recording.
+configs go into ``<out or the user cache dir>/<arch>-<device>.triton-<release>.schema-2.json``,
+which every later process on that device and Triton release reads (tuning/cache.py).
+Without a GPU (and without --static or --replay) it says so and exits with status 2.
+``--exhaustive`` times every survivor, records every time (``--json``, ``--record``) and
+replays each strategy on the recording.
 ``--static`` compiles the candidates for ``--target`` here and prints those that survive,
 ranked by the cost model, and how many were pruned, by reason (exit 1 when none survive).
 ``--replay`` computes, from recorded exhaustive runs and without a device, how many trials

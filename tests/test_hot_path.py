@@ -637,6 +637,7 @@ def test_gpu_cuda_graph_of_an_mxlinear_mlp_replays(overhead):
 def test_gpu_kernels_per_call(overhead):
     device = torch.device("cuda", torch.cuda.current_device())
     calls = overhead.portable_calls(overhead.decode_problem(device, n=1024, k=1024))
-    want = {"pmx.quantize": 1, "pmx.matmul W4A16": 1, "pmx.matmul A4W4": 2, "MXLinear W4A16": 1}
+    want = {"pmx.quantize": 1, "pmx.matmul W4A16": 1, "pmx.matmul A4W4": 2, "MXLinear W4A16": 1,
+            "MXLinear W4A16 uncached": 2}  # outside weight_cache the weight is quantized too
     got = {name: overhead.profile_kernels(calls[name], 5)["kernels_per_call"] for name in want}
     assert got == want

@@ -18,7 +18,7 @@ Per problem (default: W4A16 16x8192x8192, W4A16 4096x4096x4096, A4W4 4096x4096x4
 3. exhaustive study (``portable_mx.tuning.search.tune(exhaustive=True)``): every survivor
    checked against the reference GEMM and timed with do_bench (median; L2 flushed before
    each run), in the cost model's order; the best goes into the config cache written to
-   ``DIR/configs/<arch>-<device>.json`` (copy it into portable_mx/tuning/configs/);
+   ``DIR/configs/<arch>-<device>.triton-<release>.schema-2.json`` (copy it into portable_mx/tuning/configs/);
 4. replay (no GPU): each strategy ("ranked", "ranked-tpe", "tpe") run on the recorded
    times with the study's seed; trials to within 2% of the best, as a fraction of the
    survivors. The recording, with its replay, goes to ``DIR/recordings/`` (copy it into

@@ -4,10 +4,11 @@
 from ..registry import register
 from .cuda import CudaBackend
 from .interpret import InterpretBackend
+from .meta import MetaBackend
 from .reference import ReferenceBackend
 from .rocm import RocmBackend
 
-for _backend in (ReferenceBackend(), InterpretBackend(), CudaBackend(), RocmBackend()):
+for _backend in (ReferenceBackend(), InterpretBackend(), CudaBackend(), RocmBackend(), MetaBackend()):
     register(_backend, replace=True)
 
-__all__ = ["CudaBackend", "InterpretBackend", "ReferenceBackend", "RocmBackend"]
+__all__ = ["CudaBackend", "InterpretBackend", "MetaBackend", "ReferenceBackend", "RocmBackend"]

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import _dispatch, ops
+from .._transforms import refuse_func_transforms
 from .._custom_ops import recipe_json
 from ..recipe import QuantRecipe
 from ..tensor import MXTensor
@@ -137,7 +138,7 @@ class MXLinear(torch.nn.Linear):
         rj = self._recipe_json
         if torch.compiler.is_compiling():
             y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "")
-        elif torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
+        elif refuse_func_transforms("MXLinear") or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
                                           (bias is not None and bias.requires_grad)):
             if self._pmx_weight_cache.depth:
                 parts = self.quantized_weight().rows().parts()

@@ -1,25 +1,63 @@
 """The config cache: tuned GEMM configs per device, as JSON validated by pydantic
 (design.md, "Config cache").
 
-One file per device, ``<arch>-<device slug>.json``, holding the schema version, device
-name, arch, triton version, kernel source hash and entries keyed by (op, operand kinds,
-shape bucket) -> config + measured time + the baseline it was compared with. The operand
-kinds (format, macro block and outliers of each GEMM operand, e.g.
-``a:e2m1/MBS-128 b:e2m1/MBS-128/OF-1``) are the part of a recipe the kernel sees; the shape
-bucket is M rounded up to a power of two, N and K exact.
+**Files.** One file per device, Triton release and schema version, in the user cache dir
+(``PORTABLE_MX_CACHE_DIR``, default ``~/.cache/portable_mx``) and among the caches shipped
+in the package (``portable_mx/tuning/configs/``)::
 
-- Writes (:func:`record`) are atomic (temp file + rename) and merged under an exclusive
-  lock on a sidecar ``.lock`` file: concurrent tuning processes lose nothing, and adding an
-  entry never invalidates the others.
-- A corrupt file, or one whose schema version, arch or triton version does not match, is
-  ignored with one warning (per file and process). An entry whose config has a field
-  this version's GemmConfig lacks (written by a newer kernel) is dropped with a warning. A different kernel source hash is
-  warned about once and the entries are still used (they are configs that compiled and
-  ran correctly; re-tuning refreshes them).
-- Lookup order: the user cache dir (``PORTABLE_MX_CACHE_DIR``, default
-  ``~/.cache/portable_mx``), then the caches shipped in the package
-  (``portable_mx/tuning/configs/``), then the backend's heuristics. Files are read once
-  per process into a dict; a launch-time lookup is a dict lookup (:func:`lookup`).
+    <arch>-<device slug>.triton-<triton version>.schema-<schema version>.json
+    e.g. sm_90-nvidia-h100-80gb-hbm3.triton-3.6.0.schema-2.json
+
+A process reads and writes only the file of its own Triton release and schema, so that
+processes under different releases (two virtual environments sharing one cache dir, an
+upgrade) or different portable_mx schemas keep their tuned configs side by side and never
+replace each other's. ``<arch>-<device slug>.json`` (the name before the release and schema
+were part of it) is read too, after the file of this release, when its content is for
+this arch, release and schema; it is never written, and a new file of this release starts
+from its entries.
+
+**Document.** ``{"schema_version": 2, "device_name", "arch", "triton_version",
+"kernel_hash", "entries": {key: entry}}``: entries keyed by (op, operand kinds, shape
+bucket) -> config + measured time + the baseline it was compared with
+(:class:`ConfigEntry`). The operand kinds (format, macro block and outliers of each GEMM
+operand, e.g. ``a:e2m1/MBS-128 b:e2m1/MBS-128/OF-1``) are the part of a recipe the kernel
+sees; the shape bucket is M rounded up to a power of two, N and K exact.
+
+**Reading** (:func:`load`, once per file and process):
+
+- A file that cannot be used as a whole is ignored with one warning naming it: unreadable,
+  not UTF-8, not JSON, not a cache document, or written for another schema version, arch
+  or Triton release.
+- Each entry is checked on its own: its :class:`ConfigEntry` fields, and its config
+  against what the GEMM kernels can launch (``backends/triton/config_rules.py``: this
+  version's GemmConfig fields, ints, power-of-two tiles, warps, ``group_m`` >= 1,
+  ``split_k`` within the shape's K tiles, ...). An entry that fails is not used, with one
+  warning naming the file, the entry and why; its shape takes the next file's entry or the
+  backend's default config. The other entries are used.
+- A different kernel source hash is warned about once and the entries are still used
+  (they are configs that compiled and ran correctly; re-tuning refreshes them).
+
+**Writing** (:func:`record`) never deletes what it could not read. Under an exclusive
+lock on a sidecar ``.lock`` file the current file is read, the new entries are merged and
+the result is written atomically (temp file + fsync + rename), so concurrent tuning
+processes lose nothing and adding an entry never invalidates the others.
+
+- New entries are checked like the ones read; an invalid one is refused (ValueError).
+  An entry with the same key as a readable one replaces it only when faster (or when the
+  kernel source changed).
+- Entries this version cannot use (a field it lacks, written by a newer portable_mx;
+  values the kernels cannot launch; a malformed entry) and top-level fields it does not
+  know are carried through verbatim. When a new entry takes the key of such an entry, the
+  old one is first written to ``<name>.replaced.json``.
+- A file that cannot be used as a whole is first set aside, renamed to
+  ``<name>.<why>.json`` (why: ``corrupt``, ``unreadable``, ``schema-1``, ``arch-sm_90``,
+  ``triton-3.5.0``), then a fresh file is written; ``<name>`` is the file's name without
+  ``.json``. An earlier file set aside is never replaced: the next one is
+  ``<name>.<why>.2.json``, and so on.
+
+**Lookup order:** the user cache dir's file of this release, its older-named file, then the
+package's two, then the backend's heuristics. Files are read once per process into a dict;
+a launch-time lookup is a dict lookup (:func:`lookup`).
 """
 
 from __future__ import annotations
@@ -32,7 +70,7 @@ import os
 import re
 import threading
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -72,7 +110,7 @@ class ConfigEntry(BaseModel):
 
 
 class ConfigCache(BaseModel):
-    """The JSON document of one device's cache file."""
+    """The JSON document of one cache file whose every entry this version can read."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -82,6 +120,19 @@ class ConfigCache(BaseModel):
     triton_version: str
     kernel_hash: str
     entries: dict[str, ConfigEntry] = Field(default_factory=dict)
+
+
+class _Header(BaseModel):
+    """A cache document's fields other than its entries (fields it does not know are
+    kept)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    schema_version: int
+    device_name: str
+    arch: str
+    triton_version: str
+    kernel_hash: str
 
 
 # ----------------------------------------------------------------------------- keys
@@ -106,6 +157,15 @@ def operand_tag(fmt: str, macro_block: Optional[int] = None, outliers: int = 0) 
 def entry_key(op: str, a_tag: str, b_tag: str, m: int, n: int, k: int) -> str:
     """``"matmul|a:e2m1 b:e2m1/MBS-128|M16xN8192xK8192"``."""
     return f"{op}|a:{a_tag} b:{b_tag}|{shape_bucket(m, n, k)}"
+
+
+_BUCKET = re.compile(r"\|M\d+xN\d+xK(\d+)$")
+
+
+def key_kp(key: str) -> Optional[int]:
+    """The padded K of an :func:`entry_key` (None for a key of another form)."""
+    found = _BUCKET.search(key)
+    return int(found.group(1)) if found else None
 
 
 # ----------------------------------------------------------------------------- identity
@@ -141,60 +201,150 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "portable_mx"
 
 
+def _base(arch: str, device_name: str) -> str:
+    return f"{arch}-{slug(device_name)}"
+
+
 def cache_file(arch: str, device_name: str, directory: Optional[Path] = None) -> Path:
-    return Path(directory or cache_dir()) / f"{arch}-{slug(device_name)}.json"
+    """The file this process reads first and writes for the device (in the user cache dir
+    unless ``directory``): ``<arch>-<device slug>.triton-<release>.schema-<n>.json``."""
+    release = re.sub(r"[^A-Za-z0-9.+-]+", "_", triton_version())  # a PEP 440 version as it is
+    return Path(directory or cache_dir()) / f"{_base(arch, device_name)}.triton-{release}.schema-{SCHEMA_VERSION}.json"
+
+
+def legacy_file(arch: str, device_name: str, directory: Optional[Path] = None) -> Path:
+    """``<arch>-<device slug>.json``, the name of the device's file before the Triton
+    release and schema were part of it: read, never written."""
+    return Path(directory or cache_dir()) / f"{_base(arch, device_name)}.json"
 
 
 # ----------------------------------------------------------------------------- reading
 
+
+@dataclass
+class CacheFile:
+    """One cache file as read: its top-level fields but the entries (``header``, verbatim),
+    every entry verbatim (``raw``), those this version can use (``entries``) and why each
+    of the others cannot be (``unreadable``)."""
+
+    path: Path
+    header: dict[str, Any]
+    raw: dict[str, Any]
+    entries: dict[str, ConfigEntry]
+    unreadable: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a whole file cannot be used (``why``) and the tag of the name it is set aside
+    under when it is this process's file (``tag``)."""
+
+    why: str
+    tag: str
+
+
+def _errors(err: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'document'}: {e['msg']}" for e in err.errors()[:3])
+
+
+def check_entry(key: str, value: Any, arch: str) -> tuple[Optional[ConfigEntry], Optional[str]]:
+    """(the entry, None) when this version can use ``value`` as the entry ``key`` of a
+    cache for ``arch``, else (None, why not)."""
+    from ..backends.triton import config_rules
+
+    try:
+        entry = ConfigEntry.model_validate(value)
+    except ValidationError as err:
+        return None, _errors(err)
+    found = config_rules.problems(entry.config, arch, key_kp(key))
+    return (None, "; ".join(found)) if found else (entry, None)
+
+
+def read(path: Path, arch: str) -> tuple[Optional[CacheFile], Optional[Problem]]:
+    """(the file, None); (None, None) when there is none; (None, why) when it cannot be
+    used as a whole (see the module doc). Warns about nothing (:func:`load` does)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as err:
+        return None, Problem(f"unreadable ({type(err).__name__}: {err})", "unreadable")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return None, Problem(f"not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})", "corrupt")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        return None, Problem(f"not JSON ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+                             "corrupt")
+    if not isinstance(doc, dict):
+        return None, Problem(f"not a config cache (a JSON {type(doc).__name__}, not an object)", "corrupt")
+    version = doc.get("schema_version")
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        return None, Problem(f"schema version {version!r}, expected {SCHEMA_VERSION}", f"schema-{version}")
+    raw = doc.get("entries", {})
+    if not isinstance(raw, dict):
+        return None, Problem(f"not a config cache (entries is a JSON {type(raw).__name__})", "corrupt")
+    header = {k: v for k, v in doc.items() if k != "entries"}
+    try:
+        fields = _Header.model_validate(header)
+    except ValidationError as err:
+        return None, Problem(f"not a config cache ({_errors(err)})", "corrupt")
+    if fields.arch != arch:
+        return None, Problem(f"written for arch {fields.arch}, this device is {arch}", f"arch-{fields.arch}")
+    if fields.triton_version != triton_version():
+        return None, Problem(f"written with triton {fields.triton_version}, this is triton {triton_version()}",
+                             f"triton-{fields.triton_version}")
+    entries, unreadable = {}, {}
+    for key, value in raw.items():
+        entry, why = check_entry(key, value, arch)
+        if entry is None:
+            unreadable[key] = why
+        else:
+            entries[key] = entry
+    return CacheFile(path, header, dict(raw), entries, unreadable), None
+
+
 _warned: set[str] = set()
 
 
-def _warn_once(path: Path, why: str) -> None:
-    key = f"{path}: {why}"
+def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"portable_mx config cache {path} ignored: {why}", RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def load(path: Path, arch: str) -> Optional[ConfigCache]:
-    """The cache at ``path`` if it exists and is valid for ``arch`` (and this triton),
-    else None (with one warning for a corrupt or mismatched file)."""
+def load(path: Path, arch: str, quiet_mismatch: bool = False, written_here: bool = False) -> Optional[CacheFile]:
+    """The file at ``path`` if it exists and can be used for ``arch`` (and this Triton),
+    else None. Warns once per process about a file that cannot be used (not about one
+    written for another schema, arch or release when ``quiet_mismatch``; saying that
+    tuning replaces it when ``written_here``, the user's file of this release), about each
+    entry that cannot, and about another kernel source hash."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    cache, problem = read(path, arch)
+    if problem is not None:
+        mismatch = problem.tag not in ("corrupt", "unreadable")
+        if not (quiet_mismatch and mismatch):
+            repair = ""
+            if written_here:
+                repair = (f"; the next tuning run on this device sets it aside as "
+                          f"{files.aside_path(path, problem.tag).name} and writes a new file")
+            _warn_once(f"{path}: {problem.why}",
+                       f"portable_mx config cache {path} ignored: {problem.why}; default configs are used{repair}")
         return None
-    except OSError as err:
-        _warn_once(path, f"unreadable ({err})")
+    if cache is None:
         return None
-    try:
-        raw = json.loads(text)
-        if isinstance(raw, dict) and raw.get("schema_version") != SCHEMA_VERSION:
-            _warn_once(path, f"schema version {raw.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-            return None
-        cache = ConfigCache.model_validate(raw)
-    except (ValueError, ValidationError) as err:
-        _warn_once(path, f"corrupt ({type(err).__name__}: {str(err).splitlines()[0]})")
-        return None
-    if cache.arch != arch:
-        _warn_once(path, f"written for arch {cache.arch}, this device is {arch}")
-        return None
-    if cache.triton_version != triton_version():
-        _warn_once(path, f"written with triton {cache.triton_version}, this is triton {triton_version()}")
-        return None
-    unknown = {key: sorted(set(e.config) - _config_fields()) for key, e in cache.entries.items()
-               if set(e.config) - _config_fields()}
-    if unknown:
-        for key, fields in unknown.items():
-            _warn_once(path, f"entry {key!r} dropped: GemmConfig has no field {', '.join(fields)} in this version")
-        cache = cache.model_copy(update={"entries": {k: e for k, e in cache.entries.items() if k not in unknown}})
-    if cache.kernel_hash != kernel_hash():
-        key = f"{path}: kernel"
-        if key not in _warned:
-            _warned.add(key)
-            warnings.warn(f"portable_mx config cache {path} was tuned for another version of the GEMM "
-                          "kernel source; its configs are used, re-tune to refresh them", RuntimeWarning, stacklevel=3)
+    for key, why in cache.unreadable.items():
+        _warn_once(f"{path}: {key}: {why}",
+                   f"portable_mx config cache {path}: entry {key!r} ignored ({why}); that shape uses the next cache "
+                   "file's entry or the default config. Re-tune it (portable-mx tune) or correct the entry; "
+                   "the entry is kept in the file as it is")
+    if cache.header.get("kernel_hash") != kernel_hash():
+        _warn_once(f"{path}: kernel",
+                   f"portable_mx config cache {path} was tuned for another version of the GEMM kernel source; "
+                   "its configs are used, re-tune to refresh them")
     return cache
 
 
@@ -205,8 +355,21 @@ _index: dict[tuple[str, str], dict[str, ConfigEntry]] = {}
 
 
 def _sources(arch: str, device_name: str) -> list[Path]:
-    """Cache files in lookup order: the user's, then the shipped one."""
-    return [cache_file(arch, device_name), cache_file(arch, device_name, SHIPPED_DIR)]
+    """Cache files in lookup order: the user's, then the shipped ones (each dir: the file
+    of this Triton release and schema, then the older-named one)."""
+    return [fn(arch, device_name, d) for d in (cache_dir(), SHIPPED_DIR) for fn in (cache_file, legacy_file)]
+
+
+def other_files(arch: str, device_name: str, directory: Optional[Path] = None) -> list[Path]:
+    """The device's files in ``directory`` (the user cache dir) that this process does
+    not read: those of other Triton releases or schemas, and files set aside."""
+    directory = Path(directory or cache_dir())
+    own = {cache_file(arch, device_name, directory), legacy_file(arch, device_name, directory)}
+    try:
+        found = sorted(directory.glob(f"{_base(arch, device_name)}.*.json"))
+    except OSError:
+        return []
+    return [p for p in found if p not in own]
 
 
 def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
@@ -217,18 +380,69 @@ def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
     if found is None:
         with _lock:
             found = {}
-            for path in reversed(_sources(arch, device_name)):
-                cache = load(path, arch)
+            sources = _sources(arch, device_name)
+            for path in reversed(sources):
+                # an older-named file of another release is expected beside this release's file
+                quiet = path.name == legacy_file(arch, device_name).name and \
+                    cache_file(arch, device_name, path.parent).exists()
+                cache = load(path, arch, quiet_mismatch=quiet, written_here=path == sources[0])
                 if cache is not None:
                     found.update(cache.entries)
+            if not any(p.exists() for p in sources[:2]):
+                _note_other_releases(arch, device_name)
             _index[key] = found
     return found
 
 
+def _other_release(arch: str, device_name: str) -> re.Pattern:
+    """Matches the names of the device's files of any Triton release and schema (groups:
+    the release, the schema version); files set aside have a longer name."""
+    return re.compile(re.escape(_base(arch, device_name)) + r"\.triton-([A-Za-z0-9.+_-]+?)\.schema-(\d+)\.json$")
+
+
+def _note_other_releases(arch: str, device_name: str) -> None:
+    """One warning when the user cache dir holds this device's configs only for other
+    Triton releases or schemas (an upgrade: they are kept, not read)."""
+    pattern = _other_release(arch, device_name)
+    others = [p.name for p in other_files(arch, device_name) if pattern.match(p.name)]
+    if others:
+        _warn_once(f"{cache_dir()}: {arch} {device_name}: others",
+                   f"portable_mx config cache: no tuned configs for {arch} {device_name} under triton "
+                   f"{triton_version()} (schema {SCHEMA_VERSION}) in {cache_dir()}; the files of other releases "
+                   f"there ({', '.join(others)}) are kept, not read. Re-tune on this release to use tuned configs")
+
+
 def lookup(arch: str, device_name: str, key: str) -> Optional[dict[str, Any]]:
-    """The tuned config fields for ``key`` (:func:`entry_key`) on this device, or None."""
+    """The tuned config fields for ``key`` (:func:`entry_key`) on this device, or None.
+    They passed ``backends/triton/config_rules.py``: ``GemmConfig(**fields)`` (``extra``
+    as tuples) launches."""
     entry = entries(arch, device_name).get(key)
     return None if entry is None else entry.config
+
+
+def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
+    """Per cache file of this device (the lookup order, then the user dir's files not
+    read): ``{"file", "entries" (used), "unreadable" (entries kept, not used), "why"}``;
+    ``why`` is empty for a file in use."""
+    out = []
+    for path in _sources(arch, device_name):
+        if not path.exists():
+            continue
+        cache, problem = read(path, arch)
+        if cache is None:
+            out.append({"file": str(path), "entries": 0, "unreadable": 0,
+                        "why": f"ignored: {problem.why if problem else 'unreadable'}"})
+        else:
+            why = f"{len(cache.unreadable)} entries not readable by this version, kept" if cache.unreadable else ""
+            out.append({"file": str(path), "entries": len(cache.entries), "unreadable": len(cache.unreadable),
+                        "why": why})
+    release = _other_release(arch, device_name)
+    for path in other_files(arch, device_name):
+        found = release.match(path.name)
+        why = (f"not read: for triton {found.group(1)}, schema {found.group(2)}" if found
+               else "not read: set aside")
+        out.append({"file": str(path), "entries": 0, "unreadable": 0, "why": why})
+    return out
 
 
 def clear() -> None:
@@ -253,30 +467,62 @@ def generation() -> int:
 # ----------------------------------------------------------------------------- writing
 
 
+def _document(header: dict[str, Any], entries: dict[str, Any]) -> str:
+    return json.dumps({**header, "entries": entries}, indent=1) + "\n"
+
+
 def record(
     arch: str,
     device_name: str,
     new_entries: dict[str, ConfigEntry],
     directory: Optional[Path] = None,
 ) -> Path:
-    """Merge ``new_entries`` into this device's cache file (the user cache dir unless
-    ``directory``) and return its path. Under the file's lock the current file is read
-    (a corrupt or mismatched one is replaced), the entries are added (an entry with the
-    same key is replaced only by a faster one), and the result is written atomically."""
+    """Merge ``new_entries`` into this device's file of this Triton release
+    (:func:`cache_file`, in the user cache dir unless ``directory``) and return its path.
+
+    Each new entry must pass :func:`check_entry` (ValueError naming it otherwise). Under
+    the file's lock the current file is read; one that cannot be used as a whole is set
+    aside first (``<name>.<why>.json``, never replacing an earlier one); a file that does
+    not exist yet starts from the older-named file's entries. The new entries are added
+    (an entry with the same key is replaced only by a faster one, or by any after the
+    kernel source changed; one this version cannot read is replaced and kept in
+    ``<name>.replaced.json``), every other entry and unknown field is carried through
+    verbatim, and the result is written atomically."""
     path = cache_file(arch, device_name, directory)
+    checked = {}
+    for key, entry in new_entries.items():
+        good, why = check_entry(key, entry.model_dump(mode="json") if isinstance(entry, ConfigEntry) else entry, arch)
+        if good is None:
+            raise ValueError(f"config cache entry {key!r} for {arch} not recorded: {why}")
+        checked[key] = good
     with files.locked(path):
-        current = load(path, arch)
+        current, problem = read(path, arch)
+        if problem is not None:
+            aside = files.set_aside(path, problem.tag)
+            warnings.warn(f"portable_mx config cache {path} set aside as {aside.name} ({problem.why}); "
+                          "a new file is written in its place", RuntimeWarning, stacklevel=2)
         if current is None:
-            current = ConfigCache(device_name=device_name, arch=arch, triton_version=triton_version(),
-                                  kernel_hash=kernel_hash())
-        merged = dict(current.entries)
-        for key, entry in new_entries.items():
-            old = merged.get(key)
-            if old is None or entry.time_ms <= old.time_ms or current.kernel_hash != kernel_hash():
-                merged[key] = entry
-        doc = current.model_copy(update={"entries": merged, "kernel_hash": kernel_hash(),
-                                         "triton_version": triton_version()})
-        files.write_atomic(path, doc.model_dump_json(indent=1) + "\n")
+            current, _ = read(legacy_file(arch, device_name, directory), arch)
+        if current is None:
+            current = CacheFile(path, {"device_name": device_name}, {}, {}, {})
+        stale = current.header.get("kernel_hash") != kernel_hash()
+        out, replaced = dict(current.raw), {}
+        for key, entry in checked.items():
+            old = current.entries.get(key)
+            if key in current.unreadable:
+                replaced[key] = current.raw[key]
+            elif old is not None and not (entry.time_ms <= old.time_ms or stale):
+                continue
+            out[key] = entry.model_dump(mode="json")
+        header = {"schema_version": SCHEMA_VERSION, "device_name": current.header.get("device_name", device_name),
+                  "arch": arch, "triton_version": triton_version(), "kernel_hash": kernel_hash()}
+        header.update({k: v for k, v in current.header.items() if k not in header})
+        if replaced:
+            aside = files.write_aside(path, "replaced", _document(header, replaced))
+            warnings.warn(f"portable_mx config cache {path}: entries {', '.join(map(repr, replaced))}, which this "
+                          f"version cannot read, were replaced by new tuning; the old ones are kept in {aside.name}",
+                          RuntimeWarning, stacklevel=2)
+        files.write_atomic(path, _document(header, out))
     clear()
     return path
 
@@ -289,13 +535,3 @@ def make_entry(config: Any, time_ms: float, baseline_ms: Optional[float] = None,
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return ConfigEntry(config=fields, time_ms=time_ms, baseline=baseline, baseline_ms=baseline_ms,
                        trials=trials, survivors=survivors, strategy=strategy, tuned_at=now)
-
-
-@functools.lru_cache(maxsize=None)
-def _config_fields() -> frozenset:
-    """The field names of this version's GemmConfig."""
-    import dataclasses
-
-    from ..backends.triton.launch import GemmConfig
-
-    return frozenset(f.name for f in dataclasses.fields(GemmConfig))

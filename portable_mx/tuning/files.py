@@ -1,14 +1,17 @@
-"""Small file helpers of the tuner: an exclusive lock on a sidecar ``.lock`` file and an
+"""Small file helpers of the tuner: an exclusive lock on a sidecar ``.lock`` file, an
 atomic write (temp file + fsync + rename), so that several tuning processes can merge
-into one JSON file without losing each other's entries."""
+into one JSON file without losing each other's entries, and setting a file aside under a
+name that says why, never replacing an earlier one."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 
 @contextlib.contextmanager
@@ -41,6 +44,56 @@ def write_atomic(path: Path, text: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def aside_path(path: Path, why: str, n: int = 1) -> Path:
+    """``<name>.<why>.json`` next to ``path`` (``<name>.<why>.<n>.json`` for n > 1), where
+    ``<name>`` is ``path``'s name without ``.json`` and ``why`` is made file-name safe."""
+    path = Path(path)
+    stem = path.name[:-len(".json")] if path.name.endswith(".json") else path.name
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "-", why).strip("-.") or "aside"
+    return path.with_name(f"{stem}.{tag}{'' if n == 1 else f'.{n}'}.json")
+
+
+def set_aside(path: Path, why: str, source: Optional[Path] = None) -> Path:
+    """Move ``source`` (default ``path``) to the first free :func:`aside_path` of ``path``
+    and ``why`` and return it; an existing file is never replaced (a hard link claims the
+    name atomically; where the file system has none, the name is checked first, which is
+    safe among writers that hold :func:`locked`)."""
+    path = Path(path)
+    source = Path(source) if source is not None else path
+    for n in itertools.count(1):
+        target = aside_path(path, why, n)
+        try:
+            os.link(source, target)
+        except FileExistsError:
+            continue
+        except OSError:  # no hard links on this file system
+            if target.exists():
+                continue
+            os.rename(source, target)
+            return target
+        os.unlink(source)
+        return target
+    raise AssertionError("unreachable")
+
+
+def write_aside(path: Path, why: str, text: str) -> Path:
+    """Write ``text`` to a new file, the first free :func:`aside_path` of ``path`` and
+    ``why`` (complete or absent, never replacing a file), and return its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return set_aside(path, why, source=Path(tmp))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -1,0 +1,30 @@
+"""What portable_mx says under ``torch.func`` transforms (grad, vmap, jacrev, jvp, ...).
+
+The ops are torch custom ops whose autograd rule is registered with
+``torch.library.register_autograd``; in torch 2.4-2.13 such a rule does not compose with
+functorch's transforms (they need an ``autograd.Function`` with ``setup_context`` and a
+vmap rule), and the kernels take plain tensors, not vmap's batched ones. Rather than the
+errors torch raises from deep inside (or, under vmap, an answer computed on the wrong
+view), every public op refuses a transform up front with one message saying what to use.
+``torch.func.functional_call`` alone is not a transform and works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    _transforms_active = torch._C._are_functorch_transforms_active
+except AttributeError:  # a torch without the query: nothing to detect
+    def _transforms_active() -> bool:
+        return False
+
+
+def refuse_func_transforms(op: str) -> None:
+    """Raise when called under a ``torch.func`` transform (about 0.1 us otherwise)."""
+    if _transforms_active():
+        raise RuntimeError(
+            f"portable_mx {op} does not support torch.func transforms (grad, vmap, jacrev, jvp, "
+            "hessian): use torch.autograd.grad (or .backward()) for gradients and a loop or a "
+            "batch dimension for vmap; torch.func.functional_call without a transform works"
+        )

@@ -1,0 +1,163 @@
+"""Which GEMM configs the kernels can launch: the checks a :class:`~.launch.GemmConfig`
+read from outside the code (a config cache file, shipped, user-written, hand-edited or
+written by another portable_mx version) must pass before it reaches a launch.
+
+A config that breaks one of these does not fail cleanly in the kernel: a negative tile
+launches no program and the output is never written (uninitialised memory), a tile of 0
+divides by zero on the host, a ``group_m`` of 0 divides by zero in the program order
+(wrong tiles; -1 crashes the interpreter), a tile that is not a power of two stops
+``tl.arange``, a string stops the host code with a TypeError. The rules, and where each
+comes from:
+
+- **fields.** Exactly this version's GemmConfig fields (``block_m``, ``block_n`` and
+  ``block_k`` required, the others default). A field this version lacks was written by a
+  newer portable_mx: what it asks of the kernel is unknown here.
+- **types.** Every field an ``int`` (not a bool, not a float such as 64.0); ``extra`` a list
+  of ``[name, int]`` pairs.
+- **block_m, block_n:** powers of two (``tl.arange(0, BLOCK_M)`` in gemm.py and
+  gemm_upcast.py needs one; positive, or no program covers the output).
+- **block_k:** a power of two >= 32 (``tl.arange(0, BLOCK_K // 32)``: one scale per 32
+  elements).
+- **tile size:** the accumulator [block_m, block_n] and the operand tiles [block_m,
+  block_k], [block_n, block_k] of at most 2**20 elements each (Triton's
+  ``TRITON_MAX_TENSOR_NUMEL``).
+- **num_warps:** a power of two (Triton's CUDA and HIP options assert it) and at most
+  1024 threads per program (``num_warps`` x the target's warp size: 32 on NVIDIA and in
+  the interpreter, 64 on AMD).
+- **num_stages:** >= 1 (pipeline stages; 1 is no pipelining).
+- **group_m:** >= 1 (``splitk.program_tile`` divides by ``GROUP_M`` x the tiles along N).
+- **split_k:** >= 0 (0: chosen per shape, ``TritonBackend.resolve_split_k``) and, for a
+  shape with padded K ``kp``, at most ``max(1, kp // block_k)``: every split has a K
+  tile, the tuner's own rule (``GemmSpace.violation``); a larger split only adds programs
+  with nothing to sum and grows the split-K workspace (tiles x split_k x block_m x
+  block_n fp32) without bound.
+- **extra:** the launch options the vendor's Triton takes, on AMD targets only: ``kpack``
+  (1 or 2), ``matrix_instr_nonkdim`` and ``waves_per_eu`` (ints >= 0). Triton's CUDA
+  launcher refuses keyword arguments it does not know.
+
+Not checked here: what depends on the compiled code (registers, shared memory, whether
+the native block-scaled instruction survives). The tuner's static stage compiles every
+candidate for its target before timing it (``tuning/static.py``); a hand-written config
+that does not compile on its GPU stops at its first launch with Triton's compile error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from .launch import GemmConfig
+
+MAX_TILE_ELEMENTS = 1 << 20
+"""Triton's ``TRITON_MAX_TENSOR_NUMEL``: the most elements one block tensor may have."""
+MAX_THREADS = 1024
+"""Threads per program (CUDA block, HIP workgroup) at most."""
+AMD_OPTIONS = ("kpack", "matrix_instr_nonkdim", "waves_per_eu")
+"""The vendor launch options a GemmConfig's ``extra`` may carry (on AMD targets)."""
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
+_REQUIRED = tuple(f.name for f in dataclasses.fields(GemmConfig)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pow2(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _target(arch: Optional[str]):
+    from ..targets import TARGETS
+
+    return TARGETS.get(arch) if arch else None
+
+
+def problems(fields: Mapping[str, Any], arch: Optional[str] = None, kp: Optional[int] = None) -> list[str]:
+    """Why the GemmConfig fields ``fields`` (a mapping as a cache file holds it: ``extra``
+    a list of [name, value] pairs) cannot be launched for target ``arch`` (a name of
+    ``targets.TARGETS``; anything else, e.g. "interpret": warp size 32, no vendor options)
+    at padded K ``kp`` (None: no shape); empty when they can. One line per broken rule."""
+    if not isinstance(fields, Mapping):
+        return [f"the config is a {type(fields).__name__}, not a mapping of GemmConfig fields"]
+    out = []
+    unknown = sorted(set(fields) - set(_FIELDS), key=str)
+    if unknown:
+        out.append(f"GemmConfig has no field {', '.join(map(str, unknown))} in this version "
+                   "(written by a newer portable_mx?)")
+    missing = [name for name in _REQUIRED if name not in fields]
+    if missing:
+        out.append(f"missing {', '.join(missing)}")
+    ints = {}
+    for name in _FIELDS:
+        if name == "extra" or name not in fields:
+            continue
+        value = fields[name]
+        if not _is_int(value):
+            out.append(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        else:
+            ints[name] = value
+    for name in ("block_m", "block_n"):
+        if name in ints and not _pow2(ints[name]):
+            out.append(f"{name} {ints[name]} is not a positive power of two")
+    if "block_k" in ints and not (_pow2(ints["block_k"]) and ints["block_k"] >= 32):
+        out.append(f"block_k {ints['block_k']} is not a power of two >= 32")
+    bm, bn, bk = (ints.get(n) for n in ("block_m", "block_n", "block_k"))
+    for (x, y), what in (((bm, bn), "block_m x block_n"), ((bm, bk), "block_m x block_k"),
+                         ((bn, bk), "block_n x block_k")):
+        if x is not None and y is not None and x > 0 and y > 0 and x * y > MAX_TILE_ELEMENTS:
+            out.append(f"{what} = {x * y} elements, more than Triton's {MAX_TILE_ELEMENTS} per block tensor")
+    target = _target(arch)
+    warp = target.warp_size if target is not None else 32
+    if "num_warps" in ints:
+        w = ints["num_warps"]
+        if not _pow2(w):
+            out.append(f"num_warps {w} is not a positive power of two")
+        elif w * warp > MAX_THREADS:
+            out.append(f"num_warps {w} x warp size {warp} is more than {MAX_THREADS} threads per program")
+    if "num_stages" in ints and ints["num_stages"] < 1:
+        out.append(f"num_stages {ints['num_stages']} is below 1")
+    if "group_m" in ints and ints["group_m"] < 1:
+        out.append(f"group_m {ints['group_m']} is below 1")
+    if "split_k" in ints:
+        split = ints["split_k"]
+        if split < 0:
+            out.append(f"split_k {split} is negative (0 chooses it per shape)")
+        elif kp is not None and bk is not None and bk > 0 and split > max(1, kp // bk):
+            out.append(f"split_k {split} is more than the {max(1, kp // bk)} K tiles of block_k {bk} "
+                       f"in padded K {kp}")
+    out += _extra_problems(fields.get("extra", []), target)
+    return out
+
+
+def _extra_problems(extra: Any, target) -> list[str]:
+    if not isinstance(extra, (list, tuple)):
+        return [f"extra must be a list of [name, value] pairs, got {extra!r}"]
+    out, seen = [], set()
+    amd = target is not None and target.vendor == "amd"
+    for item in extra:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+            out.append(f"extra item {item!r} is not a [name, value] pair")
+            continue
+        name, value = item
+        if name in seen:
+            out.append(f"extra option {name} given twice")
+        seen.add(name)
+        if name not in AMD_OPTIONS:
+            out.append(f"extra option {name!r} is not a launch option of the GEMM ({', '.join(AMD_OPTIONS)})")
+        elif not amd:
+            where = target.name if target else "a non-AMD target"
+            out.append(f"extra option {name} is AMD's; this config is for {where}")
+        elif not _is_int(value) or value < 0 or (name == "kpack" and value not in (1, 2)):
+            out.append(f"extra option {name} = {value!r} is not " + ("1 or 2" if name == "kpack" else "an int >= 0"))
+    return out
+
+
+def config_from_fields(fields: Mapping[str, Any], arch: Optional[str] = None, kp: Optional[int] = None) -> GemmConfig:
+    """The GemmConfig of ``fields`` (as :func:`problems` takes them); ValueError naming
+    every broken rule when the kernels cannot launch it."""
+    found = problems(fields, arch, kp)
+    if found:
+        raise ValueError("invalid GEMM config: " + "; ".join(found))
+    return GemmConfig(**{**fields, "extra": tuple(tuple(kv) for kv in fields.get("extra", ()))})

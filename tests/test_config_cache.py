@@ -1,0 +1,367 @@
+"""The config cache keeps what it cannot read, and never launches a config the kernels
+cannot run (issue 25, items 2 and 5, and its unclear errors about caches).
+
+- ``record`` carries entries this version cannot use through verbatim (a field of a newer
+  portable_mx, a malformed entry, values the kernels cannot launch), keeps the files of
+  other Triton releases, sets a file it cannot use aside under a name that says why
+  (never replacing an earlier one), and merges concurrent writers;
+- a tuned config the kernels cannot launch (negative or non-power-of-two tiles, zero
+  warps, ``group_m`` 0, strings, ``split_k`` out of range), in the user's cache or in a
+  shipped one, is not used: one warning names the file and the entry, and the GEMM
+  launches the default config and returns the right product (float64 of the dequantized
+  operands);
+- a cache file that is not UTF-8 is a warning naming it (the GEMM and ``portable-mx
+  info`` go on), and re-tuning sets it aside and writes a fresh file.
+
+Reference values are the files' own bytes and a float64 product, never the cache code.
+"""
+
+import dataclasses
+import json
+import multiprocessing
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from portable_mx import cli, registry
+from portable_mx.backends.reference import ReferenceBackend
+from portable_mx.backends.targets import TARGETS
+from portable_mx.backends.triton import config_rules
+from portable_mx.backends.triton.gemm import Operand
+from portable_mx.backends.triton.launch import GemmConfig
+from portable_mx.recipe import QuantRecipe
+from portable_mx.tuning import cache
+from portable_mx.tuning.space import config_to_json, gemm_space
+
+CPU = torch.device("cpu")
+INTERPRET = registry.get("triton-interpret")
+REF = ReferenceBackend()
+MX = Operand(None, None, 0)
+KEY = cache.entry_key("matmul", "e2m1", "e2m1", 32, 64, 128)
+_NO_GEMM = INTERPRET.op_problem("matmul") or INTERPRET.unavailable_reason(CPU)
+interpreted = pytest.mark.skipif(_NO_GEMM is not None, reason=f"the interpreter does not run the GEMM here: {_NO_GEMM}")
+
+
+@pytest.fixture(autouse=True)
+def cache_env(tmp_path, monkeypatch):
+    """An empty user cache dir of this test's own, and no shipped caches."""
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path / "shipped")
+    cache.clear()
+    yield tmp_path / "cache"
+    cache.clear()
+
+
+def _entry(config: GemmConfig = GemmConfig(16, 32, 64, group_m=1), ms: float = 1.0) -> dict:
+    """An entry as a cache file holds it."""
+    return cache.make_entry(config, ms).model_dump(mode="json")
+
+
+def _fields(**changes) -> dict:
+    """GemmConfig fields as JSON, with ``changes`` (which may break them)."""
+    d = dataclasses.asdict(GemmConfig(16, 16, 32, group_m=1))
+    d["extra"] = []
+    d.update(changes)
+    return d
+
+
+def _doc(entries: dict, **header) -> dict:
+    doc = {"schema_version": 2, "device_name": "cpu", "arch": "interpret", "triton_version": cache.triton_version(),
+           "kernel_hash": cache.kernel_hash()}
+    doc.update(header)
+    doc["entries"] = entries
+    return doc
+
+
+def _write(path: Path, doc) -> bytes:
+    data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return data
+
+
+def _caught(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught]
+
+
+def _info_rows(monkeypatch) -> list[dict]:
+    """The config-cache rows of ``portable-mx info`` for the CPU (where the interpreter
+    serves the GEMM; else what info would list, ``cache.file_report``)."""
+    if _NO_GEMM is not None:
+        return cache.file_report("interpret", "cpu")
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    return cli._config_caches([CPU])
+
+
+# ----------------------------------------------------------------------------- nothing deleted
+
+
+def test_record_carries_entries_this_version_cannot_read_verbatim():
+    """One file holds a good entry, an entry of a newer portable_mx (a config field this
+    version lacks), a malformed entry (time_ms -1), one the kernels cannot launch (block_m
+    -16) and a top-level field this version does not know: recording a new shape keeps
+    every one of them byte for byte (the old code dropped the newer entry, and called the
+    whole file corrupt and rewrote it without any of them)."""
+    path = cache.cache_file("interpret", "cpu")
+    newer = {**_entry(), "config": {**_entry()["config"], "persistent": 1}}
+    malformed = {**_entry(), "time_ms": -1}
+    unlaunchable = {**_entry(), "config": _fields(block_m=-16)}
+    good_key, newer_key, bad_key, worse_key = (cache.entry_key("matmul", "e2m1", "e2m1", 32, n, 128) for n in
+                                               (16, 32, 48, 80))
+    original = _doc({good_key: _entry(), newer_key: newer, bad_key: malformed, worse_key: unlaunchable},
+                    written_by="a newer portable_mx")
+    _write(path, original)
+    new = {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}
+    _caught(lambda: cache.record("interpret", "cpu", new))
+    doc = json.loads(path.read_text())
+    for key, value in original["entries"].items():
+        assert doc["entries"][key] == value, key
+    assert doc["written_by"] == "a newer portable_mx"
+    assert doc["entries"][KEY]["config"]["block_m"] == 32
+    cache.clear()
+    _, messages = _caught(lambda: [cache.lookup("interpret", "cpu", k) for k in (newer_key, bad_key, worse_key)])
+    assert cache.lookup("interpret", "cpu", good_key)["block_n"] == 32
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+    assert all(cache.lookup("interpret", "cpu", k) is None for k in (newer_key, bad_key, worse_key))
+    for key, why in ((newer_key, "persistent"), (bad_key, "time_ms"), (worse_key, "block_m -16")):
+        assert [m for m in messages if repr(key) in m and why in m and str(path) in m], (key, messages)
+
+
+def test_record_keeps_the_files_of_other_triton_releases(cache_env):
+    """A file written under another Triton release, at the name every version so far wrote
+    (``<arch>-<device>.json``), is left byte for byte as it was when this release records
+    its own configs (the old code replaced it: every shape tuned there was gone)."""
+    legacy = cache_env / "interpret-cpu.json"
+    before = _write(legacy, _doc({KEY: _entry()}, triton_version="3.5.0"))
+    cache.clear()
+    _, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert any(str(legacy) in m and "3.5.0" in m for m in messages)  # ignored, with a warning
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    assert legacy.read_bytes() == before
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+    assert cache.cache_file("interpret", "cpu") != legacy
+
+
+def test_files_written_by_the_previous_version_are_still_read_and_never_written(cache_env):
+    """``<arch>-<device>.json`` of this release and schema (what portable_mx wrote until
+    now) is read; a new file of this release starts from its entries; it is not touched."""
+    legacy = cache_env / "interpret-cpu.json"
+    old_key = cache.entry_key("matmul", "bf16", "e2m1", 8, 64, 128)
+    before = _write(legacy, _doc({old_key: _entry(GemmConfig(16, 64, 64))}))
+    assert cache.lookup("interpret", "cpu", old_key)["block_n"] == 64
+    path = cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)})
+    assert legacy.read_bytes() == before
+    assert set(json.loads(path.read_text())["entries"]) == {old_key, KEY}
+    assert cache.lookup("interpret", "cpu", old_key)["block_n"] == 64
+
+
+def test_the_files_of_another_release_are_named_when_none_is_for_this_one(cache_env, monkeypatch):
+    """After a Triton upgrade the old release's file is not read (its configs were
+    measured with other compiled code): one warning names it, and info lists it."""
+    other = cache_env / "interpret-cpu.triton-0.0.1.schema-2.json"
+    _write(other, _doc({KEY: _entry()}, triton_version="0.0.1"))
+    found, messages = _caught(lambda: (cache.lookup("interpret", "cpu", KEY), cache.lookup("interpret", "cpu", KEY)))
+    assert found == (None, None)
+    assert len([m for m in messages if other.name in m and "kept" in m]) == 1
+    rows = [r for r in _info_rows(monkeypatch) if r["file"] == str(other)]
+    assert len(rows) == 1 and "triton 0.0.1" in rows[0]["why"]
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"{not json", "corrupt"),
+    (json.dumps(_doc({KEY: {"config": {}, "time_ms": 1.0}}, triton_version="0.0.1")).encode(), "triton-0.0.1"),
+    (json.dumps(_doc({}, arch="sm_90")).encode(), "arch-sm_90"),
+])
+def test_a_file_that_cannot_be_used_is_set_aside_never_over_an_earlier_one(content, why):
+    """Each time record() finds a file it cannot use in its place it renames it to
+    ``<name>.<why>.json``, then ``<name>.<why>.2.json``: both kept byte for byte."""
+    path = cache.cache_file("interpret", "cpu")
+    second = content.replace(b"{", b"{ ", 1)
+    for data in (content, second):
+        _write(path, data)
+        cache.clear()
+        new = {KEY: cache.make_entry(GemmConfig(16, 32, 64), 2.0)}
+        _, messages = _caught(lambda: cache.record("interpret", "cpu", new))
+        assert any("set aside" in m and str(path) in m for m in messages)
+    stem = path.name[:-len(".json")]
+    assert path.with_name(f"{stem}.{why}.json").read_bytes() == content
+    assert path.with_name(f"{stem}.{why}.2.json").read_bytes() == second
+    assert cache.lookup("interpret", "cpu", KEY)["block_n"] == 32
+
+
+def test_an_unreadable_entry_replaced_by_new_tuning_is_kept_aside():
+    """Re-tuning a shape whose entry this version cannot read replaces it, and the old
+    entry goes to ``<name>.replaced.json`` verbatim."""
+    path = cache.cache_file("interpret", "cpu")
+    old = {**_entry(), "config": _fields(block_m=-16)}
+    _write(path, _doc({KEY: old}))
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 5.0)}))
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+    aside = json.loads(path.with_name(path.name[:-len(".json")] + ".replaced.json").read_text())
+    assert aside["entries"] == {KEY: old}
+
+
+def _record_some(args):
+    directory, worker, count = args
+    for i in range(count):
+        cache.record("sm_100", "NVIDIA B200", {f"matmul|a:e2m1 b:e2m1|M{worker}xN{i}xK1024":
+                                               cache.make_entry(GemmConfig(128, 64, 128), 1.0 + i)},
+                     directory=Path(directory))
+    return worker
+
+
+def test_concurrent_writers_keep_an_entry_of_a_newer_version(tmp_path):
+    """Three processes record four shapes each into a file that holds an entry of a newer
+    portable_mx: all twelve and the newer entry are there at the end."""
+    path = cache.cache_file("sm_100", "NVIDIA B200", tmp_path)
+    newer = {**_entry(GemmConfig(128, 64, 128)), "config": {**_entry()["config"], "persistent": 1}}
+    _write(path, _doc({"matmul|a:bf16 b:e2m1|M1xN1xK1024": newer}, arch="sm_100", device_name="NVIDIA B200"))
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ctx.Pool(3) as pool:
+            assert sorted(pool.map(_record_some, [(str(tmp_path), w, 4) for w in range(3)])) == [0, 1, 2]
+    doc = json.loads(path.read_text())
+    assert len(doc["entries"]) == 13 and doc["entries"]["matmul|a:bf16 b:e2m1|M1xN1xK1024"] == newer
+
+
+def test_record_refuses_an_entry_the_kernels_cannot_launch():
+    path = cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=r"not recorded: .*block_n 24 is not a positive power of two"):
+        cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 24, 64), 1.0)})
+    assert path.read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- unclear errors
+
+
+def test_a_cache_file_that_is_not_utf8_is_a_warning_then_set_aside(cache_env, monkeypatch):
+    """Bytes that are not UTF-8: the config lookup of every GEMM on the device and
+    ``portable-mx info`` used to die with a bare UnicodeDecodeError, and re-tuning could not
+    repair it. Now: one warning naming the file, the default config, the file listed by
+    info; re-tuning sets it aside (kept byte for byte) and writes a fresh file."""
+    path = cache.cache_file("interpret", "cpu")
+    garbage = _write(path, b'{"schema_version": 2, "device_name": "\xff\xfe"}')
+    a, b = REF.quantize(torch.randn(32, 128), QuantRecipe()), REF.quantize(torch.randn(64, 128), QuantRecipe())
+    config, messages = _caught(lambda: INTERPRET.gemm_config(CPU, Operand.of(a), Operand.of(b), 32, 64, 128))
+    assert config == INTERPRET.default_gemm_config(None, 32, None, False)
+    assert [m for m in messages if str(path) in m and "UTF-8" in m]
+    rows = [r for r in _info_rows(monkeypatch) if r["file"] == str(path)]
+    assert len(rows) == 1 and rows[0]["entries"] == 0 and "UTF-8" in rows[0]["why"]
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 32, 64), 2.0)}))
+    assert path.with_name(path.name[:-len(".json")] + ".corrupt.json").read_bytes() == garbage
+    assert cache.lookup("interpret", "cpu", KEY)["block_n"] == 32
+
+
+def test_a_shipped_cache_with_an_invalid_config_falls_back_to_the_default(tmp_path):
+    """The caches shipped in the package are checked like the user's: a config with zero
+    warps is not launched; one warning names the shipped file and the entry."""
+    shipped = tmp_path / "shipped" / "interpret-cpu.json"
+    _write(shipped, _doc({KEY: {**_entry(), "config": _fields(num_warps=0)}}))
+    config, messages = _caught(lambda: INTERPRET.gemm_config(CPU, MX, MX, 32, 64, 128))
+    assert config == INTERPRET.default_gemm_config(None, 32, None, False)
+    found = [m for m in messages if str(shipped) in m and repr(KEY) in m and "num_warps 0" in m]
+    assert len(found) == 1
+
+
+# (M, N, K, broken config field): each breaks the interpreted GEMM on the old code in its own
+# way: uninitialised output, wrong tiles, an InterpreterError, a TypeError, a ZeroDivisionError
+BROKEN = [(40, 48, 128, {"block_m": -16}), (40, 32, 128, {"group_m": 0}), (24, 48, 64, {"block_n": 24}),
+          (8, 16, 64, {"block_m": "16"}), (16, 16, 64, {"block_k": 0})]
+
+
+@interpreted
+def test_matmul_with_an_invalid_tuned_config_is_right_and_warns_once(monkeypatch):
+    """Entries the kernels cannot launch, one per shape: each GEMM launches the default
+    config and equals the float64 product of the dequantized operands; one warning per
+    entry naming the file and the entry, however many calls."""
+    from portable_mx.backends.triton import launch as L
+
+    path = cache.cache_file("interpret", "cpu")
+    keys = [cache.entry_key("matmul", "e2m1", "e2m1", m, n, k) for m, n, k, _ in BROKEN]
+    _write(path, _doc({key: {**_entry(), "config": _fields(**broken)} for key, (*_, broken) in zip(keys, BROKEN)}))
+    launched = []
+    real = L.launch
+    monkeypatch.setattr(L, "launch", lambda plan, args: launched.append(plan.config) or real(plan, args))
+    gen = torch.Generator().manual_seed(25)
+
+    def run():
+        for m, n, k, _ in BROKEN:
+            x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+            a, b = REF.quantize(x, QuantRecipe()), REF.quantize(w, QuantRecipe())
+            out = INTERPRET.matmul(a, b)
+            exact = REF.dequantize(a, torch.float64) @ REF.dequantize(b, torch.float64).T
+            torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4)
+            assert launched[-1] == INTERPRET.default_gemm_config(None, m, None, False)
+
+    _, messages = _caught(lambda: (run(), run()))
+    for key, (*_, broken) in zip(keys, BROKEN):
+        (name,) = broken
+        assert len([m for m in messages if str(path) in m and repr(key) in m and name in m]) == 1, (key, messages)
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"block_m": -16}, "block_m -16"), ({"block_m": 0}, "block_m 0"), ({"block_n": 24}, "block_n 24"),
+    ({"block_k": 0}, "block_k 0"), ({"block_k": 16}, "block_k 16"), ({"block_k": 48}, "block_k 48"),
+    ({"block_m": "16"}, "block_m must be an int"),
+    ({"block_m": 16.0}, "block_m must be an int"), ({"num_warps": True}, "num_warps must be an int"),
+    ({"num_warps": 0}, "num_warps 0"), ({"num_warps": 3}, "num_warps 3"), ({"num_warps": 64}, "1024 threads"),
+    ({"num_stages": 0}, "num_stages 0"), ({"group_m": 0}, "group_m 0"), ({"group_m": -1}, "group_m -1"),
+    ({"split_k": -2}, "split_k -2"), ({"split_k": 5}, "split_k 5"), ({"block_m": 2048, "block_n": 1024}, "2097152"),
+    ({"extra": [["waves_per_eu", 2]]}, "AMD's"), ({"extra": [["foo", 1]]}, "'foo'"), ({"extra": "kpack"}, "extra"),
+    ({"persistent": 1}, "no field persistent"),
+])
+def test_the_rules_name_what_the_kernels_cannot_launch(change, why):
+    found = config_rules.problems(_fields(**change), "interpret", kp=128)  # block_k 32: 4 K tiles
+    assert any(why in p for p in found), found
+    with pytest.raises(ValueError, match="invalid GEMM config"):
+        config_rules.config_from_fields(_fields(**change), "interpret", kp=128)
+
+
+def test_the_rules_follow_the_target():
+    amd = _fields(extra=[["kpack", 1], ["matrix_instr_nonkdim", 16], ["waves_per_eu", 2]], num_warps=16)
+    assert config_rules.problems(amd, "gfx950") == []
+    assert any("1024 threads" in p for p in config_rules.problems({**amd, "num_warps": 32}, "gfx950"))
+    assert config_rules.problems({**amd, "num_warps": 32, "extra": []}, "sm_90") == []
+    assert any("kpack = 3" in p for p in config_rules.problems({**amd, "extra": [["kpack", 3]]}, "gfx942"))
+    assert config_rules.problems(_fields(split_k=0), "sm_100", kp=32) == []  # 0: per shape
+    assert config_rules.problems(_fields(split_k=4), "sm_100") == []  # no shape: no bound
+
+
+def test_the_rules_accept_every_default_and_every_curated_candidate():
+    """Not stricter than the code: every backend's default GEMM config and every candidate
+    of the tuner's curated spaces (that passes the space's own rule) launch."""
+    for name in ("cuda", "rocm", "triton-interpret"):
+        for target, tiles in registry.get(name).gemm_tiles.items():
+            for kind, config in tiles.items():
+                assert config_rules.problems(config_to_json(config), target, 8192) == [], (name, target, kind)
+    heavy = Operand(None, 128, 1)
+    for target in [*TARGETS.values(), None]:
+        for a, b in ((MX, MX), (Operand(torch.bfloat16, None, 0), MX), (heavy, heavy)):
+            for m, kp in ((1, 64), (16, 8192), (4096, 8192)):
+                space = gemm_space(target, a, b, m, kp)
+                for config in space.candidates():
+                    if not space.violation(config):
+                        arch = target.name if target else "interpret"
+                        assert config_rules.problems(config_to_json(config), arch, kp) == [], (arch, config)
+
+
+def test_every_shipped_cache_entry_launches():
+    """The caches shipped in the package (portable_mx/tuning/configs/) hold only entries
+    this version can use: a shipped entry that fails the rules would be ignored on every
+    user's machine with a warning."""
+    shipped = Path(cache.__file__).with_name("configs")
+    for path in sorted(shipped.glob("*.json")):
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        for key, value in doc["entries"].items():
+            entry, why = cache.check_entry(key, value, doc["arch"])
+            assert entry is not None, f"{path.name}: {key}: {why}"

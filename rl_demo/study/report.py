@@ -19,6 +19,7 @@ from typing import Any
 from . import stats
 from .analysis import COMPONENTS, METRIC_LABELS, PROBE_SIGNALS
 from .design import ARMS
+from .verdicts import rule_text
 
 PROBE_LABELS = {"grad_err": "gradient error (1 - cos)", "acc_drop": "greedy accuracy drop",
                 "entropy_shift": "|entropy change|"}
@@ -35,7 +36,7 @@ def _mv(s: dict[str, Any], p: int = 3) -> str:
 
 def verdict_table(results: dict[str, Any]) -> list[str]:
     """The verdict table's markdown lines (also what goes into the README)."""
-    L = ["| claim of the paper | arms (metric) | difference, 95% interval | rule | verdict |",
+    L = ["| claim of the paper | arms, metric | difference, 95% interval | rule (on the whole interval) | verdict |",
          "|---|---|---|---|---|"]
     for v in results["verdicts"]:
         if v["verdict"] == "not run":
@@ -43,19 +44,12 @@ def verdict_table(results: dict[str, Any]) -> list[str]:
             continue
         d = v["difference"]
         if v["relative"]:
-            diff = f"{100 * d['mean']:+.1f}% [{100 * d['lo']:+.1f}%, {100 * d['hi']:+.1f}%]"
-            rule = f"supported if the interval is above -{100 * v['margin']:.1f}%; refuted if below"
+            diff = f"{100 * d['mean']:+.1f}% [{100 * d['lo']:+.1f}%, {100 * d['hi']:+.1f}%] of {v['baseline']}"
         else:
             diff = f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]"
-            if v["rule"] == "one-sided":
-                rule = "supported if above 0" + (f"; refuted if below {v['margin']:.4f}" if v["margin"] else
-                                                 "; refuted if below 0")
-            else:
-                rule = f"supported if it excludes 0; refuted if inside ±{v['margin']:.4f}"
-        sign = "" if v["sign"] > 0 else " (sign flipped: positive = loss)"
         note = "" if v["t_agrees"] else f" (t interval: {v['t_verdict']})"
-        L.append(f"| {v['claim']} | {v['arm']} − {v['baseline']} ({METRIC_LABELS[v['metric']]}{sign}) | {diff} | "
-                 f"{rule} | **{v['verdict']}**{note} |")
+        L.append(f"| {v['claim']} | {v['arm']} − {v['baseline']}, {METRIC_LABELS[v['metric']]} | {diff} | "
+                 f"{rule_text(v)} | **{v['verdict']}**{note} |")
     return L
 
 
@@ -330,10 +324,18 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m rl_demo.study.report", description=main.__doc__)
     p.add_argument("dir", type=Path)
+    p.add_argument("--reanalyze", action="store_true",
+                   help="also recompute the statistics and verdicts from the units' stored outputs "
+                        "(rl_demo.study.runner.reanalyze)")
     args = p.parse_args(argv)
-    results = json.loads((args.dir / "results.json").read_text())
-    timing = json.loads((args.dir / "timing.json").read_text())
-    write_report(results, timing, args.dir)
+    if args.reanalyze:
+        from .runner import reanalyze
+
+        reanalyze(args.dir)
+    else:
+        results = json.loads((args.dir / "results.json").read_text())
+        timing = json.loads((args.dir / "timing.json").read_text())
+        write_report(results, timing, args.dir)
     print(f"{args.dir / 'report.md'}")
     return 0
 

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import platform
 import time
+from dataclasses import replace
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -189,4 +190,36 @@ def run_study(cfg: StudyConfig, out: Path, *, workers: int, progress: Optional[C
     (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), allow_nan=True) + "\n")
     (out / "timing.json").write_text(json.dumps(tim, indent=1) + "\n")
     write_report(results, tim, out)
+    return results
+
+
+UNIT_FIELDS = ("demo", "arms", "seeds", "evaluations", "probe", "threads_per_unit")
+
+
+def reanalyze(out: Path) -> dict[str, Any]:
+    """Recompute the analysis, verdicts and report of a finished study in ``out`` from the
+    units' outputs stored in its results.json (for a change to the analysis or the
+    report; the units are not rerun). The settings that decide the units' numbers
+    (:data:`UNIT_FIELDS`) must equal this checkout's; results.json and report.md are
+    rewritten as a fresh run of this checkout would write them."""
+    from .design import for_device
+    from .report import write_report
+
+    old = json.loads((out / "results.json").read_text())
+    pre = old["preregistered"]
+    cfg = for_device(pre["demo"]["device"], tiny=pre["scale"] == "tiny")
+    cfg = replace(cfg, seeds=tuple(pre["seeds"]))
+    new_pre = json.loads(json.dumps(cfg.to_dict()))
+    changed = [k for k in UNIT_FIELDS if new_pre[k] != pre[k] and not (k == "arms" and list(new_pre[k]) == list(pre[k]))]
+    if changed:
+        raise ValueError(f"{out}: this checkout's {pre['scale']} scale differs in {changed}, which decide the units' "
+                         "numbers; rerun the study instead")
+    done = {(a, int(s)): {"result": {k: v for k, v in d.items() if k != "metrics"}}
+            for a, arm in old["arms"].items() for s, d in arm["seeds"].items()}
+    if cfg.probe:
+        done.update({(PROBE, int(s)): {"result": r} for s, r in old["probe"]["seeds"].items()})
+    results = assemble(cfg, done, old["warmup"])
+    results["environment"] = old["environment"]
+    (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), allow_nan=True) + "\n")
+    write_report(results, json.loads((out / "timing.json").read_text()), out)
     return results

@@ -70,8 +70,20 @@ def claim_verdict(cfg: StudyConfig, claim: Claim, metrics: dict[str, dict[int, d
     t_verdict = decide(claim.rule, o["t_lo"], o["t_hi"], margin)
     return {"key": claim.key, "claim": claim.text, "arm": claim.arm, "baseline": claim.baseline,
             "metric": claim.metric, "sign": claim.sign, "rule": claim.rule, "margin": margin,
-            "relative": claim.rule == "within", "difference": o, "verdict": verdict,
-            "t_verdict": t_verdict, "t_agrees": verdict == t_verdict}
+            "relative": claim.rule == "within", "difference": _oriented(diff, 1, scale), "oriented": o,
+            "verdict": verdict, "t_verdict": t_verdict, "t_agrees": verdict == t_verdict}
+
+
+def rule_text(v: dict[str, Any]) -> str:
+    """The decision rule of a verdict row, stated on the raw difference (arm - baseline)."""
+    m, sign = v["margin"], v["sign"]
+    if v["rule"] == "within":
+        return f"supported if it lies above -{100 * m:.1f}%; refuted if it lies below"
+    if v["rule"] == "two-sided":
+        return f"supported if it excludes 0; refuted if it lies inside ±{m:.4f}"
+    cmp_ok, cmp_no = (">", "<") if sign > 0 else ("<", ">")
+    edge = f"{sign * m:+.4f}" if m else "0"
+    return f"supported if {cmp_ok} 0; refuted if {cmp_no} {edge}"
 
 
 def probe_verdict(component: str, signal: str, text: str, pairs: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -30,6 +30,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="the study: one-factor arms, paired seeds, intervals and a verdict per claim of the paper "
                         "(pre-registered settings per device: the CPU scale, or a larger one with --device cuda); "
                         "writes results.json, timing.json, report.md, curves.png and forest.png")
+    p.add_argument("--resume", action="store_true",
+                   help="--study: reuse the units an interrupted run of the same settings left in OUT/units/")
     p.add_argument("--workers", type=int, default=None,
                    help="--study: parallel worker processes (default: the CPU count; 0 runs every unit in this "
                         "process)")
@@ -165,7 +167,7 @@ def study_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
           f"device {d.device}, {workers} workers; writing {out}/", flush=True)
     t0 = time.perf_counter()
     results = run_study(cfg, out, workers=workers, progress=progress, command=command.strip(),
-                        fresh_warmup=args.fresh_warmup)
+                        fresh_warmup=args.fresh_warmup, resume=args.resume)
     crit = results["criterion"]
     print(f"\nrl_demo study: done in {time.perf_counter() - t0:.0f} s; finite: {results['finite']}")
     print(f"  interval criterion: widest half-width {crit['max_half_width']:.4f} vs a quarter of the fp32 gain "

@@ -305,6 +305,12 @@ def test_study_tiny_end_to_end_and_reproducible(tmp_path):
         assert heading in md
     for f in ("curves.png", "forest.png"):
         assert (a / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # resuming reads every unit back from a/units/ and writes the same bytes
+    before = (a / "results.json").read_bytes()
+    assert len(list((a / "units").glob("*.json"))) == len(ARMS) * len(seeds) + len(seeds)
+    assert cli.main(["--study", "--tiny", "--workers", "0", "--out", str(a), "--no-progress", "--resume"]) == 0
+    assert (a / "results.json").read_bytes() == before
+    assert len(json.loads((a / "timing.json").read_text())["resumed"]) == len(ARMS) * len(seeds) + len(seeds)
     # re-analysing the stored unit outputs writes the same bytes
     from rl_demo.study.runner import reanalyze
 

@@ -91,7 +91,7 @@ def markdown(results: dict[str, Any], timing: dict[str, Any]) -> str:
              f"samples, {demo['minibatches']} AdamW steps per iteration, lr {demo['lr']}, clip {demo['clip_eps']}, "
              f"KL {demo['kl_coef']}; AQN {demo['aqn_stages']} stages, sigma {demo['aqn_sigma_start']} -> "
              f"{demo['aqn_sigma_end']}.")
-    L.append(f"- Seeds {seeds} (paired: seed s has the same prompts, sampling uniforms, minibatch orders, "
+    L.append(f"- Seeds {list(seeds)} (paired: seed s has the same prompts, sampling uniforms, minibatch orders, "
              f"evaluation prompts ({demo['eval_prompts']}) and probe batch ({demo['probe_prompts']} x "
              f"{demo['probe_group']}) in every arm). Final reward: mean sampled reward over the last "
              f"{pre['window']} iterations; evaluations at {pre['evaluations']} evenly spaced iterations from 0 to "
@@ -99,7 +99,7 @@ def markdown(results: dict[str, Any], timing: dict[str, Any]) -> str:
     L.append(f"- Intervals: {int(100 * pre['level'])}% expanded percentile bootstrap over seeds "
              f"({pre['n_boot']:,} resamples; Hesterberg 2015), the Student-t interval beside it. Margins: "
              f"reward {pre['reward_margin_fraction']:g} x the fp32 gain = {results['margins']['reward_margin']:.4f}; "
-             f"entropy {pre['entropy_margin_fraction']:g} x the fp32 final entropy = "
+             f"entropy {pre['entropy_margin_fraction']:g} x the fp32 mean rollout entropy = "
              f"{results['margins']['entropy_margin']:.4f}.")
     for n in pre.get("notes") or ():
         L.append(f"- Note: {n}")
@@ -107,17 +107,17 @@ def markdown(results: dict[str, Any], timing: dict[str, Any]) -> str:
     L.append("## Interval criterion\n")
     L.append(f"fp32 mean reward gain {crit['fp32_gain']:.4f}; a quarter of it {crit['bound']:.4f}; the widest "
              f"half-width of a paired final-reward difference against fp32 {crit['max_half_width']:.4f}: "
-             f"**criterion {'holds' if crit['holds'] else 'does not hold'}** "
-             "(every arm that loses a quarter of the fp32 gain is detected"
-             + ("" if crit["holds"] else "; where it does not hold, an inconclusive verdict may hide such a loss")
-             + ").\n")
+             + ("**the criterion holds**: an arm that loses a quarter of the fp32 gain is detected.\n"
+                if crit["holds"] else "**the criterion does not hold**: where an arm's half-width is above the "
+                "bound, a loss of a quarter of the fp32 gain may go undetected.\n"))
     L.append("| arm | " + " | ".join(crit["half_widths"]) + " |")
     L.append("|---|" + "---|" * len(crit["half_widths"]))
     L.append("| half-width | " + " | ".join(f"{h:.4f}" for h in crit["half_widths"].values()) + " |\n")
 
     L.append("## Verdicts\n")
-    L.append("Each claim is decided by the interval of a paired difference over seeds, oriented so that "
-             "positive is what the claim predicts.\n")
+    L.append("Each claim is decided by the interval of a paired difference (arm minus baseline, seed by seed) "
+             "over seeds; the rule is pre-registered (rl_demo/study/design.py) and applies to the whole "
+             "interval. Where the Student-t interval would decide otherwise, the verdict says so.\n")
     L.extend(verdict_table(results))
     L.append("")
     if results.get("probe"):
@@ -159,8 +159,21 @@ def markdown(results: dict[str, Any], timing: dict[str, Any]) -> str:
     ev = sum(sum(u.get("eval_seconds", [])) for u in timing["units"].values())
     L.append(f"Sum over units {tot:.0f} s of worker time ({tot / max(timing['total_s'], 1e-9):.2f} x the wall "
              f"time), of which evaluations {ev:.0f} s; warm-up {timing['warmup_s'] or 0:.0f} s"
-             f" (checkpoint: {timing.get('warmup_reused') or 'trained in this run'}). Per arm (all seeds): "
-             + ", ".join(f"{a} {s:.0f} s" for a, s in sorted(arm_s.items(), key=lambda kv: -kv[1])) + ".\n")
+             f" (checkpoint: {timing.get('warmup_reused') or 'trained in this run'})"
+             + (f"; {len(timing['resumed'])} units read back from an interrupted run" if timing.get("resumed") else "")
+             + ". Wall-clock seconds, so they include whatever else the machine ran.\n")
+    L.append("| arm | all seeds (s) | per unit (s) | per GRPO iteration (s) | per evaluation (s) |")
+    L.append("|---|---|---|---|---|")
+    for a in sorted(arm_s, key=lambda k: -arm_s[k]):
+        us = [u for k, u in timing["units"].items() if k.split("/")[0] == a]
+        its = [x for u in us for x in u.get("iteration_seconds", [])]
+        evs = [x for u in us for x in u.get("eval_seconds", [])]
+        # an iteration's time includes the evaluation made before it (every one but the last)
+        inner = sum(sum(u.get("eval_seconds", [])[:-1]) for u in us)
+        it_s = f"{(sum(its) - inner) / len(its):.3f}" if its else "-"
+        ev_s = f"{sum(evs) / len(evs):.2f}" if evs else "-"
+        L.append(f"| {a} | {arm_s[a]:.0f} | {arm_s[a] / max(len(us), 1):.1f} | {it_s} | {ev_s} |")
+    L.append("")
 
     L.append("## What this study does not show\n")
     L.extend(f"- {x}" for x in limits(results))
@@ -302,7 +315,7 @@ def plot_forest(results: dict[str, Any], path: Path) -> None:
         ax.axvline(0.0, color="0.5", lw=0.8, ls=":")
         ax.set_yticks(ys)
         ax.set_yticklabels(labels, fontsize=7)
-        ax.set_title("component probe: effect / effect of the whole error", fontsize=9)
+        ax.set_title("component probe\n(effect / effect of the whole error)", fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
     pre = results["preregistered"]
     fig.suptitle(f"Paired differences over {len(pre['seeds'])} seeds: mean and {int(100 * pre['level'])}% "

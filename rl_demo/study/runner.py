@@ -15,6 +15,7 @@ Outputs in ``out``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -36,6 +37,8 @@ from .design import ARMS, StudyConfig
 from .unit import PROBE, init_worker, run_unit
 
 SCHEMA = "rl_demo.study/1"
+# the settings that decide a unit's numbers
+UNIT_FIELDS = ("demo", "arms", "seeds", "evaluations", "probe", "threads_per_unit")
 # relative cost of one unit, for scheduling the longest first (measured on the CPU scale)
 COST = {"fp32": 1.0, "fwd_only": 2.0, "mxfp4": 3.0, "rceil": 3.0, "aqn": 3.2, "mbs": 3.5, "of": 4.0,
         "mbs_of": 4.5, "mbs_of_aqn": 4.7, PROBE: 1.5}
@@ -69,18 +72,51 @@ def units(cfg: StudyConfig) -> list[tuple[str, int]]:
     return sorted(todo, key=lambda u: (-COST.get(u[0], 3.0), u[1]))
 
 
-def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None) -> dict[tuple[str, int], dict]:
-    """Run every unit; ``workers`` processes (0: in this process, one after another)."""
-    todo = units(cfg)
-    bar = progress(total=len(todo), desc="study units", leave=False) if progress else None
+def _unit_key(cfg: StudyConfig, checkpoint: Path) -> str:
+    """A digest of what decides a unit's numbers: the settings of :data:`UNIT_FIELDS`
+    (less the seed list) and the checkpoint's bytes."""
+    d = cfg.to_dict()
+    h = hashlib.sha256(json.dumps({k: d[k] for k in UNIT_FIELDS if k != "seeds"}, sort_keys=True).encode())
+    h.update(checkpoint.read_bytes())
+    return h.hexdigest()
+
+
+def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None,
+            keep: Optional[Path] = None, resume: bool = False) -> dict[tuple[str, int], dict]:
+    """Run every unit; ``workers`` processes (0: in this process, one after another).
+
+    With ``keep``, each finished unit is also written to ``keep/<arm>-<seed>.json`` with
+    the digest of its settings and checkpoint; with ``resume``, a unit whose file is there
+    with the same digest is read back instead of run (for a run that was interrupted, by
+    the same code: the digest does not see code changes)."""
+    key = _unit_key(cfg, checkpoint) if keep is not None else ""
     done: dict[tuple[str, int], dict] = {}
+    todo = []
+    for a, s in units(cfg):
+        f = keep / f"{a}-{s}.json" if keep is not None else None
+        if resume and f is not None and f.exists():
+            saved = json.loads(f.read_text())
+            if saved.get("key") == key:
+                done[(a, s)] = {**saved["unit"], "resumed": True}
+                continue
+        todo.append((a, s))
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+
+    def finish(a: str, s: int, unit: dict) -> None:
+        done[(a, s)] = unit
+        if keep is not None:
+            (keep / f"{a}-{s}.json").write_text(json.dumps({"key": key, "unit": unit}, separators=(",", ":")))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(last=f"{a}/{s}")
+
+    bar = progress(total=len(todo), desc="study units", leave=False) if progress else None
     if workers <= 0:
         init_worker(cfg.threads_per_unit, cfg.demo.device)
         for a, s in todo:
-            done[(a, s)] = run_unit(cfg, a, s, checkpoint)
-            if bar is not None:
-                bar.update(1)
-    else:
+            finish(a, s, run_unit(cfg, a, s, checkpoint))
+    elif todo:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=init_worker,
                                  initargs=(cfg.threads_per_unit, cfg.demo.device)) as pool:
@@ -91,13 +127,11 @@ def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None) -> 
                 for f in finished:
                     a, s = futures[f]
                     try:
-                        done[(a, s)] = f.result()
+                        unit = f.result()
                     except Exception as e:
                         pool.shutdown(wait=False, cancel_futures=True)
                         raise RuntimeError(f"study unit (arm {a}, seed {s}) failed: {e}") from e
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(last=f"{a}/{s}")
+                    finish(a, s, unit)
     if bar is not None:
         bar.close()
     return done
@@ -164,7 +198,8 @@ def timing(cfg: StudyConfig, done: dict[tuple[str, int], dict], total: float, wo
             "warmup_s": warmup_log.get("seconds") if not warmup_log.get("reused") else 0.0,
             "warmup_reused": warmup_log.get("reused"),
             "unit_seconds_sum": sum(d["timing"]["seconds"] for d in done.values()), "arm_seconds": arm_s,
-            "loadavg_start": load[0], "loadavg_end": load[1], "units": per}
+            "loadavg_start": load[0], "loadavg_end": load[1], "units": per,
+            "resumed": sorted(f"{a}/{s}" for (a, s), d in done.items() if d.get("resumed"))}
 
 
 def _loadavg() -> Optional[list[float]]:
@@ -175,25 +210,23 @@ def _loadavg() -> Optional[list[float]]:
 
 
 def run_study(cfg: StudyConfig, out: Path, *, workers: int, progress: Optional[Callable] = None,
-              command: str = "", fresh_warmup: bool = False) -> dict[str, Any]:
+              command: str = "", fresh_warmup: bool = False, resume: bool = False) -> dict[str, Any]:
     """Everything: checkpoint, units, analysis; writes results.json, timing.json,
-    report.md and the figures to ``out``; returns the results."""
+    report.md and the figures to ``out`` (and each unit's output to ``out/units/`` as it
+    finishes; ``resume`` reuses those, see :func:`execute`); returns the results."""
     from .report import write_report
 
     t0 = time.perf_counter()
     load0 = _loadavg()
     out.mkdir(parents=True, exist_ok=True)
     checkpoint, wlog = prepare_checkpoint(cfg, out, progress, fresh=fresh_warmup)
-    done = execute(cfg, checkpoint, workers, progress)
+    done = execute(cfg, checkpoint, workers, progress, keep=out / "units", resume=resume)
     results = assemble(cfg, done, wlog)
     tim = timing(cfg, done, time.perf_counter() - t0, workers, command, wlog, (load0, _loadavg()))
     (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), allow_nan=True) + "\n")
     (out / "timing.json").write_text(json.dumps(tim, indent=1) + "\n")
     write_report(results, tim, out)
     return results
-
-
-UNIT_FIELDS = ("demo", "arms", "seeds", "evaluations", "probe", "threads_per_unit")
 
 
 def reanalyze(out: Path) -> dict[str, Any]:

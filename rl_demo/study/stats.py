@@ -131,7 +131,8 @@ def t_interval(values: Sequence[float], level: float = LEVEL) -> tuple[float, fl
     return m - half, m + half
 
 
-def summary(values: Sequence[float], level: float = LEVEL, n_boot: int = N_BOOT, seed: int = BOOT_SEED) -> dict[str, Any]:
+def summary(values: Sequence[float], level: float = LEVEL, n_boot: int = N_BOOT,
+            seed: int = BOOT_SEED) -> dict[str, Any]:
     """{mean, sd, n, lo, hi (expanded bootstrap: the study's interval), p_lo, p_hi (plain
     percentile bootstrap), t_lo, t_hi (Student t), values} of one statistic over seeds."""
     v = _values(values)

@@ -2,8 +2,9 @@
 study and check that they reproduce its results.json bit for bit (same machine and
 backend), without paying for a whole second run.
 
-The study is rebuilt from its scale (``preregistered.scale``, with the stored seeds) and
-must equal the pre-registered settings stored in results.json, or nothing is rerun. Each named unit (by
+The study is rebuilt from its scale (``preregistered.scale``, with the stored seeds); the
+settings that decide a unit's numbers must equal those stored in results.json, or nothing
+is rerun. Each named unit (by
 default the fp32 arm and plain MXFP4 at the first seed) is rerun in this process with the
 study's thread count, and its curves and evaluations are compared with the stored ones by
 exact float equality (JSON round-trips floats exactly).
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .design import for_device
-from .runner import SHIPPED, shipped_checkpoint_name
+from .runner import SHIPPED, shipped_checkpoint_name, unit_settings_changed
 from .unit import PROBE, init_worker, run_unit
 
 
@@ -49,11 +50,10 @@ def verify(out: Path, units: list[str], checkpoint: Optional[Path] = None) -> li
     pre = results["preregistered"]
     cfg = for_device(pre["demo"]["device"], tiny=pre["scale"] == "tiny")
     cfg = replace(cfg, seeds=tuple(pre["seeds"]))  # --seeds may have chosen them
-    stored = json.loads(json.dumps(cfg.to_dict()))
-    if stored != pre:
-        diff = _first_difference(stored, pre, "preregistered")
+    changed = unit_settings_changed(json.loads(json.dumps(cfg.to_dict())), pre)
+    if changed:
         raise ValueError(f"{out}/results.json was made with other settings than this checkout's {pre['scale']} "
-                         f"scale ({diff}); verify that checkout instead")
+                         f"scale (they differ in {changed}); verify with the checkout that made it")
     ck = checkpoint or (out / "warmup.pt" if (out / "warmup.pt").exists() else SHIPPED / shipped_checkpoint_name(cfg))
     init_worker(cfg.threads_per_unit, cfg.demo.device)
     report = []

@@ -187,7 +187,7 @@ def _cpu() -> StudyConfig:
         warmup_target=0.70, iterations=150, prompts_per_iter=16, group_size=8, minibatches=2,
         lr=3e-4, kl_coef=0.02, eval_prompts=256, probe_prompts=16, probe_group=8,
     )
-    return StudyConfig(scale="cpu", demo=demo, seeds=tuple(range(8)), window=20, evaluations=3)
+    return StudyConfig(scale="cpu", demo=demo, seeds=tuple(range(16)), window=20, evaluations=3)
 
 
 def _cuda() -> StudyConfig:

@@ -187,7 +187,16 @@ def _cpu() -> StudyConfig:
         warmup_target=0.70, iterations=150, prompts_per_iter=16, group_size=8, minibatches=2,
         lr=3e-4, kl_coef=0.02, eval_prompts=256, probe_prompts=16, probe_group=8,
     )
-    return StudyConfig(scale="cpu", demo=demo, seeds=tuple(range(16)), window=20, evaluations=3)
+    # 8 seeds were pre-registered; their full run missed the interval criterion (widest
+    # paired half-width 0.0292 > 0.0224), and the issue asks for more seeds where the
+    # criterion needs them: 8 x (0.0292 / 0.0224)**2 = 13.6, so 16 (the faster reference
+    # quantizer fits them in the hour).
+    return StudyConfig(scale="cpu", demo=demo, seeds=tuple(range(16)), window=20, evaluations=3,
+                       notes=("seeds raised from the pre-registered 8 to 16 after the 8-seed run missed the interval "
+                              "criterion (widest half-width 0.0292 against a bound of 0.0224; its verdicts are in "
+                              "rl_demo/results/study/README.md, and its units for seeds 0-7 equal this run's bit for "
+                              "bit); adding seeds after looking is a form of optional stopping, so read the intervals "
+                              "as slightly optimistic",))
 
 
 def _cuda() -> StudyConfig:

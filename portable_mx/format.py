@@ -25,6 +25,7 @@ The stochastic-rounding stream (:func:`uniform_u24`)
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 
 import torch
@@ -44,19 +45,6 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E8M0_MIN_EXP = -127  # byte 0 decodes to 2**-127 (an fp32 subnormal), never to 0
 E8M0_MAX_EXP = 127  # byte 254
-
-# Round-to-nearest boundaries between consecutive grid magnitudes, and whether a tie
-# goes up (the upper neighbour has the even code) or down.
-# 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5->4.0.
-_RNE_BOUNDARIES = (
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
-)
 
 _F32_EXP_MASK = 0x7F800000
 _F32_MANT_MASK = 0x007FFFFF
@@ -138,10 +126,18 @@ def cast_canonical_nan(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 bytes -> fp32 ``2**(b-127)``; byte 0 is 2**-127, 0xFF is NaN. Exact."""
-    b = scale.to(torch.int64)
+    """uint8 E8M0 bytes -> fp32 ``2**(b-127)``; byte 0 is 2**-127, 0xFF is NaN. Exact: a
+    lookup in the 256-entry table built by :func:`exp2i`."""
+    if scale.dtype != torch.uint8:
+        raise TypeError(f"e8m0_decode expects uint8 bytes, got {scale.dtype}")
+    return _e8m0_table(scale.device)[scale.long()]
+
+
+@functools.cache
+def _e8m0_table(device: torch.device) -> torch.Tensor:
+    b = torch.arange(256, dtype=torch.int64)
     v = exp2i(b - E8M0_BIAS)
-    return torch.where(b == E8M0_NAN, torch.full_like(v, float("nan")), v)
+    return torch.where(b == E8M0_NAN, float("nan"), v).to(device)
 
 
 def e8m0_encode(exponent: torch.Tensor) -> torch.Tensor:
@@ -178,11 +174,22 @@ def scale_exponent(amax: torch.Tensor, rule: ScaleRule | str) -> torch.Tensor:
 
 def e2m1_round_nearest(a: torch.Tensor) -> torch.Tensor:
     """Magnitude code (uint8 0..7) of fp32 ``a >= 0``: nearest grid value, ties to the even
-    code, saturating at 6. NaN gives 0 (callers handle special blocks separately)."""
-    code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
-    for boundary, tie_up in _RNE_BOUNDARIES:
-        code += (a >= boundary) if tie_up else (a > boundary)
-    return code
+    code, saturating at 6. NaN gives 0 (callers handle special blocks separately).
+
+    One IEEE addition rounds (the Triton kernels' ``e2m1_code_nearest``, numerics.md
+    section 1): with C = 2**22 * max(2**floor(log2 a), 1), fl(a + C) is a rounded to a
+    multiple of the grid step at a (0.5 below 2, 1 in [2, 4), 2 from 4), ties to an even
+    multiple, which is the even code; the code is then bits(fl(a + C)) - bits(C) + 2
+    (log2 C - 22), saturated at 7. A few integer passes over the tensor instead of a
+    comparison per grid boundary.
+    """
+    if a.dtype != torch.float32:
+        raise TypeError(f"e2m1_round_nearest expects float32, got {a.dtype}")
+    a_bits = a.view(torch.int32)
+    c_bits = ((a_bits & 0x7F800000) + 0x0B000000).clamp_(min=0x4A800000)
+    s_bits = (a + c_bits.view(torch.float32)).view(torch.int32)
+    code = (s_bits - c_bits).add_(c_bits >> 22).sub_(298).clamp_(max=7)
+    return code.to(torch.uint8).masked_fill_(a.isnan(), 0)
 
 
 _SR_LOWER = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # a >= t moves the lower neighbour up one code
@@ -210,11 +217,29 @@ def e2m1_round_stochastic(a: torch.Tensor, rand24: torch.Tensor) -> torch.Tensor
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 -> fp32 values (code 8 decodes to -0.0). Exact."""
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    c = codes.long()
-    mag = grid[c & 7]
-    return torch.where((c & E2M1_SIGN_BIT) != 0, -mag, mag)
+    """uint8 codes 0..15 -> fp32 values (code 8 decodes to -0.0). Exact: a lookup in the
+    16-entry table of the signed grid."""
+    return _e2m1_table(codes.device)[codes.long()]
+
+
+def e2m1_decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 [..., n] (two codes a byte, low nibble first) -> fp32 [..., 2n]; the
+    same values as ``e2m1_decode(unpack_nibbles(packed))`` from one lookup a byte."""
+    return _e2m1_pair_table(packed.device)[packed.long()].flatten(-2)
+
+
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    return torch.cat((mag, -mag)).to(device)
+
+
+@functools.cache
+def _e2m1_pair_table(device: torch.device) -> torch.Tensor:
+    """[256, 2]: row b holds the values of b's low and high nibble."""
+    b = torch.arange(256)
+    t = _e2m1_table(torch.device("cpu"))
+    return torch.stack((t[b & 15], t[b >> 4]), dim=-1).to(device)
 
 
 # ----------------------------------------------------------------------------- packing

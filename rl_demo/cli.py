@@ -24,7 +24,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rl_demo", description=HELP)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="one seed, three arms (hp, mxfp4, mbs_of_aqn), 30 iterations")
-    mode.add_argument("--tiny", action="store_true", help="a toy configuration (seconds; for tests)")
+    mode.add_argument("--tiny", action="store_true", help="a toy configuration (seconds; for tests; with --study: "
+                                                          "a toy study)")
+    p.add_argument("--study", action="store_true",
+                   help="the study: one-factor arms, paired seeds, intervals and a verdict per claim of the paper "
+                        "(pre-registered settings per device: the CPU scale, or a larger one with --device cuda); "
+                        "writes results.json, timing.json, report.md, curves.png and forest.png")
+    p.add_argument("--resume", action="store_true",
+                   help="--study: reuse the units an interrupted run of the same settings left in OUT/units/")
+    p.add_argument("--workers", type=int, default=None,
+                   help="--study: parallel worker processes (default: the CPU count; 0 runs every unit in this "
+                        "process)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default out/rl_demo[-quick|-tiny])")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--task", choices=("add", "mul"), default=None, help="add (default) or mul")
@@ -47,6 +57,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.study:
+        return study_main(args, argv)
     if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("PORTABLE_MX_BACKEND"):
         print("rl_demo: TRITON_INTERPRET=1 is set, so the registry would train with the Triton interpreter "
               "(far too slow); training uses PORTABLE_MX_BACKEND=reference. The parity check still runs the "
@@ -105,4 +117,64 @@ def main(argv: Optional[list[str]] = None) -> int:
                 else f"{r['status']}: {r.get('detail')}"
             print(f"  parity {r['backend']}/{r['device']}: {state}")
     print(f"  {out / 'report.md'}\n  {out / 'report.png'}\n  {out / 'results.json'}")
+    return 0 if results["finite"] else 1
+
+
+def default_workers(device: str) -> int:
+    """Worker processes for --study: one per CPU core on the CPU; on a GPU, up to 8
+    processes share it (its units are small and launch-bound)."""
+    cores = os.cpu_count() or 1
+    return cores if not device.startswith("cuda") else max(1, min(8, cores))
+
+
+def study_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    """``--study``: the pre-registered study of :mod:`rl_demo.study` for ``--device``."""
+    if args.quick:
+        print("rl_demo: --study has its own pre-registered scale; drop --quick", file=sys.stderr)
+        return 2
+    fixed = [f"--{n.replace('_', '-')}" for n in ("task", "iterations", "d_model", "layers", "checkpoint", "arms")
+             if getattr(args, n) is not None]
+    if fixed:
+        print(f"rl_demo: --study runs its pre-registered settings; {', '.join(fixed)} would change them "
+              "(edit rl_demo/study/design.py to pre-register another study)", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("PORTABLE_MX_BACKEND"):
+        os.environ["PORTABLE_MX_BACKEND"] = "reference"
+    import torch
+
+    from .study.design import for_device
+    from .study.runner import run_study
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"rl_demo: --device {args.device} asked for, but torch sees no GPU", file=sys.stderr)
+        return 2
+    cfg = for_device(args.device, tiny=args.tiny)
+    if args.seeds:
+        from dataclasses import replace
+
+        cfg = replace(cfg, seeds=tuple(args.seeds))
+    workers = args.workers if args.workers is not None else default_workers(cfg.demo.device)
+    out = args.out or Path("out") / ("rl_demo-study" + ("-tiny" if args.tiny else ""))
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm
+    command = "python -m rl_demo " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    d = cfg.demo
+    print(f"rl_demo study ({cfg.scale}): {len(cfg.arms)} arms x {len(cfg.seeds)} seeds, {d.iterations} GRPO "
+          f"iterations of {d.prompts_per_iter}x{d.group_size}, model d={d.model.d_model} x {d.model.n_layers} layers, "
+          f"device {d.device}, {workers} workers; writing {out}/", flush=True)
+    t0 = time.perf_counter()
+    results = run_study(cfg, out, workers=workers, progress=progress, command=command.strip(),
+                        fresh_warmup=args.fresh_warmup, resume=args.resume)
+    crit = results["criterion"]
+    print(f"\nrl_demo study: done in {time.perf_counter() - t0:.0f} s; finite: {results['finite']}")
+    print(f"  interval criterion: widest half-width {crit['max_half_width']:.4f} vs a quarter of the fp32 gain "
+          f"{crit['bound']:.4f} ({crit['fp32_gain']:.4f} / 4): {'holds' if crit['holds'] else 'DOES NOT HOLD'}")
+    for v in results["verdicts"]:
+        print(f"  {v['verdict']:<12} {v['claim']}")
+    for v in (results.get("probe") or {}).get("verdicts", []):
+        print(f"  {v['verdict']:<12} (probe) {v['claim']}")
+    print(f"  {out / 'report.md'}\n  {out / 'results.json'}")
     return 0 if results["finite"] else 1

@@ -88,14 +88,15 @@ def warmup(cfg: DemoConfig, ev: EvalSet, progress: Optional[Progress] = None) ->
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, log
 
 
-def make_probe(cfg: DemoConfig, model: GPT) -> ProbeBatch:
+def make_probe(cfg: DemoConfig, model: GPT, seed: Optional[int] = None) -> ProbeBatch:
     """The fixed probe batch: ``probe_prompts`` prompts x ``probe_group`` answers with
     their group-normalised advantages: ``probe_group - 1`` samples of the warm-up policy
-    (high precision, fixed seed) and the target answer, so that no group is all-wrong
-    (whose advantages, and so its gradient, would vanish)."""
+    (high precision, fixed seed: ``seed``, by default ``warmup_seed + 7``) and the target
+    answer, so that no group is all-wrong (whose advantages, and so its gradient, would
+    vanish)."""
     task = Task(cfg.task)
     pos = task.positions(cfg.coupled_positions).to(cfg.device)
-    g = torch.Generator().manual_seed(cfg.warmup_seed + 7)
+    g = torch.Generator().manual_seed(cfg.warmup_seed + 7 if seed is None else seed)
     p, a = task.sample(cfg.probe_prompts, g)
     p, a = p.repeat_interleave(cfg.probe_group, 0).to(cfg.device), a.repeat_interleave(cfg.probe_group, 0).to(cfg.device)
     ans, _, _ = generate(model, p, pos, ANSWER_LEN, greedy=False, generator=g)
@@ -139,9 +140,15 @@ def run_arm(
     probe: ProbeBatch,
     progress: Optional[Progress] = None,
     on_end: Optional[Callable[[GPT, GPT], dict]] = None,
+    evaluator: Optional[Callable[..., dict]] = None,
 ) -> dict[str, Any]:
     """GRPO for one arm and seed from the warm-up ``state``; returns its log (curves,
-    evaluations, and whatever ``on_end(model, view)`` returns under "end")."""
+    evaluations, and whatever ``on_end(model, view)`` returns under "end").
+
+    ``evaluator(cfg, arm, model, view, rollout, ev, probe)`` makes each evaluation
+    (default :func:`evaluate`); it runs every ``eval_every`` iterations and after the
+    last one."""
+    evaluator = evaluator or evaluate
     task = Task(cfg.task)
     dev = cfg.device
     pos = task.positions(cfg.coupled_positions).to(dev)
@@ -171,7 +178,7 @@ def run_arm(
     t0 = time.perf_counter()
     for it in range(cfg.iterations + 1):
         if it % cfg.eval_every == 0 or it == cfg.iterations:
-            e = evaluate(cfg, arm, model, view, rollout, ev, probe)
+            e = evaluator(cfg, arm, model, view, rollout, ev, probe)
             e["iteration"] = it
             evals.append(e)
         if it == cfg.iterations:

@@ -51,12 +51,15 @@ def _matching(path: Path, key: dict) -> Optional[dict]:
     return None
 
 
-def load_or_warmup(cfg: DemoConfig, ev: EvalSet, path: Path, progress=None, *, shipped: bool = True) -> tuple[dict, dict]:
+def load_or_warmup(cfg: DemoConfig, ev: EvalSet, path: Path, progress=None, *, shipped: bool = True,
+                   shipped_name: Optional[str] = None) -> tuple[dict, dict]:
     """The warm-up state: from ``path`` when it was made with this configuration, else
-    (with ``shipped``) from the checkpoint shipped in ``rl_demo/checkpoints/`` when that
-    one matches, else a fresh warm-up, saved to ``path``. The log says which."""
+    (with ``shipped``) from the checkpoint shipped in ``rl_demo/checkpoints/`` (named
+    ``shipped_name``, by default ``warmup-<task>.pt``) when that one matches, else a fresh
+    warm-up, saved to ``path``. The log says which ("reused": "out:<name>",
+    "shipped:<name>" or None)."""
     key = _checkpoint_key(cfg)
-    candidates = [path] + ([SHIPPED / f"warmup-{cfg.task}.pt"] if shipped else [])
+    candidates = [path] + ([SHIPPED / (shipped_name or f"warmup-{cfg.task}.pt")] if shipped else [])
     for c in candidates:
         ck = _matching(c, key)
         if ck is not None:

@@ -75,6 +75,49 @@ def test_neighbours_of_ties_round_to_nearest():
         assert q[1].item() == lo and q[2].item() == hi, y
 
 
+def _nearest_code_float64(a: torch.Tensor) -> torch.Tensor:
+    """Independent float64 rounding to the grid: the nearest grid magnitude, a tie to the
+    even code, saturating at 6 (numerics.md section 1)."""
+    v = a.to(torch.float64).clamp(max=6.0)
+    grid = torch.tensor(GRID, dtype=torch.float64)
+    dist = (v[:, None] - grid[None, :]).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    tied = dist == best
+    code = torch.arange(8)[None, :].expand_as(dist)
+    # among the tied codes prefer the even one (there are at most two, one even)
+    pick = torch.where(tied & (code % 2 == 0), code, torch.where(tied, code + 8, 16)).min(dim=1).values
+    return (pick % 8).to(torch.uint8)
+
+
+def test_e2m1_round_nearest_matches_float64_rounding_on_fp32_patterns():
+    # every 977th non-negative fp32 bit pattern below 8.0, the patterns within 64 ulps of
+    # each tie and grid value, and values above the grid (saturation) and Inf
+    top = torch.tensor(8.0).view(torch.int32).item()
+    bits = torch.arange(0, top, 977, dtype=torch.int64)
+    marks = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0])
+    near = (marks.view(torch.int32).to(torch.int64)[:, None] + torch.arange(-64, 65)[None, :]).flatten()
+    bits = torch.cat((bits, near)).to(torch.int32)
+    a = torch.cat((bits.view(torch.float32), torch.tensor([9.0, 1e30, 3.4e38, float("inf")])))
+    got = fmt.e2m1_round_nearest(a)
+    assert torch.equal(got, _nearest_code_float64(a))
+    assert fmt.e2m1_round_nearest(torch.tensor([float("nan")])).item() == 0
+
+
+def test_decode_tables_match_the_format():
+    codes = torch.arange(16, dtype=torch.uint8)
+    vals = fmt.e2m1_decode(codes)
+    want = GRID + [-g for g in GRID]
+    assert vals.tolist() == want
+    assert torch.signbit(vals).tolist() == [False] * 8 + [True] * 8  # code 8 is -0.0
+    every_byte = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    pairs = fmt.e2m1_decode_packed(every_byte.view(16, 16))
+    want_pairs = [[want[b & 15], want[b >> 4]] for b in range(256)]
+    assert pairs.view(256, 2).tolist() == want_pairs
+    assert torch.signbit(pairs).view(256, 2).tolist() == [[b & 8 != 0, b & 128 != 0] for b in range(256)]
+    scales = fmt.e8m0_decode(torch.arange(255, dtype=torch.int64).to(torch.uint8))
+    assert scales.to(torch.float64).tolist() == [math.ldexp(1.0, b - 127) for b in range(255)]
+
+
 def test_deadzone_and_negative_zero_code():
     x = block([4.0, 0.25, -0.25, 0.1, -0.1, -0.0, 0.26])
     c = codes_of(pmx.quantize(x))[0]

@@ -116,3 +116,214 @@ def test_tiny_run_end_to_end(tmp_path):
     md = (out / "report.md").read_text()
     for heading in ("## Arms", "## Component probe", "## Decomposition parity across backends"):
         assert heading in md
+
+
+# ----------------------------------------------------------------------------- study statistics
+# Reference values from independent computations: the exact bootstrap distribution by
+# enumerating every resample of a 5-value sample, a hand-written type-7 quantile, Student-t
+# quantiles from printed tables, and the normal CDF integrated with Simpson's rule.
+
+import itertools  # noqa: E402
+
+SAMPLE = [1.0, 2.0, 4.0, 7.0, 11.0]
+
+
+def _quantile7(sorted_vals, p):
+    """Type-7 quantile of a discrete distribution given as equally likely sorted values."""
+    n = len(sorted_vals)
+    h = (n - 1) * p
+    lo = math.floor(h)
+    return sorted_vals[lo] + (h - lo) * (sorted_vals[min(lo + 1, n - 1)] - sorted_vals[lo])
+
+
+def _exact_bootstrap_means(xs):
+    return sorted(sum(xs[i] for i in idx) / len(xs) for idx in itertools.product(range(len(xs)), repeat=len(xs)))
+
+
+def _normal_cdf_simpson(x, steps=20000):
+    # P(Z <= x) = 0.5 + integral_0^x phi (x < 0 by symmetry)
+    h = abs(x) / steps
+    s = sum((1 if i in (0, steps) else 4 if i % 2 else 2) * math.exp(-((i * h) ** 2) / 2) for i in range(steps + 1))
+    half = s * h / 3 / math.sqrt(2 * math.pi)
+    return 0.5 + half if x >= 0 else 0.5 - half
+
+
+def test_study_t_quantiles_match_tables():
+    from rl_demo.study import stats
+
+    # two-sided 95% critical values of Student's t (printed tables, 6 decimals)
+    for df, table in ((1, 12.706205), (4, 2.776445), (5, 2.570582), (9, 2.262157), (29, 2.045230)):
+        assert stats.t_quantile(0.975, df) == pytest.approx(table, abs=2e-6)
+    lo, hi = stats.t_interval(SAMPLE)
+    sd = math.sqrt(sum((x - 5.0) ** 2 for x in SAMPLE) / 4)  # sample sd, by hand
+    assert lo == pytest.approx(5.0 - 2.776445 * sd / math.sqrt(5), abs=1e-5)
+    assert hi == pytest.approx(5.0 + 2.776445 * sd / math.sqrt(5), abs=1e-5)
+
+
+def test_study_bootstrap_matches_exact_enumeration():
+    from rl_demo.study import stats
+
+    exact = _exact_bootstrap_means(SAMPLE)  # all 5**5 equally likely resamples
+    n_boot = 200_000
+    means = stats.bootstrap_means(SAMPLE, n_boot=n_boot)
+    # moments of the bootstrap distribution of the mean: x-bar and the plug-in variance / n
+    plug_in = sum((x - 5.0) ** 2 for x in SAMPLE) / 5
+    assert float(means.mean()) == pytest.approx(5.0, abs=0.02)
+    assert float(means.var()) == pytest.approx(plug_in / 5, rel=0.02)
+    assert sum(exact) / len(exact) == pytest.approx(5.0, abs=1e-12)
+    # plain percentile interval: the 2.5% and 97.5% quantiles of the exact distribution
+    lo, hi = stats.bootstrap_interval(SAMPLE, n_boot=n_boot, expanded=False)
+    assert lo == pytest.approx(_quantile7(exact, 0.025), abs=0.21)  # resample means step by 0.2
+    assert hi == pytest.approx(_quantile7(exact, 0.975), abs=0.21)
+    # expanded percentile interval (Hesterberg 2015): tail a = Phi(-sqrt(n/(n-1)) t_{.975,n-1})
+    a = _normal_cdf_simpson(-math.sqrt(5 / 4) * 2.776445)
+    assert stats.expanded_tail(5) == pytest.approx(a, rel=1e-4)
+    lo, hi = stats.bootstrap_interval(SAMPLE, n_boot=n_boot)
+    assert lo == pytest.approx(_quantile7(exact, a), abs=0.21)
+    assert hi == pytest.approx(_quantile7(exact, 1 - a), abs=0.21)
+    assert lo < _quantile7(exact, 0.025) and hi > _quantile7(exact, 0.975)  # wider than plain
+    # the same inputs give the same bytes
+    assert stats.summary(SAMPLE) == stats.summary(list(SAMPLE))
+
+
+def test_study_paired_difference_keeps_the_pairs():
+    from rl_demo.study import stats
+
+    a = [0.50, 0.62, 0.41, 0.70, 0.55]
+    shift = [0.05, 0.04, 0.06, 0.05, 0.03]
+    b = [x - d for x, d in zip(a, shift)]
+    p = stats.paired(a, b)
+    diffs = [x - y for x, y in zip(a, b)]  # by a loop: the per-seed differences
+    assert p["values"] == pytest.approx(diffs, abs=1e-15)
+    assert p["mean"] == pytest.approx(sum(shift) / 5, abs=1e-12)
+    exact = _exact_bootstrap_means(diffs)
+    a_tail = stats.expanded_tail(5)
+    assert p["lo"] == pytest.approx(_quantile7(exact, a_tail), abs=0.004)
+    assert p["hi"] == pytest.approx(_quantile7(exact, 1 - a_tail), abs=0.004)
+    # pairing matters: the arms' own spread (0.1) is far wider than the differences' (0.01)
+    assert min(shift) - 1e-12 <= p["lo"] < p["mean"] < p["hi"] <= max(shift) + 1e-12
+    unpaired_width = stats.summary(a)["hi"] - stats.summary(a)["lo"]
+    assert p["hi"] - p["lo"] < unpaired_width / 5
+    with pytest.raises(ValueError, match="one value per seed"):
+        stats.paired(a, b[:4])
+    with pytest.raises(ValueError, match="non-finite"):
+        stats.summary([1.0, float("nan")])
+
+
+def test_study_verdict_rules():
+    from rl_demo.study.verdicts import decide
+
+    # one-sided (positive = what the claim predicts), margin 0.05
+    assert decide("one-sided", 0.01, 0.2, 0.05) == "supported"
+    assert decide("one-sided", -0.1, 0.04, 0.05) == "refuted"  # any effect is below the margin
+    assert decide("one-sided", -0.1, 0.2, 0.05) == "inconclusive"
+    assert decide("one-sided", -0.2, -0.1, 0.0) == "refuted"
+    # two-sided ("moves"): excluding 0 either way supports; inside +-margin refutes
+    assert decide("two-sided", -0.3, -0.1, 0.05) == "supported"
+    assert decide("two-sided", -0.04, 0.03, 0.05) == "refuted"
+    assert decide("two-sided", -0.04, 0.3, 0.05) == "inconclusive"
+    # within: relative difference not below -0.7%
+    assert decide("within", -0.005, 0.02, 0.007) == "supported"
+    assert decide("within", -0.05, -0.01, 0.007) == "refuted"
+    assert decide("within", -0.05, 0.01, 0.007) == "inconclusive"
+    with pytest.raises(ValueError, match="unknown rule"):
+        decide("sideways", 0, 1, 0)
+
+
+def test_study_unit_metrics_by_hand():
+    from rl_demo.study.analysis import unit_metrics
+
+    log = {"curve": {"reward": [0.1, 0.2, 0.3, 0.5, 0.6, 0.9], "entropy": [1.0, 0.9, 0.8, 0.7, 0.6, 0.2]},
+           "evals": [{"iteration": 0, "greedy_accuracy_q": 0.5, "greedy_accuracy_hp": 0.6, "kl_hp_q": 0.02,
+                      "grad": {"all": {"cos": 0.9}}},
+                     {"iteration": 6, "greedy_accuracy_q": 0.8, "greedy_accuracy_hp": 0.7, "kl_hp_q": 0.04,
+                      "grad": {"all": {"cos": 0.7}}}]}
+    m = unit_metrics(log, 2)
+    assert m["start_reward"] == pytest.approx(0.15) and m["final_reward"] == pytest.approx(0.75)
+    assert m["reward_gain"] == pytest.approx(0.6) and m["final_entropy"] == pytest.approx(0.4)
+    assert m["entropy"] == pytest.approx(4.2 / 6)
+    assert m["start_accuracy"] == 0.5 and m["final_accuracy"] == 0.8
+    assert m["start_grad_cos"] == 0.9 and m["grad_cos"] == pytest.approx(0.8)
+    assert m["start_kl"] == 0.02 and m["kl"] == pytest.approx(0.03)
+
+
+def test_study_scale_follows_the_device():
+    from rl_demo.study.design import ARMS, for_device
+
+    cpu, gpu, gpu1 = for_device("cpu"), for_device("cuda"), for_device("cuda:1")
+    assert cpu.scale == "cpu" and cpu.demo.device == "cpu"
+    assert gpu.scale == "cuda" and gpu.demo.device == "cuda" and gpu1.demo.device == "cuda:1"
+    assert gpu.demo.model.d_model > cpu.demo.model.d_model and gpu.demo.prompts_per_iter > cpu.demo.prompts_per_iter
+    for cfg in (cpu, gpu):
+        assert set(cfg.arms) == set(ARMS) and len(cfg.seeds) >= 5
+    assert for_device("cuda", tiny=True).scale == "tiny"
+    assert cli.default_workers("cpu") >= 1 and 1 <= cli.default_workers("cuda") <= 8
+    # the command line refuses what would change the pre-registered settings, and a GPU it cannot see
+    assert cli.main(["--study", "--quick"]) == 2
+    assert cli.main(["--study", "--iterations", "5"]) == 2
+    if not torch.cuda.is_available():
+        assert cli.main(["--study", "--device", "cuda"]) == 2
+    with pytest.raises(ValueError, match="'cpu' or 'cuda"):
+        for_device("mps")
+    # MBS alone differs from its parent (rceil) in the macro block only; OF and AQN alone from plain MXFP4
+    r = {a: ARMS[a].arm().recipe for a in ARMS}
+    assert r["mbs"].model_dump() == {**r["rceil"].model_dump(), "macro_block": 64}
+    assert r["of"].model_dump() == {**r["mxfp4"].model_dump(), "outliers_per_block": 1}
+    assert r["aqn"] == r["mxfp4"] and ARMS["aqn"].aqn and not ARMS["mxfp4"].aqn
+    assert r["fwd_only"].model_dump() == {**r["mxfp4"].model_dump(), "grad_input": "high", "grad_weight": "high"}
+
+
+def test_study_tiny_end_to_end_and_reproducible(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli.main(["--study", "--tiny", "--workers", "2", "--out", str(a), "--no-progress"]) == 0
+    assert cli.main(["--study", "--tiny", "--workers", "0", "--out", str(b), "--no-progress"]) == 0
+    # bit-identical numbers: worker processes or not, in whatever order the units finish
+    assert (a / "results.json").read_bytes() == (b / "results.json").read_bytes()
+    r = json.loads((a / "results.json").read_text())
+    assert r["schema"] == "rl_demo.study/1" and r["finite"] is True and _finite(r)
+    from rl_demo.study.design import ARMS
+
+    assert list(r["arms"]) == list(ARMS)
+    seeds = r["preregistered"]["seeds"]
+    for name, arm in r["arms"].items():
+        assert list(arm["seeds"]) == [str(s) for s in seeds]
+        st = arm["statistics"]["final_reward"]
+        assert st["values"] == [arm["seeds"][str(s)]["metrics"]["final_reward"] for s in seeds]
+        assert st["lo"] <= st["mean"] <= st["hi"]
+    # the paired difference against fp32 is the per-seed difference of the arms' own values
+    d = r["contrasts"]["mxfp4"]["fp32"]["final_reward"]["values"]
+    assert d == [r["arms"]["mxfp4"]["seeds"][str(s)]["metrics"]["final_reward"]
+                 - r["arms"]["fp32"]["seeds"][str(s)]["metrics"]["final_reward"] for s in seeds]
+    assert r["contrasts"]["mbs"]["parent"]["against"] == "rceil"
+    assert {v["key"] for v in r["verdicts"]} == {"mxfp4_loses_reward", "mbs_gradient", "of_rollouts", "aqn_entropy",
+                                                 "all_within"}
+    assert all(v["verdict"] in ("supported", "refuted", "inconclusive", "not run") for v in r["verdicts"])
+    assert set(r["criterion"]) >= {"fp32_gain", "bound", "half_widths", "max_half_width", "holds"}
+    assert len(r["probe"]["verdicts"]) == 3 and set(r["probe"]["seeds"]) == {str(s) for s in seeds}
+    t = json.loads((a / "timing.json").read_text())
+    assert t["workers"] == 2 and len(t["units"]) == len(ARMS) * len(seeds) + len(seeds)
+    md = (a / "report.md").read_text()
+    for heading in ("## Interval criterion", "## Verdicts", "## Component probe", "## What this study does not show"):
+        assert heading in md
+    for f in ("curves.png", "forest.png"):
+        assert (a / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # resuming reads every unit back from a/units/ and writes the same bytes
+    before = (a / "results.json").read_bytes()
+    assert len(list((a / "units").glob("*.json"))) == len(ARMS) * len(seeds) + len(seeds)
+    assert cli.main(["--study", "--tiny", "--workers", "0", "--out", str(a), "--no-progress", "--resume"]) == 0
+    assert (a / "results.json").read_bytes() == before
+    assert len(json.loads((a / "timing.json").read_text())["resumed"]) == len(ARMS) * len(seeds) + len(seeds)
+    # re-analysing the stored unit outputs writes the same bytes
+    from rl_demo.study.runner import reanalyze
+
+    before = (a / "results.json").read_bytes()
+    reanalyze(a)
+    assert (a / "results.json").read_bytes() == before
+    # a rerun of one unit reproduces it; a changed value is found
+    from rl_demo.study.verify import verify
+
+    assert verify(a, ["aqn/1"]) == [("aqn/1", None)]
+    r["arms"]["aqn"]["seeds"]["1"]["curve"]["reward"][2] += 2.0 ** -40
+    (b / "results.json").write_text(json.dumps(r))
+    [(unit, diff)] = verify(b, ["aqn/1"])
+    assert diff is not None and "curve.reward[2]" in diff

@@ -123,11 +123,10 @@ def decode_rows(mx: MXTensor) -> torch.Tensor:
     """MXTensor (R, K) axis 1 -> fp32 [R, Kp]; exact (every product is representable)."""
     r = mx.qdata.shape[0]
     nb = mx.scales.shape[-1]
-    codes = fmt.unpack_nibbles(mx.qdata).view(r, nb, B)
     scale = fmt.e8m0_decode(mx.scales)
     if mx.macro_scales is not None:
         scale = scale * _expand_macro(mx.macro_scales, mx.recipe.macro_block, nb)
-    q = fmt.e2m1_decode(codes) * scale.unsqueeze(-1)
+    q = fmt.e2m1_decode_packed(mx.qdata).view(r, nb, B) * scale.unsqueeze(-1)
     if mx.outlier_values is not None:
         q = q.scatter(-1, mx.outlier_indices.long(), mx.outlier_values.to(torch.float32))
     q = torch.where((mx.scales == fmt.E8M0_NAN).unsqueeze(-1), float("nan"), q)

@@ -117,6 +117,15 @@ def non_finite(obj: Any, path: str = "") -> list[str]:
     return []
 
 
+def mark_finite(results: dict[str, Any]) -> dict[str, Any]:
+    """Add ``finite`` (no NaN or Inf anywhere in ``results``) and ``non_finite`` (the
+    first 50 paths to one) to ``results``; returns it."""
+    bad = non_finite(results)
+    results["finite"] = not bad
+    results["non_finite"] = bad[:50]
+    return results
+
+
 def _environment(cfg: DemoConfig) -> dict[str, Any]:
     dev = torch.device(cfg.device)
     try:
@@ -226,9 +235,7 @@ def run(cfg: DemoConfig, out_dir: Path, *, progress=None, checkpoint: Optional[P
         "probe": probe_out,
         "arms": arms_out,
     }
-    bad = non_finite(results)
-    results["finite"] = not bad
-    results["non_finite"] = bad[:50]
+    mark_finite(results)
     write_outputs(results, out_dir)
     return results
 

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..report import _smooth
 from . import stats
 from .analysis import COMPONENTS, METRIC_LABELS, PROBE_SIGNALS
 from .design import ARMS
@@ -207,14 +208,6 @@ def limits(results: dict[str, Any]) -> list[str]:
     if not results["criterion"]["holds"]:
         out.insert(0, "The interval criterion does not hold: a loss of a quarter of the fp32 gain may go undetected; "
                       "an 'inconclusive' verdict is no evidence of no effect.")
-    return out
-
-
-def _smooth(xs: list[float], k: int) -> list[float]:
-    out = []
-    for i in range(len(xs)):
-        lo = max(0, i - k + 1)
-        out.append(sum(xs[lo: i + 1]) / (i + 1 - lo))
     return out
 
 

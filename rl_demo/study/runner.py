@@ -31,7 +31,7 @@ import torch
 import portable_mx as pmx
 from portable_mx import registry
 
-from ..run import SHIPPED, _eval_set, load_or_warmup, non_finite
+from ..run import SHIPPED, _eval_set, load_or_warmup, mark_finite
 from . import analysis, verdicts
 from .design import ARMS, StudyConfig
 from .unit import PROBE, init_worker, run_unit
@@ -183,10 +183,7 @@ def assemble(cfg: StudyConfig, done: dict[tuple[str, int], dict], warmup_log: di
         "verdicts": claims,
         "probe": probe,
     }
-    bad = non_finite(results)
-    results["finite"] = not bad
-    results["non_finite"] = bad[:50]
-    return results
+    return mark_finite(results)
 
 
 def timing(cfg: StudyConfig, done: dict[tuple[str, int], dict], total: float, workers: int, command: str,

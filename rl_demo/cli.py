@@ -106,6 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = run(cfg, out, progress=progress, checkpoint=args.checkpoint, parity=not args.no_parity,
                   fresh_warmup=args.fresh_warmup, command=command.strip())
     print(f"\nrl_demo: done in {time.perf_counter() - t0:.0f} s; finite: {results['finite']}")
+    print("  (q: the arm's numerics, a shadow MXFP4 forward for high precision; hp: the fp32 forward of the same "
+          "weights; grad cos: the q gradient against the fp32 one on the probe batch, at the last evaluation)")
     for arm, a in results["arms"].items():
         s = a["summary"]
         print(f"  {a['label']:<22} reward {s['reward_start']['mean']:.3f} -> {s['reward_end']['mean']:.3f}   "

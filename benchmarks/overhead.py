@@ -519,6 +519,12 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cpu or args.cpu_smoke:
+        from portable_mx.backends.triton import required_for
+
+        missing = required_for("overhead.py --cpu", "(it times the Triton kernels' launch path with no-op launches)")
+        if missing:
+            print(missing, file=sys.stderr)
+            return 2
         doc = run_cpu(args, smoke=args.cpu_smoke)
     else:
         if no_gpu("overhead.py"):

@@ -101,6 +101,20 @@ def test_compile_matrix_without_triton_says_what_it_needs(no_triton, monkeypatch
     assert NO_TRITON in err and "pip install 'triton>=3.6'" in err
 
 
+def test_overhead_cpu_mode_without_triton_says_what_it_needs(no_triton, monkeypatch, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("overhead_under_test", path)
+    overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overhead)
+    monkeypatch.setattr(overhead, "run_cpu", lambda *a, **k: pytest.fail("timed without triton"))
+    assert overhead.main(["--cpu-smoke"]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith("overhead.py --cpu: needs triton >= 3.6")
+    assert NO_TRITON in err and "pip install 'triton>=3.6'" in err
+
+
 def test_a_subcommand_that_reaches_a_missing_triton_ends_in_one_line(monkeypatch, capsys):
     """Any path of any subcommand that imports triton where it is missing (here: tune,
     made to import it) ends in one line naming what to install, not a traceback."""

@@ -135,6 +135,47 @@ def _tile_product(
 
 
 @triton.jit
+def scaled_k_loop(
+    a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+    rm, rn, first, last, M, N, K, KP, NB, stride_am, NMA, NMB, MACRO_A, MACRO_B,
+    A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
+    A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
+    B_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] fp32 = the sum over K tiles first..last-1 of A's rows rm times
+    B's rows rn (M, N: their row counts), with the macro factors applied per tile unless
+    EPILOGUE (then the caller scales the finished sum). The K loop of gemm_kernel and of
+    the grouped GEMM's ``tl.dot_scaled`` kernel."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    ma = tl.full((BLOCK_M,), 1.0, tl.float32)
+    mb = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if (A_MACRO or B_MACRO) and not EPILOGUE:
+        # promote each K tile (it lies inside one macro block of each operand)
+        for t in range(first, last):
+            k0 = t * BLOCK_K
+            if A_MACRO:
+                ma = tl.load(am_ptr + rm * NMA + k0 // MACRO_A, mask=rm < M, other=1.0)
+            if B_MACRO:
+                mb = tl.load(bm_ptr + rn * NMB + k0 // MACRO_B, mask=rn < N, other=1.0)
+            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            # one trip: the tile's product accumulates into a loop-carried part (Triton 3.6
+            # cannot lower a fresh per-tile tcgen05 accumulator on sm_100: tmem_alloc)
+            for t_in in range(t, t + 1):
+                part, acc = _tile_product(
+                    a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
+                    rm, rn, t_in * BLOCK_K, M, N, K, KP, NB, stride_am, ma, mb, part, acc,
+                    A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc += part * (ma[:, None] * mb[None, :])
+    else:
+        for t in range(first, last):
+            acc, _ = _tile_product(
+                a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
+                rm, rn, t * BLOCK_K, M, N, K, KP, NB, stride_am, ma, mb, acc, acc,
+                A_FORMAT, False, False, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc
+
+
+@triton.jit
 def gemm_kernel(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
     b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
@@ -161,33 +202,11 @@ def gemm_kernel(
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     NB = KP // 32
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    ma = tl.full((BLOCK_M,), 1.0, tl.float32)
-    mb = tl.full((BLOCK_N,), 1.0, tl.float32)
     first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
-    if (A_MACRO or B_MACRO) and not EPILOGUE:
-        # promote each K tile (it lies inside one macro block of each operand)
-        for t in range(first, last):
-            k0 = t * BLOCK_K
-            if A_MACRO:
-                ma = tl.load(am_ptr + rm * NMA + k0 // MACRO_A, mask=rm < M, other=1.0)
-            if B_MACRO:
-                mb = tl.load(bm_ptr + rn * NMB + k0 // MACRO_B, mask=rn < N, other=1.0)
-            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            # one trip: the tile's product accumulates into a loop-carried part (Triton 3.6
-            # cannot lower a fresh per-tile tcgen05 accumulator on sm_100: tmem_alloc)
-            for t_in in range(t, t + 1):
-                part, acc = _tile_product(
-                    a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
-                    rm, rn, t_in * BLOCK_K, M, N, K, KP, NB, stride_am, ma, mb, part, acc,
-                    A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
-            acc += part * (ma[:, None] * mb[None, :])
-    else:
-        for t in range(first, last):
-            acc, _ = _tile_product(
-                a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
-                rm, rn, t * BLOCK_K, M, N, K, KP, NB, stride_am, ma, mb, acc, acc,
-                A_FORMAT, False, False, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = scaled_k_loop(
+        a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+        rm, rn, first, last, M, N, K, KP, NB, stride_am, NMA, NMB, MACRO_A, MACRO_B,
+        A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
 
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K > 1:
@@ -198,6 +217,8 @@ def gemm_kernel(
         is_last = True
     if is_last:
         if EPILOGUE:  # one macro block spans K: its factors scale the whole sum
+            ma = tl.full((BLOCK_M,), 1.0, tl.float32)
+            mb = tl.full((BLOCK_N,), 1.0, tl.float32)
             if A_MACRO:
                 ma = tl.load(am_ptr + rm * NMA, mask=rm < M, other=1.0)
             if B_MACRO:

@@ -168,33 +168,18 @@ def _token_tile(x_ptr, xs_ptr, rm, k0, M, K, KP, NB, stride_xm,
 
 
 @triton.jit
-def upcast_gemm_kernel(
-    a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
-    b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
-    c_ptr, part_ptr, count_ptr,
-    M, N, K, KP, stride_am, stride_cm, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
+def upcast_k_loop(
+    a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+    rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
-
-    A: bf16/fp16 [M, K] (row stride stride_am), or, when A_FORMAT is "e2m1", codes uint8
-    [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32]. B: codes and scales in
-    layout VALUES (0 plain: [N, KP/2] and [N, KP/32], row strides stride_bv, stride_bs;
-    1 hopper: layouts.HOPPER_VALUES and layouts.HOPPER, 64-row block strides stride_bv,
-    stride_bs). Macro factors fp32 [rows, NMA / NMB] of macro blocks MACRO_A / MACRO_B,
-    outliers int16 (bf16 bits) and uint8 indices [rows, KP/32, k] (gemm.py). With
-    SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero) are splitk.buffers.
-    EVEN_K: K is a multiple of BLOCK_K. DOT: "bf16", "fp16" or "fp32" (IEEE). SCALE_WORDS:
-    plain scales read as 32-bit words (KP and BLOCK_K multiples of 128)."""
-    pid_m, pid_n, pid_k, grid_n = splitk.program_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    NB = KP // 32
-
+    """acc [BLOCK_N, BLOCK_M] fp32 (the tokens on the MMA's N) = the sum over K tiles
+    first..last-1 of B's decoded rows rn times A's rows rm (N, M: their row counts), the
+    outliers and, unless EPILOGUE, the macro factors applied per tile. The K loop of
+    upcast_gemm_kernel and of the grouped GEMM's upcast kernel."""
     # outliers fold into their own operand's decoded tile unless that operand has macro
     # factors (the outliers do not take them) or it would mean bf16 -> fp16
     FOLD_A: tl.constexpr = A_OUT > 0 and not A_MACRO
@@ -203,7 +188,6 @@ def upcast_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     ma = tl.full((BLOCK_M,), 1.0, tl.float32)
     mb = tl.full((BLOCK_N,), 1.0, tl.float32)
-    first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
     for t in range(first, last):
         k0 = t * BLOCK_K
         w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, NB, stride_bv, stride_bs,
@@ -242,6 +226,43 @@ def upcast_gemm_kernel(
             acc += corr
             if A_OUT > 0 and not FOLD_A:  # outliers times outliers: no macro factor
                 acc += _dot(sb.to(w.dtype), sat, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+    return acc
+
+
+@triton.jit
+def upcast_gemm_kernel(
+    a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
+    b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+    c_ptr, part_ptr, count_ptr,
+    M, N, K, KP, stride_am, stride_cm, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
+    A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
+    A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
+    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
+
+    A: bf16/fp16 [M, K] (row stride stride_am), or, when A_FORMAT is "e2m1", codes uint8
+    [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32]. B: codes and scales in
+    layout VALUES (0 plain: [N, KP/2] and [N, KP/32], row strides stride_bv, stride_bs;
+    1 hopper: layouts.HOPPER_VALUES and layouts.HOPPER, 64-row block strides stride_bv,
+    stride_bs). Macro factors fp32 [rows, NMA / NMB] of macro blocks MACRO_A / MACRO_B,
+    outliers int16 (bf16 bits) and uint8 indices [rows, KP/32, k] (gemm.py). With
+    SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero) are splitk.buffers.
+    EVEN_K: K is a multiple of BLOCK_K. DOT: "bf16", "fp16" or "fp32" (IEEE). SCALE_WORDS:
+    plain scales read as 32-bit words (KP and BLOCK_K multiples of 128)."""
+    pid_m, pid_n, pid_k, grid_n = splitk.program_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    NB = KP // 32
+
+    first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
+    acc = upcast_k_loop(
+        a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+        rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
+        A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+        BLOCK_M, BLOCK_N, BLOCK_K)
 
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K > 1:
@@ -252,6 +273,8 @@ def upcast_gemm_kernel(
         is_last = True
     if is_last:
         if EPILOGUE:  # one macro block spans K: its factors scale the whole sum
+            ma = tl.full((BLOCK_M,), 1.0, tl.float32)
+            mb = tl.full((BLOCK_N,), 1.0, tl.float32)
             if A_MACRO:
                 ma = tl.load(am_ptr + rm * NMA, mask=rm < M, other=1.0)
             if B_MACRO:

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from . import splitk
-from .gemm import FORMATS, Operand, Plan, _tile_product
-from .gemm_upcast import _dot, _token_tile, _weight_tile, block_k_of, constexprs as upcast_constexprs, outlier_tile
+from .gemm import FORMATS, Operand, Plan, scaled_k_loop
+from .gemm_upcast import block_k_of, constexprs as upcast_constexprs, upcast_k_loop
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 
 ACTIVATION_IDS = {None: "", "swiglu_oai": "swiglu_oai", "swiglu": "swiglu"}
@@ -129,31 +129,12 @@ def grouped_kernel(
                                                    GLU_CONCAT, BLOCK_M, BLOCK_N)
     NT = NE * N
     NB = KP // 32
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    ma = tl.full((BLOCK_M,), 1.0, tl.float32)
-    mb = tl.full((BLOCK_N,), 1.0, tl.float32)
     first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
     last = tl.where(expert < 0, first, last)  # an unused slot: no K tiles, nothing stored
-    if (A_MACRO or B_MACRO) and not EPILOGUE:
-        for t in range(first, last):
-            k0 = t * BLOCK_K
-            if A_MACRO:
-                ma = tl.load(am_ptr + rm * NMA + k0 // MACRO_A, mask=rm < XR, other=1.0)
-            if B_MACRO:
-                mb = tl.load(bm_ptr + rn * NMB + k0 // MACRO_B, mask=rn < NT, other=1.0)
-            part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for t_in in range(t, t + 1):  # a loop-carried part, as gemm.py (sm_100's tmem_alloc)
-                part, acc = _tile_product(
-                    a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
-                    rm, rn, t_in * BLOCK_K, XR, NT, K, KP, NB, stride_am, ma, mb, part, acc,
-                    A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
-            acc += part * (ma[:, None] * mb[None, :])
-    else:
-        for t in range(first, last):
-            acc, _ = _tile_product(
-                a_ptr, as_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bov_ptr, boi_ptr,
-                rm, rn, t * BLOCK_K, XR, NT, K, KP, NB, stride_am, ma, mb, acc, acc,
-                A_FORMAT, False, False, A_OUT, B_OUT, EVEN_K, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = scaled_k_loop(
+        a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+        rm, rn, first, last, XR, NT, K, KP, NB, stride_am, NMA, NMB, MACRO_A, MACRO_B,
+        A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, B_LAYOUT, BLOCK_M, BLOCK_N, BLOCK_K)
 
     if expert >= 0:
         mask = valid[:, None] & (cols[None, :] < N)
@@ -165,6 +146,8 @@ def grouped_kernel(
             is_last = True
         if is_last:
             if EPILOGUE:
+                ma = tl.full((BLOCK_M,), 1.0, tl.float32)
+                mb = tl.full((BLOCK_N,), 1.0, tl.float32)
                 if A_MACRO:
                     ma = tl.load(am_ptr + rm * NMA, mask=rm < XR, other=1.0)
                 if B_MACRO:
@@ -208,52 +191,13 @@ def grouped_upcast_kernel(
         b_ptr += base * stride_bv
         bs_ptr += base * stride_bs
 
-    FOLD_A: tl.constexpr = A_OUT > 0 and not A_MACRO
-    FOLD_B: tl.constexpr = B_OUT > 0 and not B_MACRO and DOT != "fp16"
-    PROMOTE: tl.constexpr = (A_MACRO or B_MACRO) and not EPILOGUE
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    ma = tl.full((BLOCK_M,), 1.0, tl.float32)
-    mb = tl.full((BLOCK_N,), 1.0, tl.float32)
     first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
     last = tl.where(expert < 0, first, last)
-    for t in range(first, last):
-        k0 = t * BLOCK_K
-        w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, NT, KP, NB, stride_bv, stride_bs,
-                         VALUES, ASM, DOT, EVEN_K, SCALE_WORDS, BLOCK_N, BLOCK_K)
-        xt = _token_tile(a_ptr, as_ptr, rm, k0, XR, K, KP, NB, stride_am, A_FORMAT, DOT, EVEN_K, SCALE_WORDS,
-                         BLOCK_M, BLOCK_K)
-        if B_OUT > 0:
-            sb = outlier_tile(bov_ptr, boi_ptr, rn, NT, k0, NB, B_OUT, BLOCK_N, BLOCK_K)
-            if FOLD_B:
-                w += sb.to(w.dtype)
-        if A_OUT > 0:
-            sat = tl.trans(outlier_tile(aov_ptr, aoi_ptr, rm, XR, k0, NB, A_OUT, BLOCK_M, BLOCK_K)).to(xt.dtype)
-            if FOLD_A:
-                xt += sat
-        if PROMOTE:
-            if A_MACRO:
-                ma = tl.load(am_ptr + rm * NMA + k0 // MACRO_A, mask=rm < XR, other=1.0)
-            if B_MACRO:
-                mb = tl.load(bm_ptr + rn * NMB + k0 // MACRO_B, mask=rn < NT, other=1.0)
-            part = _dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
-            acc += part * (mb[:, None] * ma[None, :])
-        else:
-            acc = _dot(w, xt, acc, DOT)
-        if A_OUT > 0 and not FOLD_A:
-            corr = _dot(w, sat, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
-            if B_MACRO:
-                corr = corr * mb[:, None]
-            acc += corr
-        if B_OUT > 0 and not FOLD_B:
-            if DOT == "fp16":
-                corr = tl.dot(sb.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-            else:
-                corr = _dot(sb.to(w.dtype), xt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
-            if A_MACRO:
-                corr = corr * ma[None, :]
-            acc += corr
-            if A_OUT > 0 and not FOLD_A:
-                acc += _dot(sb.to(w.dtype), sat, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+    acc = upcast_k_loop(
+        a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+        rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
+        A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+        BLOCK_M, BLOCK_N, BLOCK_K)
 
     if expert >= 0:
         mask = (cols[:, None] < N) & valid[None, :]
@@ -265,6 +209,8 @@ def grouped_upcast_kernel(
             is_last = True
         if is_last:
             if EPILOGUE:
+                ma = tl.full((BLOCK_M,), 1.0, tl.float32)
+                mb = tl.full((BLOCK_N,), 1.0, tl.float32)
                 if A_MACRO:
                     ma = tl.load(am_ptr + rm * NMA, mask=rm < XR, other=1.0)
                 if B_MACRO:

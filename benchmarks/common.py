@@ -143,6 +143,18 @@ def default_out(benchmark: str, device_name: str) -> str:
     return os.path.join(RESULTS_DIR, f"{benchmark}-{slug(device_name)}.json")
 
 
+def write_unless_trial(result: Mapping[str, Any], out: Optional[str], trial: bool, benchmark: str,
+                       device_name: str) -> None:
+    """Write ``result`` to ``out``, or by default to benchmarks/results/<benchmark>-<device>.json;
+    a trial run (--quick / --cpu-smoke) writes only where --out names a place."""
+    if out is None and not trial:
+        out = default_out(benchmark, device_name)
+    if out is None:
+        print("not written (--quick/--cpu-smoke without --out)")
+    else:
+        write_result(result, out)
+
+
 def write_result(result: Mapping[str, Any], out: str) -> None:
     """Write ``result`` as indented JSON to ``out`` (creating its folder) and say where."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

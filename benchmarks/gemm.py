@@ -59,12 +59,11 @@ from common import (
     EXIT_NO_GPU,
     add_device_args,
     add_timing_args,
-    default_out,
     gpu_device,
     no_gpu,
     result_header,
     time_interleaved,
-    write_result,
+    write_unless_trial,
 )
 # the shapes and their parser are the tuner's: `portable-mx tune --shapes decode` tunes
 # exactly what this benchmark measures
@@ -601,13 +600,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: some kernel-only times include host time (host_us > {FLUSH_US:g}): see the rows' host_us")
     result["seconds"] = time.perf_counter() - start
 
-    out = args.out
-    if out is None and not (args.quick or args.cpu):
-        out = default_out("gemm", name)
-    if out is None:
-        print("not written (--quick/--cpu-smoke without --out)")
-    else:
-        write_result(result, out)
+    write_unless_trial(result, args.out, args.quick or args.cpu, "gemm", name)
     return 0
 
 

@@ -64,12 +64,11 @@ from common import (
     EXIT_NO_GPU,
     add_device_args,
     add_timing_args,
-    default_out,
     gpu_device,
     no_gpu,
     result_header,
     time_interleaved,
-    write_result,
+    write_unless_trial,
 )
 
 EXIT_CHECK_FAILED = 3
@@ -617,13 +616,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("x = bf16_grouped_mm time / this time; roof = the touched experts' MXFP4 bytes at the measured copy "
           "bandwidth, and its share of pmx_w4a16's time")
     result["seconds"] = time.perf_counter() - start
-    out = args.out
-    if out is None and not (args.quick or args.cpu):
-        out = default_out("moe", name)
-    if out is None:
-        print("not written (--quick/--cpu-smoke without --out)")
-    else:
-        write_result(result, out)
+    write_unless_trial(result, args.out, args.quick or args.cpu, "moe", name)
     return 0
 
 

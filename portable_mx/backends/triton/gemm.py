@@ -135,6 +135,21 @@ def _tile_product(
 
 
 @triton.jit
+def macro_factors(am_ptr, bm_ptr, rm, rn, M, N, NMA, NMB, ka, kb, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(ma fp32 [BLOCK_M], mb fp32 [BLOCK_N]): the macro factors in column ka of A's rows rm
+    and column kb of B's rows rn (fp32 [M, NMA] / [N, NMB]); 1 for an operand without
+    macro blocks and for rows out of range."""
+    ma = tl.full((BLOCK_M,), 1.0, tl.float32)
+    mb = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if A_MACRO:
+        ma = tl.load(am_ptr + rm * NMA + ka, mask=rm < M, other=1.0)
+    if B_MACRO:
+        mb = tl.load(bm_ptr + rn * NMB + kb, mask=rn < N, other=1.0)
+    return ma, mb
+
+
+@triton.jit
 def scaled_k_loop(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
     rm, rn, first, last, M, N, K, KP, NB, stride_am, NMA, NMB, MACRO_A, MACRO_B,
@@ -217,12 +232,8 @@ def gemm_kernel(
         is_last = True
     if is_last:
         if EPILOGUE:  # one macro block spans K: its factors scale the whole sum
-            ma = tl.full((BLOCK_M,), 1.0, tl.float32)
-            mb = tl.full((BLOCK_N,), 1.0, tl.float32)
-            if A_MACRO:
-                ma = tl.load(am_ptr + rm * NMA, mask=rm < M, other=1.0)
-            if B_MACRO:
-                mb = tl.load(bm_ptr + rn * NMB, mask=rn < N, other=1.0)
+            ma, mb = macro_factors(am_ptr, bm_ptr, rm, rn, M, N, NMA, NMB, 0, 0, A_MACRO, B_MACRO,
+                                   BLOCK_M, BLOCK_N)
             acc = acc * (ma[:, None] * mb[None, :])
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 

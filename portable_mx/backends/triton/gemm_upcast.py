@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ...tensor import MXTensor
 from . import splitk
-from .gemm import FORMATS, Operand, _parts, outlier_tile
+from .gemm import FORMATS, Operand, _parts, macro_factors, outlier_tile
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, prepared
 from .upcast import decode_words, e8m0_scale, hopper_asm, hopper_twin
@@ -273,12 +273,8 @@ def upcast_gemm_kernel(
         is_last = True
     if is_last:
         if EPILOGUE:  # one macro block spans K: its factors scale the whole sum
-            ma = tl.full((BLOCK_M,), 1.0, tl.float32)
-            mb = tl.full((BLOCK_N,), 1.0, tl.float32)
-            if A_MACRO:
-                ma = tl.load(am_ptr + rm * NMA, mask=rm < M, other=1.0)
-            if B_MACRO:
-                mb = tl.load(bm_ptr + rn * NMB, mask=rn < N, other=1.0)
+            ma, mb = macro_factors(am_ptr, bm_ptr, rm, rn, M, N, NMA, NMB, 0, 0, A_MACRO, B_MACRO,
+                                   BLOCK_M, BLOCK_N)
             acc = acc * (mb[:, None] * ma[None, :])
         tl.store(c_ptr + rm[None, :] * stride_cm + rn[:, None], acc.to(c_ptr.dtype.element_ty), mask=mask)
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import splitk
-from .gemm import FORMATS, Operand, Plan, scaled_k_loop
+from .gemm import FORMATS, Operand, Plan, macro_factors, scaled_k_loop
 from .gemm_upcast import block_k_of, constexprs as upcast_constexprs, upcast_k_loop
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 
@@ -146,12 +146,8 @@ def grouped_kernel(
             is_last = True
         if is_last:
             if EPILOGUE:
-                ma = tl.full((BLOCK_M,), 1.0, tl.float32)
-                mb = tl.full((BLOCK_N,), 1.0, tl.float32)
-                if A_MACRO:
-                    ma = tl.load(am_ptr + rm * NMA, mask=rm < XR, other=1.0)
-                if B_MACRO:
-                    mb = tl.load(bm_ptr + rn * NMB, mask=rn < NT, other=1.0)
+                ma, mb = macro_factors(am_ptr, bm_ptr, rm, rn, XR, NT, NMA, NMB, 0, 0, A_MACRO, B_MACRO,
+                                       BLOCK_M, BLOCK_N)
                 acc = acc * (ma[:, None] * mb[None, :])
             res = _epilogue_rows(acc, bias_ptr, expert, wrow, cols, N, BIAS, ACT, BLOCK_N, False)
             if ACT != "":
@@ -209,12 +205,8 @@ def grouped_upcast_kernel(
             is_last = True
         if is_last:
             if EPILOGUE:
-                ma = tl.full((BLOCK_M,), 1.0, tl.float32)
-                mb = tl.full((BLOCK_N,), 1.0, tl.float32)
-                if A_MACRO:
-                    ma = tl.load(am_ptr + rm * NMA, mask=rm < XR, other=1.0)
-                if B_MACRO:
-                    mb = tl.load(bm_ptr + rn * NMB, mask=rn < NT, other=1.0)
+                ma, mb = macro_factors(am_ptr, bm_ptr, rm, rn, XR, NT, NMA, NMB, 0, 0, A_MACRO, B_MACRO,
+                                       BLOCK_M, BLOCK_N)
                 acc = acc * (mb[:, None] * ma[None, :])
             res = _epilogue_rows(acc, bias_ptr, expert, wrow, cols, N, BIAS, ACT, BLOCK_N, True)
             if ACT != "":

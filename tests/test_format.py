@@ -342,3 +342,14 @@ def test_macro_factor_rounds_up_to_bf16():
         assert mv == expect, (av, mv, expect)
     assert fmt.macro_factor(torch.tensor([0.0])).item() == 1.0
     assert fmt.macro_factor(torch.tensor([6.0])).item() == 1.0
+
+
+def test_format_helpers_refuse_the_wrong_dtype():
+    # a bf16 or float64 tensor reinterpreted as fp32 bits, or int scales read as bytes,
+    # would give wrong codes silently: refused instead
+    with pytest.raises(TypeError, match="float32"):
+        fmt.e2m1_round_nearest(torch.tensor([1.0], dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="float32"):
+        fmt.e2m1_round_nearest(torch.tensor([1.0], dtype=torch.float64))
+    with pytest.raises(TypeError, match="uint8"):
+        fmt.e8m0_decode(torch.tensor([127], dtype=torch.int32))

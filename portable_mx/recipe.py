@@ -23,6 +23,7 @@ import hashlib
 from typing import Any, Literal, Optional
 
 import torch
+import torch.utils._pytree
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .format import BLOCK_SIZE
@@ -100,7 +101,9 @@ class QuantRecipe(BaseModel):
         return getattr(_Interned, name)
 
     def __init__(self, /, **data: Any) -> None:
-        if self.__dict__:  # an interned recipe from __new__, validated when it was made
+        # an interned recipe from __new__ (always so while dynamo traces: the compile test
+        # comes first, so that dynamo never branches on ``__dict__``), validated when it was made
+        if _is_compiling() or self.__dict__:
             return
         super().__init__(**data)
         _remember(self)
@@ -189,6 +192,15 @@ class QuantRecipe(BaseModel):
         return "/".join(parts)
 
 
+# torch.compile: dynamo hands a recipe to the functions marked assume_constant_result
+# (``_custom_ops.recipe_json``) as the object itself. torch 2.13 does so for any object,
+# guarding on its identity; torch 2.11 and 2.12 only for a registered pytree constant, guarded
+# by equality (a recipe is immutable, and equal recipes write the same bytes).
+_register_constant = getattr(torch.utils._pytree, "register_constant", None)
+if _register_constant is not None:
+    _register_constant(QuantRecipe)
+
+
 # ----------------------------------------------------------------------------- interning
 
 
@@ -229,8 +241,6 @@ def _interned(cls: type, data: dict[str, Any]) -> "QuantRecipe":
     setattr(_Interned, name, obj)
     _NAMES[key] = name
     _remember(obj)
-    if _is_compiling():  # made while dynamo traces: a compiled graph may guard on it
-        _PINNED.add(name)
     return obj
 
 
@@ -239,7 +249,9 @@ def _intern(cls: type, data: dict[str, Any]) -> str:
     """The attribute of :class:`_Interned` holding ``cls(**data)``. Runs eagerly even
     under ``torch.compile`` (dynamo keeps its result as a constant of the graph)."""
     _interned(cls, data)
-    return _NAMES[_key(cls, data)]
+    name = _NAMES[_key(cls, data)]
+    _PINNED.add(name)  # a compiled graph guards on this attribute: never evicted
+    return name
 
 
 # ----------------------------------------------------------------------------- validated

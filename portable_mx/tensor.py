@@ -229,6 +229,8 @@ class MXTensor:
         the frozen dataclass's per-field ``object.__setattr__`` (at about a third of the
         cost) and without the consistency checks: only for parts that agree with the
         other fields by construction (the library's own outputs and views)."""
+        if torch.compiler.is_compiling():  # torch 2.11's dynamo traces no __dict__.update of a new object
+            return cls(qdata, scales, shape, dtype, axis, recipe, macro_scales, outlier_values, outlier_indices)
         obj = object.__new__(cls)
         obj.__dict__.update(qdata=qdata, scales=scales, shape=shape, dtype=dtype, axis=axis, recipe=recipe,
                             macro_scales=macro_scales, outlier_values=outlier_values,

@@ -83,12 +83,14 @@ def _gathered_bytes_equal_quantize(rank, world, recipe, dtype):
 
 def _wire_bytes(rank, world, mx_gather, dtype):
     """Bytes this rank sends to FSDP2's all-gathers in one training step (counted at
-    torch.distributed.all_gather_single, weights and biases), and what
+    FSDP2's all-gather collective, weights and biases), and what
     pmx.nn.gathered_bytes reports for the weights."""
     import torch.distributed as dist
 
     sent = [0]
-    real = dist.all_gather_single
+    # FSDP2's all-gather: all_gather_single from torch 2.13, all_gather_into_tensor before
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real = getattr(dist, gather)
 
     def counting(output_tensor, input_tensor, *args, **kwargs):
         sent[0] += input_tensor.numel() * input_tensor.element_size()
@@ -96,11 +98,11 @@ def _wire_bytes(rank, world, mx_gather, dtype):
 
     mp = _policy(dtype)
     model = fsdp_model(RECIPES["default"], mp, mx_gather=mx_gather)
-    dist.all_gather_single = counting
+    setattr(dist, gather, counting)
     try:
         train_ranks(model, rank, world, 1, param_dtype=None if mp is None else torch.bfloat16)
     finally:
-        dist.all_gather_single = real
+        setattr(dist, gather, real)
     return sent[0], pmx.nn.gathered_bytes(model)
 
 

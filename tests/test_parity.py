@@ -339,6 +339,19 @@ def test_workflow_parses_and_has_the_jobs():
     assert downloads
 
 
+def test_the_oldest_pair_job_runs_the_suite_on_the_oldest_triton_the_backends_accept():
+    """cpu-oldest pins triton to MIN_TRITON (the floor portable-mx info enforces) and torch to
+    the release whose CUDA wheels pin that triton, and runs the whole suite there."""
+    from portable_mx.backends.triton import MIN_TRITON
+
+    job = _workflow()["jobs"]["cpu-oldest"]
+    assert job["env"]["TRITON_SPEC"] == "triton==%d.%d.0" % MIN_TRITON
+    assert job["env"]["TORCH_SPEC"] == "torch==2.11.0"
+    runs = [s["run"] for s in job["steps"] if "run" in s]
+    assert any(r.startswith("scripts/setup_venv.sh") for r in runs)
+    assert any("-m pytest" in r for r in runs)
+
+
 def test_every_script_the_workflow_runs_exists():
     runs = [s["run"] for job in _workflow()["jobs"].values() for s in job["steps"] if "run" in s]
     scripts = {m for r in runs for m in re.findall(r"(?:ci|scripts)/[\w./-]+\.sh", r)}

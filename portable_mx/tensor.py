@@ -212,6 +212,8 @@ class MXTensor:
         backend-prepared operands (the GEMM's weight side). Never part of equality, copies
         or pickles. The MXTensor's tensors are its identity: a memo stays valid while they
         are not modified in place."""
+        if torch.compiler.is_compiling():  # traced: the graph holds the views (torch 2.9's dynamo
+            return build(self)  # cannot write a new key into a frozen dataclass's __dict__)
         memo = self.__dict__.get("_memo")
         if memo is None:
             memo = self.__dict__["_memo"] = {}

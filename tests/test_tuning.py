@@ -254,6 +254,7 @@ def test_statically_pruned_candidates_are_pruned_trials_never_timed(tmp_path):
     assert len(fake.compiled) == n  # resumed: every verdict read back
 
 
+@pytest.mark.triton  # an ahead-of-time compile: triton >= 3.6
 def test_one_real_static_compile_for_sm_100(tmp_path):
     """Two candidates compiled for B200 here (no GPU): the default config keeps the
     native tcgen05.mma block_scale and fits; an M tile of 64 loses it."""
@@ -454,6 +455,7 @@ def test_tune_without_a_gpu_exits_2(capsys, monkeypatch):
     assert "no GPU" in capsys.readouterr().err
 
 
+@pytest.mark.triton  # the command refuses an older triton before it compiles anything
 def test_tune_static_prints_survivors_and_pruned_by_reason(tmp_path, capsys, monkeypatch):
     import portable_mx.aot
 

@@ -72,7 +72,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from . import _dispatch
+from . import _compile, _dispatch
 from ._precision import HighestPrecision
 from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
@@ -81,16 +81,24 @@ from .recipe import QuantRecipe
 from .tensor import FLOAT_DTYPES, MXTensor, part_specs
 
 Operand = Union[Tensor, MXTensor]
+_is_compiling = torch.compiler.is_compiling
 
 # ----------------------------------------------------------------------------- recipes as strings
 
 _JSON: dict[int, tuple[QuantRecipe, str]] = {}
 
 
-@torch.compiler.assume_constant_result
 def recipe_json(recipe: QuantRecipe) -> str:
-    """``recipe.model_dump_json()``, computed once per recipe object (dynamo evaluates it
-    at trace time and keeps the string as a constant: no graph break)."""
+    """``recipe.model_dump_json()``, computed once per recipe object. While dynamo traces,
+    it evaluates the JSON at trace time and keeps the string as a constant (no graph
+    break); on a torch too old to trace portable_mx it raises, saying so (:mod:`._compile`)."""
+    if _is_compiling():
+        _compile.refuse_old_torch()
+        return _constant_json(recipe)
+    return _json_of(recipe)
+
+
+def _json_of(recipe: QuantRecipe) -> str:
     hit = _JSON.get(id(recipe))
     if hit is not None and hit[0] is recipe:
         return hit[1]
@@ -99,6 +107,9 @@ def recipe_json(recipe: QuantRecipe) -> str:
     text = recipe.model_dump_json()
     _JSON[id(recipe)] = (recipe, text)
     return text
+
+
+_constant_json = torch.compiler.assume_constant_result(_json_of)
 
 
 @functools.lru_cache(maxsize=256)

@@ -29,7 +29,7 @@ def _device_line(device: torch.device) -> str:
 
 def info(as_json: bool = False) -> dict:
     """Versions, devices and the (device, op) -> backend table."""
-    from . import __version__, registry
+    from . import __version__, _compile, registry
     from .ops import backends, local_devices
 
     devices = local_devices()
@@ -38,6 +38,7 @@ def info(as_json: bool = False) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _triton_version(),
+        "torch_compile": _compile.describe(),
         "devices": [_device_line(d) for d in devices],
         "backends": backends(),
         "routes": [r.__dict__ for r in registry.routes(devices)],
@@ -48,6 +49,7 @@ def info(as_json: bool = False) -> dict:
         return report
     print(f"portable_mx {report['portable_mx']}  python {report['python']}  "
           f"torch {report['torch']}  triton {report['triton']}")
+    print(f"torch.compile: {report['torch_compile']}")
     print("devices:")
     for line in report["devices"]:
         print(f"  {line}")

@@ -569,6 +569,32 @@ def test_compiled_matmul_gradients_equal_eager():
     assert torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
 
 
+def test_a_torch_too_old_to_trace_gets_the_floor_named_and_graph_breaks_run_eagerly(monkeypatch):
+    """Where dynamo cannot trace portable_mx (torch < 2.9, simulated here), fullgraph=True
+    stops with an error naming the floor, and a compile that allows graph breaks runs the
+    ops eagerly: the same bytes as eager, for the functions and an MXLinear."""
+    from portable_mx import _compile
+
+    monkeypatch.setattr(_compile, "SUPPORTED", False)
+    assert "older than 2.9" in _compile.describe()
+    x = randn(4, 64, seed=23)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda t: pmx.quantize(t).qdata, fullgraph=True, backend="eager")(x)
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any("torch.compile traces portable_mx from torch 2.9" in m for m in chain), chain
+    torch._dynamo.reset()
+    got = torch.compile(lambda t: pmx.quantize(t).qdata, backend="eager")(x)
+    assert torch.equal(got, pmx.quantize(x).qdata)
+    lin = pmx.nn.MXLinear(64, 8)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(lin, backend="eager")(x), lin(x))
+    torch._dynamo.reset()
+
+
 def test_op_paths_without_gradients_read_no_values():
     """Compiled (or op-path) matmul with a prequantized weight and no gradient does not
     dequantize the weight for a backward that will not run."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import portable_mx as pmx
-from portable_mx import registry
+from portable_mx import _compile, registry
 from portable_mx.backends.reference import ReferenceBackend
 
 
@@ -117,6 +117,7 @@ def test_info_command_prints_table_and_json():
     report = json.loads(res.stdout)
     assert {r["op"] for r in report["routes"]} == set(registry.OPS)
     assert report["devices"][0].startswith("cpu")
+    assert report["torch_compile"].startswith("traces portable_mx" if _compile.SUPPORTED else "torch ")
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "interpreting"])

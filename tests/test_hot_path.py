@@ -569,6 +569,7 @@ def test_compiled_matmul_gradients_equal_eager():
     assert torch.equal(a.grad, want[0]) and torch.equal(b.grad, want[1])
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo:UserWarning")  # dynamo's notes on what it met past the graph break
 def test_a_torch_too_old_to_trace_gets_the_floor_named_and_graph_breaks_run_eagerly(monkeypatch):
     """Where dynamo cannot trace portable_mx (torch < 2.9, simulated here), fullgraph=True
     stops with an error naming the floor, and a compile that allows graph breaks runs the

@@ -192,9 +192,9 @@ class QuantRecipe(BaseModel):
         return "/".join(parts)
 
 
-# torch.compile: dynamo hands a recipe to the functions marked assume_constant_result
-# (``_custom_ops.recipe_json``) as the object itself. torch 2.13 does so for any object,
-# guarding on its identity; torch 2.11 and 2.12 only for a registered pytree constant, guarded
+# torch.compile: dynamo hands a recipe to the function marked assume_constant_result
+# (``_custom_ops._constant_json``) as the object itself. torch 2.13 does so for any object,
+# guarding on its identity; torch 2.9 to 2.12 only for a registered pytree constant, guarded
 # by equality (a recipe is immutable, and equal recipes write the same bytes).
 _register_constant = getattr(torch.utils._pytree, "register_constant", None)
 if _register_constant is not None:

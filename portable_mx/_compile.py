@@ -4,8 +4,9 @@ Dynamo traces the ops and modules with no graph break from torch 2.9 (checked on
 2.11.0 and 2.13.0: the recipe a constant of the graph, MXTensor views built in the graph).
 Older releases stop on the recipe with an internal dynamo error (torch 2.6.0), which ends even
 a compile that allows graph breaks. There the ops raise :func:`refuse_old_torch`'s error
-while dynamo traces them: ``fullgraph=True`` stops with that message in its trace, and a
-compile that allows graph breaks runs the ops eagerly (correct, not traced).
+while dynamo traces them: a compile that allows graph breaks runs the ops eagerly (correct,
+not traced; checked on torch 2.6.0), and ``fullgraph=True`` raises (torch 2.6's dynamo
+reports "Observed exception" without the message; portable-mx info names the floor).
 """
 
 from __future__ import annotations

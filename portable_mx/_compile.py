@@ -12,18 +12,15 @@ reports "Observed exception" without the message; portable-mx info names the flo
 from __future__ import annotations
 
 import torch
+from torch.torch_version import TorchVersion
 
 MIN_TORCH = (2, 9)
 """The oldest torch whose dynamo traces portable_mx (checked: 2.9.1, 2.11.0, 2.13.0)."""
 
+TORCH_TRACES = TorchVersion(torch.__version__) >= MIN_TORCH
+"""Whether the running torch is that release or newer (a 2.9 pre-release is not)."""
 
-def torch_version() -> tuple[int, int]:
-    """(major, minor) of the running torch."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-SUPPORTED = torch_version() >= MIN_TORCH
+SUPPORTED = TORCH_TRACES
 """Whether this torch traces portable_mx (read at each traced call: tests may set it)."""
 
 

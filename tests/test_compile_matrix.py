@@ -332,3 +332,45 @@ def test_real_backends_compile_clean_on_all_targets(tmp_path):
     grouped = {(r["kernel"], r["target"]) for r in doc["rows"] if r["kernel"].startswith("grouped-gemm")}
     assert {t for _, t in grouped} == set(TARGETS)  # the grouped GEMM on every target, on the dense route
     assert {k for k, t in grouped if t in ("sm_90", "gfx942")} == {"grouped-gemm-upcast"}
+
+
+def test_a_seed_is_never_specialised(tmp_path):
+    """Triton's JIT makes an integer argument equal to 1 a constexpr; philox4x32 casts the
+    seed (seed.to(tl.uint64)), which a constexpr cannot take: a stochastic recipe with
+    seed=1 failed to compile on an H200 (benchmarks/results/nvidia-h200-2026-11-26) while
+    the interpreter, which specialises nothing, ran it. Every compiled kernel that takes a
+    ``seed`` must keep it a runtime integer; and the specialisation the JIT would have
+    made (seed a constexpr 1) is shown to fail, so the guard is needed."""
+    script = (
+        "import inspect, sys, triton\n"
+        "from triton.runtime.jit import JITFunction\n"
+        "from portable_mx.backends.triton import quantize, decompose, encode, gemm, gemm_upcast, grouped_gemm\n"
+        "seen = []\n"
+        "for mod in (quantize, decompose, encode, gemm, gemm_upcast, grouped_gemm):\n"
+        "    for name, fn in inspect.getmembers(mod, lambda v: isinstance(v, JITFunction)):\n"
+        "        if fn.__module__ != mod.__name__ or 'seed' not in fn.arg_names:\n"
+        "            continue\n"
+        "        if not name.endswith('_kernel'):\n"
+        "            continue  # a helper: its caller's parameter is the one specialised\n"
+        "        seen.append(name)\n"
+        "        param = fn.params[fn.arg_names.index('seed')]\n"
+        "        assert param.do_not_specialize, name\n"
+        "print(' '.join(sorted(seen)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.split() == ["decompose_kernel", "quantize_kernel"]
+
+    import torch
+
+    from portable_mx.backends.triton import quantize as qk
+    from portable_mx.backends.triton.launch import TileConfig
+    from portable_mx.recipe import QuantRecipe
+
+    spec = qk.launch_spec(torch.bfloat16, QuantRecipe(rounding="stochastic", seed=1), TileConfig(16, 256, num_warps=4),
+                          {})
+    as_jit_would = dataclasses.replace(spec, signature={**spec.signature, "seed": "constexpr"},
+                                       constexprs={**spec.constexprs, "seed": 1}, label=spec.label + " seed=1 constexpr")
+    runtime, constant = compile_all([(spec, TARGETS["sm_90"]), (as_jit_would, TARGETS["sm_90"])], jobs=2)
+    assert runtime.ok, runtime.error
+    assert not constant.ok and "CompilationError" in constant.error

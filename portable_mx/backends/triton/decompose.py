@@ -402,7 +402,9 @@ def _fast_stats(lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, d
     return beta, dead_n, e_scale, e_dead, e_grid, e_error, e_signal, wide
 
 
-@triton.jit
+# seed is never specialised: the JIT would make a seed of 1 a constexpr, which philox4x32's
+# seed.to(tl.uint64) cannot take (a CompilationError on a GPU; the interpreter ignores it)
+@triton.jit(do_not_specialize=["seed"])
 def decompose_kernel(
     w_ptr, beta_ptr, energy_ptr, counts_ptr, full_ptr, bad_ptr,
     R, KW_IN, KW, stride_w, FULL_PLANE, seed,

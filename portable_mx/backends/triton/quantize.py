@@ -44,7 +44,9 @@ from .launch import KernelLaunch, TileConfig
 from .numerics import RULE_IDS, as_f32, inverse_scale, macro_factor
 
 
-@triton.jit
+# seed is never specialised: the JIT would make a seed of 1 a constexpr, which philox4x32's
+# seed.to(tl.uint64) cannot take (a CompilationError on a GPU; the interpreter ignores it)
+@triton.jit(do_not_specialize=["seed"])
 def quantize_kernel(
     w_ptr, q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr,
     R, KW_IN, KW, NM, stride_w, seed,

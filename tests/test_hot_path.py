@@ -266,7 +266,7 @@ def test_a_misaligned_input_gets_its_own_plan(kernel):
     base = randn(4 * 64 + 1, seed=5).to(device)
     aligned, misaligned = base[:256].view(4, 64), base[1:257].view(4, 64)
     assert misaligned.data_ptr() % 16 != 0
-    plans = backend._device(torch.device(device)).quantize_by_value
+    plans = backend._device(base.device).quantize_by_value  # cuda:0, not the index-less "cuda"
     before, recipe = len(plans), QR(scale_rule="even")
     for x in (aligned, misaligned):
         got = backend.quantize(x, recipe)
@@ -309,7 +309,7 @@ def test_gemm_writes_the_requested_dtype(gemm_kernel, kind, out_dtype):
     for _ in range(2):
         got = backend.matmul(a.to(device), b.to(device), out_dtype)
         _close(got, a, b, k, out_dtype)
-    st = backend._device(torch.device(device))
+    st = backend._device(got.device)
     oa = gemm.Operand(a.dtype, None, 0) if kind == "w4a16" else gemm.Operand.of(a)
     config = backend._gemm_config(st.device, st.target, oa, gemm.Operand.of(b), m, n, b.k_padded)
     with backend.running():  # the same kernel the plan routes to (gemm_route), in fp32
@@ -327,7 +327,7 @@ def test_public_matmul_returns_a_dtype_without_a_cast_kernel_on_compiled_backend
     x, w = randn(5, 64, seed=8, dtype=torch.bfloat16), randn(64, 24, seed=9, dtype=torch.bfloat16)
     out = pmx.matmul(x.to(device), w.to(device))
     assert out.dtype == torch.bfloat16
-    plans = backend._device(torch.device(device)).gemm_plans
+    plans = backend._device(out.device).gemm_plans  # cuda:0, not the index-less "cuda"
     stores = {plan.store for key, plan in plans.items() if key[-1] == torch.bfloat16}
     assert stores == ({torch.float32} if device == "cpu" else {torch.bfloat16})
     _close(out.reshape(5, 24), REF.quantize(x, QR()), REF.quantize(w.T.contiguous(), QR()), 64, torch.bfloat16)

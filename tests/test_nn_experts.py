@@ -87,13 +87,16 @@ def test_frozen_experts_on_the_triton_kernels(gemm_kernel, monkeypatch):
     """The same module on the grouped GEMM's Triton kernels (the interpreter on a CPU):
     within the float64 loop's bound too."""
     backend, device = gemm_kernel
-    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    # the weights and the exact reference on the CPU (the reference backend), then the
+    # module moved to the kernels' device with the backend forced
+    cpu_experts = frozen_experts("swiglu_oai")
+    w1 = pmx.dequantize(cpu_experts.quantized_weight("gate_up_proj"), dtype=torch.float64)
+    w2 = pmx.dequantize(cpu_experts.quantized_weight("down_proj"), dtype=torch.float64)
     experts = frozen_experts("swiglu_oai").to(device)
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).bfloat16()
     ids, wts = routing()
     y = experts(x.to(device), ids.to(device), wts.bfloat16().to(device)).cpu()
-    w1 = pmx.dequantize(frozen_experts("swiglu_oai").quantized_weight("gate_up_proj"), dtype=torch.float64)
-    w2 = pmx.dequantize(frozen_experts("swiglu_oai").quantized_weight("down_proj"), dtype=torch.float64)
     ref, bound = oracle(x, ids, wts.bfloat16(), w1, w2, experts.gate_up_proj_bias.cpu(),
                         experts.down_proj_bias.cpu(), "swiglu_oai")
     assert ((y.double() - ref).abs() <= bound).all()

@@ -290,7 +290,9 @@ def test_public_matmul_through_the_upcast_route(gemm_kernel, monkeypatch):
         out = pmx.matmul(x.to(device), w_mx, recipe)
         plans = backend._devices[torch.device(w_mx.device)].gemm_plans.values()
         assert {p.launch.kernel for p in plans} == {"gemm-upcast"}
-        left = ops.left_operand(x.reshape(-1, 100), recipe)
+        with monkeypatch.context() as cpu:  # the exact operands, on the CPU by the reference
+            cpu.setenv(registry.ENV_BACKEND, "reference")
+            left = ops.left_operand(x.reshape(-1, 100), recipe)
         left = left if isinstance(left, torch.Tensor) else ops._mx_rows(left)
         assert_accumulation_close(out.reshape(-1, 70), left, ops._mx_rows(w_mx.to("cpu")), 100)
 

@@ -151,12 +151,14 @@ def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
     grads = {}
     for name, dev in (("reference", "cpu"), (backend.name, device)):
         monkeypatch.setenv(registry.ENV_BACKEND, name)
-        leaves = {key: v.to(dev).requires_grad_() for key, v in base.items()}
+        # fresh leaves on each pass: on the CPU, v.to("cpu") is v itself, so both passes
+        # would share (and accumulate into) one .grad, and the test compare a tensor with itself
+        leaves = {key: v.detach().clone().to(dev).requires_grad_() for key, v in base.items()}
         r = pmx.route(ids.to(dev), torch.softmax(leaves["l"], -1), e)
         out = pmx.grouped_matmul(leaves["x"], leaves["w"], routing=r, gather=True, scatter=True, bias=leaves["b"],
                                  activation=act, recipe=recipe)
         out.backward(g.to(dev))
-        grads[name] = {key: v.grad.cpu() for key, v in leaves.items()}
+        grads[name] = {key: v.grad.detach().cpu().clone() for key, v in leaves.items()}
     for key in base:
         want = grads["reference"][key]
         torch.testing.assert_close(grads[backend.name][key], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
@@ -184,10 +186,12 @@ def test_grouped_launches_for_the_compile_matrix():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
-def test_a_moe_layer_makes_no_host_sync_and_replays_in_a_cuda_graph():
+def test_a_moe_layer_makes_no_host_sync_and_replays_in_a_cuda_graph(monkeypatch):
     """Router top-k, pmx.route and both projections (gather + swiglu_oai, weighted
     scatter): no synchronising call (torch's sync debug mode raises on one), then one CUDA
     graph replayed on new inputs, equal to the eager layer bit for bit."""
+    monkeypatch.delenv(registry.ENV_BACKEND)  # the suite's default is the reference: the GPU's own here
+    assert registry.select("grouped_matmul", torch.device("cuda", torch.cuda.current_device())).name != "reference"
     e, h, i, t, k = 8, 256, 128, 16, 2
     recipe = QR(activations="bf16")
     w1 = pmx.quantize(rand(e, 2 * i, h, seed=60).cuda(), axis=-1)

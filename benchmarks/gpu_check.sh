@@ -29,7 +29,7 @@
 # a limit that keeps the sum under the budget (`--plan` shows it).
 #
 # Python: $PYTHON, else the project's .venv, else python3. Packages the machine lacks
-# (pydantic, optuna; pytest-xdist and execnet to spread the GPU tests over 6 workers;
+# (pydantic, optuna; pytest-xdist and execnet to spread the GPU tests over 8 workers;
 # torchao and gemlite for the peers) are installed from .whl/ when that folder exists
 # (../shared/device/fetch-wheels.sh fills it), into a private --target folder: the
 # machine's torch and triton are never touched. A failing step does not stop the others;
@@ -65,11 +65,11 @@ gpu_tests() {  # gpu_tests LIMIT: what the compiled kernels do on this GPU, agai
 }
 
 steps_default() {
-  bench bench-elementwise 80 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
-  bench bench-gemm 110 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
-  bench bench-overhead 70 benchmarks/overhead.py --gpu-checks --out "$out/results"
-  bench bench-moe 150 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
-  gpu_tests 85
+  bench bench-elementwise 45 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
+  bench bench-gemm 165 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
+  bench bench-overhead 45 benchmarks/overhead.py --gpu-checks --out "$out/results"
+  bench bench-moe 60 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
+  gpu_tests 130
   # The full corpus, in what is left of the budget (the GPU tests hold the small corpus
   # against a CPU reference report): the GPU backend's report and the reference backend's
   # on the same GPU, compared; both land in $out, to be compared with a CPU reference
@@ -163,7 +163,7 @@ step_rest() {
 cat "$out/summary.txt"
 xdist=()
 steps_setup
-if "$PY" -c "import xdist" >/dev/null 2>&1; then xdist=(-n 6); fi
+if "$PY" -c "import xdist" >/dev/null 2>&1; then xdist=(-n 8); fi
 "steps_$mode"
 
 echo "total $(( $(date +%s) - t_all ))s, $failed failed step(s)" | tee -a "$out/summary.txt"

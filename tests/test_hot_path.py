@@ -667,7 +667,22 @@ def test_gpu_cuda_graph_of_an_mxlinear_mlp_replays(overhead):
 def test_gpu_kernels_per_call(overhead):
     device = torch.device("cuda", torch.cuda.current_device())
     calls = overhead.portable_calls(overhead.decode_problem(device, n=1024, k=1024))
+    # outside weight_cache the weight is quantized too, and put in the layouts its GEMM plan
+    # reads (layouts.swizzle_kernel: one launch per swizzled part; 1024 x 1024 needs no
+    # padding): the plan's weight memo names them, "gemm-weight:<values>:<scales>"
+    from portable_mx.backends.triton import layouts
+
+    backend = registry.select("matmul", device)
+    backend._devices.clear()  # only this call's plan below
+    calls["MXLinear W4A16"]()
+    plans = backend._device(device).gemm_plans.values()
+    names = {plan.weight[0] for plan in plans if plan.weight is not None}
+    assert len(names) <= 1, names
+    swizzles = 0
+    for name in names:
+        _, values, scales = name.split(":")
+        swizzles = sum(bool(layout.layout_id) for layout in (layouts.VALUE_LAYOUTS[values], layouts.LAYOUTS[scales]))
     want = {"pmx.quantize": 1, "pmx.matmul W4A16": 1, "pmx.matmul A4W4": 2, "MXLinear W4A16": 1,
-            "MXLinear W4A16 uncached": 2}  # outside weight_cache the weight is quantized too
+            "MXLinear W4A16 uncached": 2 + swizzles}
     got = {name: overhead.profile_kernels(calls[name], 5)["kernels_per_call"] for name in want}
     assert got == want

@@ -652,6 +652,9 @@ class TritonBackend(Backend):
                 if launch.label not in seen:
                     seen.add(launch.label)
                     out.append(launch)
+        from .layouts import swizzle_launch_specs
+
+        out += swizzle_launch_specs()
         return out + self.grouped_launches(target)
 
     def grouped_launch_spec(self, target: Target, a, b, epi, rows: int, num_experts: int, n: int, kp: int,

@@ -362,10 +362,12 @@ def _weight_storage(parts, values, scales) -> tuple:
     """The rows view's GEMM ``parts`` with codes in ``values`` and scales in ``scales``
     (layouts.py), the hopper copies padded by 256 rows (a tile of the last expert may run
     past its rows)."""
+    from .layouts import swizzled
+
     codes, sc = parts[0], parts[1]
     if values.layout_id:
-        codes = values.swizzle(torch.cat([codes, codes.new_zeros(256, codes.shape[1])]))
-        sc = scales.swizzle(torch.cat([sc, sc.new_zeros(256, sc.shape[1])]))
+        codes = swizzled(torch.cat([codes, codes.new_zeros(256, codes.shape[1])]), values)
+        sc = swizzled(torch.cat([sc, sc.new_zeros(256, sc.shape[1])]), scales)
     elif scales.layout_id:
         from .layouts import prepared
 

@@ -39,6 +39,7 @@ in-range elements.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -231,6 +232,111 @@ loads need no mask."""
 VALUE_LAYOUTS = {layout.name: layout for layout in (PLAIN_VALUES, HOPPER_VALUES)}
 
 
+# ----------------------------------------------------------------------------- swizzle kernels
+
+
+@triton.jit
+def _hopper_values_kernel(codes_ptr, out_ptr, R, KB, stride_r, TILES_K):
+    """One 64-row x 64-code tile of uint8 codes [R, KB = Kp/2] (row stride ``stride_r``)
+    -> its 512 int32 words of :class:`HopperValues` storage (padding: code 0). The
+    gather twin of ``HopperValues.swizzle``: word w of a tile has, low bit first, the
+    bits k4 k5 k1 k2 n0 n1 n2 n4 n5 (``_HOPPER_ORDER``); pair j = 2 n3 + k3, half h = k0."""
+    pid = tl.program_id(0)
+    an = pid // TILES_K
+    ak = pid - an * TILES_K
+    w = tl.arange(0, 512)
+    row0 = an * 64 + ((w >> 8) & 1) * 32 + ((w >> 7) & 1) * 16 + ((w >> 6) & 1) * 4 + ((w >> 5) & 1) * 2 \
+        + ((w >> 4) & 1)
+    byte0 = ak * 32 + ((w >> 1) & 1) * 16 + (w & 1) * 8 + ((w >> 3) & 1) * 2 + ((w >> 2) & 1)
+    word = tl.zeros([512], dtype=tl.uint32)
+    for j in tl.static_range(4):
+        row = row0 + (j // 2) * 8
+        byte = byte0 + (j % 2) * 4
+        b = tl.load(codes_ptr + row.to(tl.int64) * stride_r + byte, mask=(row < R) & (byte < KB), other=0)
+        b = b.to(tl.uint32)
+        for h in tl.static_range(2):
+            c = (b >> (4 * h)) & 15
+            if j < 3:  # _PAIR_BITS[j] = (15 - 3j, 6 - 3j)
+                bits = ((c >> 3) << (15 - 3 * j)) | ((c & 7) << (6 - 3 * j))
+            else:
+                bits = ((c >> 3) << 14) | (((c >> 1) & 3) << 10) | ((c & 1) << 13)
+            word = word | (bits << (16 * h))
+    tl.store(out_ptr + pid.to(tl.int64) * 512 + w, word.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _scales_kernel(s_ptr, out_ptr, R, S, stride_r, LAYOUT: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    """uint8 scales [R, S] (row stride ``stride_r``) scattered to their offsets in scale
+    layout ``LAYOUT`` (:func:`scale_offset`, the twin of ``ScaleLayout.offsets``)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+    mask = (r < R) & (s < S)
+    v = tl.load(s_ptr + r.to(tl.int64) * stride_r + s, mask=mask)
+    tl.store(out_ptr + scale_offset(r.to(tl.int64), s, S, LAYOUT), v, mask=mask)
+
+
+def swizzle_launch_specs() -> list:
+    """The launches :func:`swizzle_kernel` makes (the hopper values; each scale layout
+    with an id), as data for the compile matrix."""
+    from .launch import KernelLaunch
+
+    ints = {"R": "i32", "KB": "i32", "stride_r": "i32", "TILES_K": "i32"}
+    out = [KernelLaunch("swizzle", _hopper_values_kernel, {"codes_ptr": "*u8", "out_ptr": "*i32", **ints}, {},
+                        {"num_warps": 4}, "hopper values", divisible_by_16=("KB", "stride_r"))]
+    for layout in LAYOUTS.values():
+        if layout.layout_id:
+            signature = {"s_ptr": "*u8", "out_ptr": "*u8", "R": "i32", "S": "i32", "stride_r": "i32",
+                         "LAYOUT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_S": "constexpr"}
+            out.append(KernelLaunch("swizzle", _scales_kernel, signature,
+                                    {"LAYOUT": layout.layout_id, "BLOCK_R": 64, "BLOCK_S": 32},
+                                    {"num_warps": 4}, f"{layout.name} scales"))
+    return out
+
+
+def _runs_triton(t: torch.Tensor) -> bool:
+    """Whether the swizzle kernels run on ``t``'s device: a GPU (CUDA or ROCm) with the
+    kernels compiled, or the CPU with them interpreted."""
+    from . import interpreting
+
+    return (t.device.type == "cpu") == interpreting() and t.device.type in ("cpu", "cuda")
+
+
+def swizzle_kernel(plain: torch.Tensor, layout) -> torch.Tensor:
+    """``layout.swizzle(plain)`` in one Triton launch (two for a scale layout whose
+    storage pads the scales), bit-identical to the torch twin: for a layout with an id."""
+    rows, cols = plain.shape
+    if plain.stride(1) != 1:
+        plain = plain.contiguous()
+    rows_p, cols_p = layout.padded(rows, cols if isinstance(layout, ScaleLayout) else cols * 2)
+    if isinstance(layout, HopperValues):
+        out = torch.empty(rows_p * cols_p // 8, dtype=torch.int32, device=plain.device)
+        tiles_k = cols_p // 64
+        with _on(plain):
+            _hopper_values_kernel[(rows_p // 64 * tiles_k,)](plain, out, rows, cols, plain.stride(0), tiles_k,
+                                                             num_warps=4)
+        return out.view(torch.uint8)
+    alloc = torch.zeros if (rows_p, cols_p) != (rows, cols) else torch.empty
+    out = alloc(rows_p * cols_p, dtype=torch.uint8, device=plain.device)
+    with _on(plain):
+        _scales_kernel[(triton.cdiv(rows, 64), triton.cdiv(cols, 32))](
+            plain, out, rows, cols, plain.stride(0), layout.layout_id, 64, 32, num_warps=4)
+    return out
+
+
+def swizzled(plain: torch.Tensor, layout) -> torch.Tensor:
+    """``layout.swizzle(plain)``: by :func:`swizzle_kernel` where Triton runs on plain's
+    device, else by the torch twin (about 100 elementwise kernels for the hopper values:
+    ~4 ms for an 8192 x 8192 weight on an H200, paid on every call where the weight is
+    quantized per call, e.g. MXLinear outside weight_cache)."""
+    return swizzle_kernel(plain, layout) if _runs_triton(plain) else layout.swizzle(plain)
+
+
+def _on(t: torch.Tensor):
+    """The launch's device: ``t``'s GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 # swizzled copies, kept for as long as the storage of the plain tensor they were made
 # from lives (keyed by the storage object, which torch keeps one per storage: every view
 # and detached alias of the tensor finds the same entry)
@@ -250,7 +356,7 @@ def prepared(plain: torch.Tensor, layout) -> torch.Tensor:
     hit = _PREPARED.get(key)
     if hit is not None and hit[0]() is storage and hit[1] == plain._version:
         return hit[2]
-    out = layout.swizzle(plain)
+    out = swizzled(plain, layout)
     ref = weakref.ref(storage, lambda _, key=key: _PREPARED.pop(key, None))
     _PREPARED[key] = (ref, plain._version, out)
     return out

@@ -442,6 +442,34 @@ def check_cuda_graph_mlp(device: Any, width: int = 1024, batch: int = 16) -> dic
     return out
 
 
+PROFILED = ("pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4")
+"""The calls whose host time the GPU checks profile (issue 12's criterion)."""
+
+
+def host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 25) -> list[dict]:
+    """Where the host time of ``fn`` goes: ``calls`` calls under cProfile (after a warm-up
+    call), the ``top`` functions by own time, each with its calls and own/cumulative time
+    per profiled call in microseconds (cProfile's own cost inflates every figure about
+    alike: read them as shares, not as times)."""
+    import cProfile
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{os.path.basename(path)}:{line}" if line else path
+        rows.append({"function": f"{where}({func})", "calls": ncalls / calls, "own_us": 1e6 * tottime / calls,
+                     "cum_us": 1e6 * cumtime / calls})
+    rows.sort(key=lambda r: -r["own_us"])
+    return rows[:top]
+
+
 def run_gpu_checks(args) -> dict:
     import torch
 
@@ -456,8 +484,17 @@ def run_gpu_checks(args) -> dict:
             checks[name] = {"error": {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}}
     gpu = run_gpu(argparse.Namespace(calls=100, repeats=5))
     checks["host_time"] = {name: {"ok": c["met"], **c} for name, c in gpu["criterion"].items()}
+    calls = portable_calls(decode_problem(device), uncached=False)
+    profiles = {}
+    for name in PROFILED:
+        try:
+            profiles[name] = host_profile(calls[name])
+        except Exception as err:  # noqa: BLE001  (a profile is evidence, not a check)
+            profiles[name] = [{"function": f"failed: {type(err).__name__}: {err}"[:300], "calls": 0.0,
+                               "own_us": 0.0, "cum_us": 0.0}]
     doc = result_header("overhead-gpu-checks", torch.cuda.get_device_name(device))
-    doc.update(mode="gpu-checks", seconds=time.perf_counter() - t0, checks=checks, rows=gpu["rows"])
+    doc.update(mode="gpu-checks", seconds=time.perf_counter() - t0, checks=checks, rows=gpu["rows"],
+               host_profile=profiles)
     doc["passed"] = all(v.get("ok", False) for group in checks.values() for v in group.values())
     return doc
 
@@ -488,6 +525,10 @@ def print_table(doc: dict) -> None:
                 continue
             limit = c.get("limit_us", c.get("goal_us"))
             print(f"  {key}: {name:18s} {c['host_us']:6.2f} us <= {limit:6.2f} us: {'met' if c['met'] else 'NOT met'}")
+    for name, rows in doc.get("host_profile", {}).items():
+        print(f"  host profile of {name} (cProfile, per call; its own cost inflates every row alike):")
+        for r in rows[:12]:
+            print(f"    own {r['own_us']:7.2f} us  cum {r['cum_us']:7.2f} us  calls {r['calls']:4.1f}  {r['function']}")
     for group, results in doc.get("checks", {}).items():
         for name, r in results.items():
             print(f"  check {group:18s} {name:28s} {'ok' if r.get('ok') else 'FAILED ' + str(r)}")

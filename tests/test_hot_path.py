@@ -11,6 +11,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -629,6 +630,26 @@ def test_overhead_benchmark_cpu_smoke(tmp_path):
     assert doc["mode"] == "cpu-smoke"
     assert set(doc["rows"]) >= {"pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4", "MXLinear W4A16"}
     assert set(doc["goal"]) == {"pmx.quantize", "pmx.matmul W4A16"}
+
+
+def test_the_host_profile_names_where_a_call_spends_its_time(overhead, capsys, monkeypatch):
+    """overhead.host_profile (the GPU checks record it for issue 12's criterion): per call,
+    the functions by own time; a call that spends 5 ms in a known function shows it among
+    the first, with one call per profiled call, beside the library's own functions."""
+    monkeypatch.setenv(registry.ENV_BACKEND, "reference")
+
+    def slow():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 5e-3:
+            pass
+
+    rows = overhead.host_profile(lambda: (slow(), pmx.quantize(randn(4, 64, seed=1))), calls=20, top=40)
+    slow_row = [r for r in rows[:3] if r["function"].endswith("(slow)")]
+    assert slow_row and slow_row[0]["calls"] == 1.0 and slow_row[0]["cum_us"] >= 4000, rows[:3]
+    assert any("quantize" in r["function"] for r in rows)
+    overhead.print_table({"benchmark": "b", "device": "d", "versions": {"torch": "t", "triton": "x"},
+                          "host_profile": {"pmx.quantize": rows}})
+    assert "host profile of pmx.quantize" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- on a GPU

@@ -545,9 +545,35 @@ def test_moe_shapes_bytes_and_goals():
     assert p["speedup"] == 2.5 and p["vs_loop"] == 7.5 and p["rel_err"] == 0.1
     assert p["roofline_ms"] == pytest.approx(moe.expert_bytes(oss, 4, True) / 1e12 * 1e3)
     assert p["roofline_fraction"] == pytest.approx(p["roofline_ms"] / 0.4)
-    assert row["goals"] == [{"name": "W4A16 decode (T <= 64)", "min_speedup": 2.0, "speedup": 2.5, "met": True}]
+    assert row["goals"] == [{"name": "W4A16 decode (T <= 64)", "variant": "w4a16", "min_speedup": 2.0,
+                             "speedup": 2.5, "met": True}]
     goals = moe.summarize_goals([row])
     assert [g["met"] for g in goals] == [True, None]
+    assert goals[0]["graph_met"] is None  # no replays timed
+
+
+def test_moe_graph_replays_judge_the_goals_too():
+    """At decode the eager layers are host-bound: the replays of CUDA graphs (graph_ms)
+    give their own speedups over bf16 grouped_mm's replay and judge the goal again; a layer
+    that could not be captured keeps its reason and leaves the graph verdict open."""
+    moe = _moe()
+    oss = moe.MODELS["gpt-oss-20b"]
+    times = {"bf16_grouped_mm": 0.8, "bf16_loop": 2.0, "pmx_w4a16": 1.3}
+    row = moe.build_row(oss, 1, "uniform", times, 4.0, 4e12, {}, {})
+    assert row["goals"][0]["met"] is False  # 0.8 / 1.3 eager
+    moe.add_graph_times(row, {"bf16_grouped_mm": 0.06, "bf16_loop": "not capturable: RuntimeError: sync",
+                              "pmx_w4a16": 0.02})
+    p = row["impls"]["pmx_w4a16"]
+    assert p["graph_ms"] == 0.02 and p["graph_speedup"] == pytest.approx(3.0)
+    assert row["impls"]["bf16_loop"]["graph_note"].startswith("not capturable")
+    assert row["goals"][0]["graph_speedup"] == pytest.approx(3.0) and row["goals"][0]["graph_met"] is True
+    goal = moe.summarize_goals([row])[0]
+    assert goal["met"] is False and goal["graph_met"] is True and goal["graph_worst"] == pytest.approx(3.0)
+    text = moe.format_table([row])
+    assert "replayed from a CUDA graph" in text and "bf16_loop: not capturable" in text
+    # one case without a replay leaves the graph verdict open
+    other = moe.build_row(oss, 16, "uniform", times, 4.0, 4e12, {}, {})
+    assert moe.summarize_goals([row, other])[0]["graph_met"] is None
 
 
 def test_moe_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):

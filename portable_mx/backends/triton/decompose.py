@@ -261,21 +261,28 @@ def _store_pairs(ptr, rows, ecol, KP, lo, hi, mask, BLOCK_R: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w, BLOCK_R: tl.constexpr, BW: tl.constexpr,
-                SPAN: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
-    """The chunk's words [BR, BW] (word columns ``wcol`` [1, BW], load mask ``lmask``)
-    through a [BR, BW/VEC, VEC] pointer, so that a thread holds VEC words (the full
-    outputs' 16-byte stores then need no layout change)."""
-    if True:
-        inner3 = c * BW + tl.arange(0, BW // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-        wcol3 = (col0 // 2 + inner3)[None, :, :]
-        ptr = w_ptr + rows[:, None, None] * stride_w + wcol3
-        if EVEN:
-            w = tl.load(ptr)
-        else:
-            m3 = (rows[:, None, None] < R) & (inner3 < SPAN // 2)[None, :, :] & (wcol3 < KW_IN)
-            w = tl.load(ptr, mask=m3, other=0)
-        w = tl.reshape(w, (BLOCK_R, BW))
+def _load_words(w_ptr, rows, wcol, lmask, stride_w, EVEN: tl.constexpr):
+    """The chunk's words [BR, BW] (word columns ``wcol`` [1, BW] and load mask ``lmask``
+    of :func:`encode.chunk_words`) through a plain [BR, BW] pointer, as the quantize
+    kernel loads them. Triton lays a 2-D tile out with a row's words on the lowest lanes,
+    so that in the [BR, NBK, 16] view each 32-block's words sit on one contiguous run of
+    lanes, the layout the block reductions (tl.max / tl.sum over axis 2) need on
+    Triton 3.6.
+
+    It was loaded through a [BR, BW/VEC, VEC] pointer (VEC words a thread) reshaped to
+    [BR, BW]: Triton then chose, for instance where it cannot prove 16-byte rows (a row
+    stride not a multiple of 16 words: most ragged K), one word a thread with the VEC
+    words of a piece on lanes 0..log2(VEC)-1 and the rows on the next lanes, so that a
+    block's words were on lane bits (0, 3, 4) with rows on (1, 2). Triton 3.6 lowers a
+    reduction over such a linear layout as if its lanes were contiguous (shuffles
+    xor 1, 2, 4 and a lane-0-of-8 store): it reduced across rows and lost most of each
+    block (wrong amax, counts and sums on an H200; the interpreter has no layouts, and
+    Triton 3.9's reduction lowering handles any layout)."""
+    ptr = w_ptr + rows[:, None] * stride_w + wcol
+    if EVEN:
+        w = tl.load(ptr)
+    else:
+        w = tl.load(ptr, mask=lmask, other=0)
     return w
 
 
@@ -300,11 +307,12 @@ def _components(x_lo, x_hi, q_lo, q_hi, qs_lo, qs_hi, dead_lo, dead_hi, bm1, COU
 
 
 @triton.jit
-def _load_plane(planes, i: tl.constexpr, PLANE_WORDS, rows, wcol, smask, c, col0, R, KW, BLOCK_R: tl.constexpr,
-                BW: tl.constexpr, NBK: tl.constexpr, SPAN: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
-    """The fp32 bits (lo, hi halves [BR, NBK, 16]) of chunk ``c`` of element plane ``i``
-    that this program wrote (``planes``: the full output as int64 words of two fp32)."""
-    w = _load_words(planes + i * PLANE_WORDS, rows, wcol, smask, c, col0, R, KW, KW, BLOCK_R, BW, SPAN, VEC, EVEN)
+def _load_plane(planes, i: tl.constexpr, PLANE_WORDS, rows, wcol, smask, KW, BLOCK_R: tl.constexpr,
+                NBK: tl.constexpr, EVEN: tl.constexpr):
+    """The fp32 bits (lo, hi halves [BR, NBK, 16]) at word columns ``wcol`` (store mask
+    ``smask``) of element plane ``i`` that this program wrote (``planes``: the full output
+    as int64 words of two fp32)."""
+    w = _load_words(planes + i * PLANE_WORDS, rows, wcol, smask, KW, EVEN)
     return unpack_words(tl.reshape(w, (BLOCK_R, NBK, 16)), 2)
 
 
@@ -334,8 +342,7 @@ def _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_
     if WHOLE_BLOCKS:
         w = load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R, NBK, SPAN, VEC, EVEN)
     else:
-        w = tl.reshape(_load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w, BLOCK_R, BW, SPAN, VEC,
-                                   EVEN), (BLOCK_R, NBK, 16))
+        w = tl.reshape(_load_words(w_ptr, rows, wcol, lmask, stride_w, EVEN), (BLOCK_R, NBK, 16))
     bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
     lo, hi = unpack_words(w, IN_KIND)
     rlo, rhi, amax, special, idx1, ob1, idx2, ob2 = split_blocks(lo, hi, IN_KIND, N_OUT)
@@ -417,8 +424,8 @@ def decompose_kernel(
     bits (int64) [5, R, Kp/32] in the order of ENERGIES; counts: int32 [2, R, Kp/32]
     (COUNTS); full: the fp32 bits (int32) [4, R, Kp = 2 KW] in the order of COMPONENTS
     (written when FULL), FULL_PLANE = R * Kp; bad: int64 [1], incremented by the number of
-    NaN/Inf values. WHOLE_BLOCKS: one thread per 32-block (blocks_per_thread), else VEC
-    words a thread."""
+    NaN/Inf values. WHOLE_BLOCKS: one thread per 32-block (blocks_per_thread, VEC words a
+    load), else a [BR, BW] word tile whose blocks threads share (:func:`_load_words`)."""
     w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
@@ -504,18 +511,13 @@ def decompose_kernel(
             wide = bmask & (tl.load(energy_ptr + plane + boff, mask=bmask, other=0) == WIDE_MARK)
             if FULL:
                 wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
-                x_lo, x_hi = unpack_words(tl.reshape(_load_words(w_ptr, rows, wcol, lmask, c, col0, R, KW_IN, stride_w,
-                                                                 BLOCK_R, BW, SPAN, VEC, EVEN), (BLOCK_R, NBK, 16)),
-                                          IN_KIND)
+                x_lo, x_hi = unpack_words(tl.reshape(_load_words(w_ptr, rows, wcol, lmask, stride_w, EVEN),
+                                                     (BLOCK_R, NBK, 16)), IN_KIND)
                 planes = full_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-                q_lo, q_hi = _load_plane(planes, 0, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
-                                         NBK, SPAN, VEC, EVEN)
-                es_lo, es_hi = _load_plane(planes, 1, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
-                                           NBK, SPAN, VEC, EVEN)
-                ed_lo, ed_hi = _load_plane(planes, 2, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
-                                           NBK, SPAN, VEC, EVEN)
-                eg_lo, eg_hi = _load_plane(planes, 3, FULL_PLANE // 2, rows, wcol, smask, c, col0, R, KW, BLOCK_R, BW,
-                                           NBK, SPAN, VEC, EVEN)
+                q_lo, q_hi = _load_plane(planes, 0, FULL_PLANE // 2, rows, wcol, smask, KW, BLOCK_R, NBK, EVEN)
+                es_lo, es_hi = _load_plane(planes, 1, FULL_PLANE // 2, rows, wcol, smask, KW, BLOCK_R, NBK, EVEN)
+                ed_lo, ed_hi = _load_plane(planes, 2, FULL_PLANE // 2, rows, wcol, smask, KW, BLOCK_R, NBK, EVEN)
+                eg_lo, eg_hi = _load_plane(planes, 3, FULL_PLANE // 2, rows, wcol, smask, KW, BLOCK_R, NBK, EVEN)
                 d_lo = as_f32(q_lo) - as_f32(x_lo)
                 d_hi = as_f32(q_hi) - as_f32(x_hi)
                 es_lo = as_f32(es_lo)
@@ -545,11 +547,12 @@ def decompose_kernel(
 
 
 FULL_VEC = 2
-"""Words per thread and load for ``full``: four fp32 outputs, one 16-byte store each."""
+"""VEC with ``full`` (whose tiles are always shared, :func:`_load_words`: no load uses it)."""
 
 
 def _vec(dtype: torch.dtype, full: bool) -> int:
-    """Words per thread and load: FULL_VEC with full outputs, else 16 bytes of words."""
+    """Words per thread and load of the whole-blocks layout: 16 bytes of words
+    (FULL_VEC with full outputs, which never take that layout)."""
     return FULL_VEC if full else (2 if dtype == torch.float32 else 4)
 
 
@@ -583,7 +586,7 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: 
     label = (f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {definition}{' full' if full else ''} "
              f"{config.label()}{'' if even else ' masked'}")
     return KernelLaunch("decompose", decompose_kernel, signature, constexprs, dict(options), label,
-                        divisible_by_16=("KW", "stride_w", "FULL_PLANE") + (("KW_IN",) if even else ()))
+                        divisible_by_16=("KW", "FULL_PLANE") + (("KW_IN", "stride_w") if even else ()))
 
 
 def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool, config: TileConfig,

@@ -174,7 +174,9 @@ _INT_ARGS = ("R", "KW_IN", "KW", "NM", "stride_w")
 def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, options: dict,
                 even: bool = True) -> KernelLaunch:
     """The launch :func:`quantize` makes for inputs of ``dtype`` (``even``: whole tiles),
-    as data (for AOT)."""
+    as data (for AOT). The masked variant is compiled as the JIT compiles it for a ragged
+    K: a row stride not known to be a multiple of 16 words (Triton then lays the loads out
+    otherwise; a decompose layout of that case reduced across rows on an H200)."""
     plan = Plan.make(recipe, config)
     constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "FMA_DIV": True}
     # unused outputs are passed the scales tensor (see quantize), hence "*u8"
@@ -187,7 +189,7 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, opt
     return KernelLaunch("quantize", quantize_kernel, signature, constexprs, dict(options),
                         f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {config.label()}"
                         f"{'' if even else ' masked'}",
-                        divisible_by_16=("KW", "stride_w") + (("KW_IN",) if even else ()))
+                        divisible_by_16=("KW",) + (("KW_IN", "stride_w") if even else ()))
 
 
 def quantize(x: torch.Tensor, recipe: QuantRecipe, config: TileConfig, options: dict):

@@ -14,8 +14,10 @@ from .triton.launch import GemmConfig, TileConfig
 # rounding 138: 4 to 8 CTAs an SM, 32 KB or more of loads in flight), the
 # statistics-only decompose in about 220 (a block's values all live, no shuffles; 2 CTAs
 # an SM, compute-bound), no spills. decompose with its four element tensors spreads a
-# block over 8 threads (16-byte stores of each tensor): 8 x 256 on 8 warps keeps it at
-# 78-134 registers (8 x 256 on 4 warps spilled the heaviest recipe). dequantize: 8
+# block over threads that reduce it together (the words loaded as a plain [rows, words]
+# tile: decompose._load_words says why): 8 x 256 on 8 warps keeps it at 78-134 registers
+# (8 x 256 on 4 warps spilled the heaviest recipe; registers as measured before the load
+# change of 2026-11-26, which the compile matrix still passes without spills). dequantize: 8
 # elements a thread and vector, 16 x 256: 32 registers for bf16 output, 40 for fp32 (32 x
 # 256 took 44 and 112).
 TILES = {

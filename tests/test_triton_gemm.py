@@ -192,11 +192,12 @@ def test_gemm_reads_swizzled_scales(gemm_kernel, layout, monkeypatch):
     swizzled copy is made once per scales tensor (a view of it finds the same copy)."""
     from portable_mx.backends.triton import gemm
     from portable_mx.backends.triton.launch import GemmConfig
-    from portable_mx.backends.triton.layouts import LAYOUTS, ScaleLayout
+    from portable_mx.backends.triton import layouts
+    from portable_mx.backends.triton.layouts import LAYOUTS
 
     swizzles = []
-    real = ScaleLayout.swizzle
-    monkeypatch.setattr(ScaleLayout, "swizzle", lambda self, s: swizzles.append(s.shape) or real(self, s))
+    real = layouts.swizzled  # what prepared() runs: the swizzle kernel, or the torch twin
+    monkeypatch.setattr(layouts, "swizzled", lambda s, layout: swizzles.append(s.shape) or real(s, layout))
     backend, device = gemm_kernel
     config = GemmConfig(64, 64, 128)
     options = backend.options(config)

@@ -479,6 +479,20 @@ def test_fused_division_by_macro_factors_is_ieee(kernel):
     assert same_bytes(out.cpu(), want)
 
 
+def test_decompose_reads_rows_aligned_to_16_words():
+    """The decompose kernel is launched with a row stride of a multiple of 16 words and an
+    aligned start (what the compile matrix compiles; triton 3.6 spilled and chose other
+    layouts otherwise): such input as it is, any other through a zero-padded copy."""
+    from portable_mx.backends.triton.decompose import aligned_rows
+
+    x = torch.randn(8, 64)
+    assert aligned_rows(x) is x
+    for y in (torch.randn(8, 300), torch.randn(8, 514)[:, :512], torch.randn(8, 68)[:, 2:66]):
+        got = aligned_rows(y)
+        assert got.shape == y.shape and torch.equal(got, y)
+        assert (got.stride(0) // 2) % 16 == 0 and got.data_ptr() % 16 == 0 and got.stride(1) == 1
+
+
 @pytest.mark.parametrize("tile,warp_size", [((16, 256, 4), 32), ((8, 256, 8), 64), ((4, 256, 8), 32)],
                          ids=["one-block-per-thread", "wave64-shared-blocks", "shared-blocks"])
 def test_decompose_statistics_layouts_agree(kernel, tile, warp_size):
@@ -491,8 +505,8 @@ def test_decompose_statistics_layouts_agree(kernel, tile, warp_size):
     backend, device = kernel
     config = TileConfig(tile[0], tile[1], num_warps=tile[2])
     # on an H200 (triton 3.6) the shared-blocks layouts reduced across rows where the row
-    # stride was not a multiple of 16 words (ragged K, or a strided view) and for bf16:
-    # each of those triggers, beside the whole tile
+    # stride was not a multiple of 16 words (ragged K, or a strided view: decompose now
+    # copies those to aligned rows) and for bf16: each of those cases, beside the whole tile
     wide = sample((64, 514), seed=71, specials=False)
     cases = [sample((64, 512), seed=70, specials=False), sample((33, 300), seed=70, specials=False),
              wide[:, :512], sample((64, 512), seed=72, specials=False).to(torch.bfloat16)]

@@ -16,10 +16,10 @@ from .triton.launch import GemmConfig, TileConfig
 # there under triton 3.6: "quantize-heavy" takes 4 x 256 (2 words a lane) with
 # waves_per_eu=8, 64 VGPRs, no scratch, occupancy 8 with triton 3.6 and 3.9. dequantize 26-48 VGPRs, occupancy 8. decompose: 8 x
 # 256 on 8 warps, 2 words a lane: 46-64 VGPRs on gfx950. gfx942 allocates more: its
-# statistics-only decompose takes 4 x 256 on 4 warps (48-51 VGPRs, occupancy 8, on whole
-# rows; 78-84 VGPRs, occupancy 5-6, where the row stride is not a multiple of 16 words, a
-# ragged K: there waves_per_eu=8, which this config had, spilled 48-92 bytes a thread, seen
-# once the compile matrix compiled that case as the JIT does); with the element tensors the hint spills under triton 3.6, so
+# statistics-only decompose takes 4 x 256 on 4 warps (48-52 VGPRs, occupancy 8, no
+# scratch; the waves_per_eu=8 it had gained nothing and spilled 48-92 bytes a thread where
+# a row stride was not a multiple of 16 words, which decompose no longer launches); with
+# the element tensors the hint spills under triton 3.6, so
 # it keeps 8 x 256 / 8 warps without it (occupancy 8 but for macro blocks longer than a
 # chunk: 7 with triton 3.9, 5 with 3.6; the notes say why and what would fix it).
 # Elsewhere no waves_per_eu hint: waves_per_eu=2 capped the occupancy at 2 without

@@ -575,7 +575,8 @@ def _constexprs(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, def
 
 def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: bool, config: TileConfig,
                 options: dict, even: bool = True, warp_size: int = 32) -> KernelLaunch:
-    """The launch :func:`decompose` makes, as data (for AOT)."""
+    """The launch :func:`decompose` makes, as data (for AOT): the row stride a multiple of
+    16 words, as :func:`aligned_rows` makes it."""
     _, constexprs = _constexprs(dtype, recipe, config, definition, full, even, warp_size)
     signature = {"w_ptr": IN_POINTERS[dtype], "beta_ptr": "*fp32", "energy_ptr": "*i64", "counts_ptr": "*i32",
                  "full_ptr": "*i32",
@@ -586,7 +587,23 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: 
     label = (f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {definition}{' full' if full else ''} "
              f"{config.label()}{'' if even else ' masked'}")
     return KernelLaunch("decompose", decompose_kernel, signature, constexprs, dict(options), label,
-                        divisible_by_16=("KW", "FULL_PLANE") + (("KW_IN", "stride_w") if even else ()))
+                        divisible_by_16=("KW", "stride_w", "FULL_PLANE") + (("KW_IN",) if even else ()))
+
+
+def aligned_rows(words: torch.Tensor) -> torch.Tensor:
+    """``words`` (:func:`encode.as_words`) with a row stride of a multiple of 32 elements (16
+    words) and a 16-byte aligned start: itself, or a zero-padded copy's view. The kernel then always sees the row
+    stride the compile matrix compiles (Triton specialises on it): with triton 3.6 the
+    statistics-only kernel spilled 244 bytes a thread on sm_90 for a stride that is not
+    (a ragged K such as 300), and its loads take other layouts there (see
+    :func:`_load_words`). A copy of x for such shapes: decompose is a diagnostic, and
+    compute-bound."""
+    if (words.stride(0) // 2) % 16 == 0 and words.data_ptr() % 16 == 0:
+        return words
+    r, k = words.shape
+    padded = torch.zeros(r, -(-k // 32) * 32, dtype=words.dtype, device=words.device)
+    padded[:, :k] = words
+    return padded[:, :k]
 
 
 def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool, config: TileConfig,
@@ -600,7 +617,7 @@ def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool,
         x = x.to(torch.float32)
     r, k = x.shape
     kp = -(-k // 32) * 32
-    words = as_words(x)
+    words = aligned_rows(as_words(x))
     plan = Plan.make(recipe, config)
     plan, constexprs = _constexprs(x.dtype, recipe, config, definition, full, plan.even(r, k), warp_size)
     dev = x.device

@@ -283,14 +283,15 @@ def swizzle_launch_specs() -> list:
 
     ints = {"R": "i32", "KB": "i32", "stride_r": "i32", "TILES_K": "i32"}
     out = [KernelLaunch("swizzle", _hopper_values_kernel, {"codes_ptr": "*u8", "out_ptr": "*i32", **ints}, {},
-                        {"num_warps": 4}, "hopper values", divisible_by_16=("KB", "stride_r"))]
+                        {"num_warps": 4, "enable_fp_fusion": False}, "hopper values",
+                        divisible_by_16=("KB", "stride_r"))]
     for layout in LAYOUTS.values():
         if layout.layout_id:
             signature = {"s_ptr": "*u8", "out_ptr": "*u8", "R": "i32", "S": "i32", "stride_r": "i32",
                          "LAYOUT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_S": "constexpr"}
             out.append(KernelLaunch("swizzle", _scales_kernel, signature,
                                     {"LAYOUT": layout.layout_id, "BLOCK_R": 64, "BLOCK_S": 32},
-                                    {"num_warps": 4}, f"{layout.name} scales"))
+                                    {"num_warps": 4, "enable_fp_fusion": False}, f"{layout.name} scales"))
     return out
 
 
@@ -314,13 +315,14 @@ def swizzle_kernel(plain: torch.Tensor, layout) -> torch.Tensor:
         tiles_k = cols_p // 64
         with _on(plain):
             _hopper_values_kernel[(rows_p // 64 * tiles_k,)](plain, out, rows, cols, plain.stride(0), tiles_k,
-                                                             num_warps=4)
+                                                             num_warps=4, enable_fp_fusion=False)
         return out.view(torch.uint8)
     alloc = torch.zeros if (rows_p, cols_p) != (rows, cols) else torch.empty
     out = alloc(rows_p * cols_p, dtype=torch.uint8, device=plain.device)
     with _on(plain):
         _scales_kernel[(triton.cdiv(rows, 64), triton.cdiv(cols, 32))](
-            plain, out, rows, cols, plain.stride(0), layout.layout_id, 64, 32, num_warps=4)
+            plain, out, rows, cols, plain.stride(0), layout.layout_id, 64, 32, num_warps=4,
+            enable_fp_fusion=False)
     return out
 
 

@@ -596,33 +596,29 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _table_line(r: dict[str, Any], names: list[str], ms_key: str, x_key: str) -> str:
+    """One row of the table: per implementation its ``ms_key`` time and ``x_key`` speedup,
+    then pmx_w4a16's roofline time and the share of its time it is."""
+    line = f"{r['model']:<15}{r['tokens']:>6} {r['routing']:<8}"
+    for n in names:
+        i = r["impls"].get(n) or {}
+        line += f"{_fmt(i.get(ms_key), '.4f'):>19}{_fmt(i.get(x_key), '.2f'):>6}"
+    p = r["impls"].get("pmx_w4a16") or {}
+    roof, ms = p.get("roofline_ms"), p.get(ms_key)
+    return line + f"{_fmt(roof, '.4f'):>9}{_fmt(None if roof is None or not ms else 100 * roof / ms, '.0f'):>7}"
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     names = sorted({n for r in rows for n in r["impls"]},
                    key=lambda n: ("bf16_grouped_mm", "bf16_loop", "pmx_w4a16", "pmx_a4w4", "matmul_ogs").index(n))
     head = f"{'model':<15}{'T':>6} {'routing':<8}" + "".join(f"{n + ' ms':>19}{'x':>6}" for n in names) + \
         f"{'roof ms':>9}{'roof %':>7}"
-    lines = [head]
-    for r in rows:
-        line = f"{r['model']:<15}{r['tokens']:>6} {r['routing']:<8}"
-        for n in names:
-            i = r["impls"].get(n) or {}
-            line += f"{_fmt(i.get('ms'), '.4f'):>19}{_fmt(i.get('speedup'), '.2f'):>6}"
-        p = r["impls"].get("pmx_w4a16") or {}
-        frac = p.get("roofline_fraction")
-        line += f"{_fmt(p.get('roofline_ms'), '.4f'):>9}{_fmt(None if frac is None else 100 * frac, '.0f'):>7}"
-        lines.append(line)
+    lines = [head] + [_table_line(r, names, "ms", "speedup") for r in rows]
     graphed = [r for r in rows if any("graph_ms" in i or "graph_note" in i for i in r["impls"].values())]
     if graphed:
         lines.append("replayed from a CUDA graph (one routing):")
         for r in graphed:
-            line = f"{r['model']:<15}{r['tokens']:>6} {r['routing']:<8}"
-            for n in names:
-                i = r["impls"].get(n) or {}
-                line += f"{_fmt(i.get('graph_ms'), '.4f'):>19}{_fmt(i.get('graph_speedup'), '.2f'):>6}"
-            p = r["impls"].get("pmx_w4a16") or {}
-            roof, ms = p.get("roofline_ms"), p.get("graph_ms")
-            line += f"{_fmt(roof, '.4f'):>9}{_fmt(None if roof is None or not ms else 100 * roof / ms, '.0f'):>7}"
-            lines.append(line)
+            lines.append(_table_line(r, names, "graph_ms", "graph_speedup"))
             for n in names:
                 note = (r["impls"].get(n) or {}).get("graph_note")
                 if note:

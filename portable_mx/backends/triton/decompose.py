@@ -591,13 +591,13 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: 
 
 
 def aligned_rows(words: torch.Tensor) -> torch.Tensor:
-    """``words`` (:func:`encode.as_words`) with a row stride of a multiple of 32 elements (16
-    words) and a 16-byte aligned start: itself, or a zero-padded copy's view. The kernel then always sees the row
-    stride the compile matrix compiles (Triton specialises on it): with triton 3.6 the
-    statistics-only kernel spilled 244 bytes a thread on sm_90 for a stride that is not
-    (a ragged K such as 300), and its loads take other layouts there (see
-    :func:`_load_words`). A copy of x for such shapes: decompose is a diagnostic, and
-    compute-bound."""
+    """``words`` (:func:`encode.as_words`) with a row stride of a multiple of 32 elements
+    (16 words) and a 16-byte aligned start: itself, or a zero-padded copy's view. The
+    kernel then always sees the row stride the compile matrix compiles (Triton
+    specialises on it): with triton 3.6 the statistics-only kernel spilled 244 bytes a
+    thread on sm_90 for a stride that is not (a ragged K such as 300), and its loads take
+    other layouts there (see :func:`_load_words`). A copy of x for such shapes: decompose
+    is a diagnostic, and compute-bound."""
     if (words.stride(0) // 2) % 16 == 0 and words.data_ptr() % 16 == 0:
         return words
     r, k = words.shape

@@ -590,20 +590,21 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, definition: str, full: 
                         divisible_by_16=("KW", "stride_w", "FULL_PLANE") + (("KW_IN",) if even else ()))
 
 
-def aligned_rows(words: torch.Tensor) -> torch.Tensor:
-    """``words`` (:func:`encode.as_words`) with a row stride of a multiple of 32 elements
-    (16 words) and a 16-byte aligned start: itself, or a zero-padded copy's view. The
+def aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, K] (unit stride along K) with a row stride of a multiple of 32 elements (16
+    words) and a 16-byte aligned start: itself, or a zero-padded copy's view [R, K] (K + 1
+    for an odd K, so that :func:`encode.as_words` takes it as it is). The
     kernel then always sees the row stride the compile matrix compiles (Triton
     specialises on it): with triton 3.6 the statistics-only kernel spilled 244 bytes a
     thread on sm_90 for a stride that is not (a ragged K such as 300), and its loads take
     other layouts there (see :func:`_load_words`). A copy of x for such shapes: decompose
     is a diagnostic, and compute-bound."""
-    if (words.stride(0) // 2) % 16 == 0 and words.data_ptr() % 16 == 0:
-        return words
-    r, k = words.shape
-    padded = torch.zeros(r, -(-k // 32) * 32, dtype=words.dtype, device=words.device)
-    padded[:, :k] = words
-    return padded[:, :k]
+    if x.stride(0) % 32 == 0 and x.data_ptr() % 16 == 0:
+        return x
+    r, k = x.shape
+    padded = torch.zeros(r, -(-k // 32) * 32, dtype=x.dtype, device=x.device)
+    padded[:, :k] = x
+    return padded[:, :k + (k & 1)]
 
 
 def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool, config: TileConfig,
@@ -617,7 +618,7 @@ def decompose(x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool,
         x = x.to(torch.float32)
     r, k = x.shape
     kp = -(-k // 32) * 32
-    words = aligned_rows(as_words(x))
+    words = as_words(aligned_rows(x))  # at most one copy: aligned_rows' is readable as words
     plan = Plan.make(recipe, config)
     plan, constexprs = _constexprs(x.dtype, recipe, config, definition, full, plan.even(r, k), warp_size)
     dev = x.device

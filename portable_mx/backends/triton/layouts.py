@@ -276,6 +276,10 @@ def _scales_kernel(s_ptr, out_ptr, R, S, stride_r, LAYOUT: tl.constexpr, BLOCK_R
     tl.store(out_ptr + scale_offset(r.to(tl.int64), s, S, LAYOUT), v, mask=mask)
 
 
+_SWIZZLE_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+_SCALE_TILE = (64, 32)  # scales (rows, columns) a program of _scales_kernel moves
+
+
 def swizzle_launch_specs() -> list:
     """The launches :func:`swizzle_kernel` makes (the hopper values; each scale layout
     with an id), as data for the compile matrix."""
@@ -283,15 +287,14 @@ def swizzle_launch_specs() -> list:
 
     ints = {"R": "i32", "KB": "i32", "stride_r": "i32", "TILES_K": "i32"}
     out = [KernelLaunch("swizzle", _hopper_values_kernel, {"codes_ptr": "*u8", "out_ptr": "*i32", **ints}, {},
-                        {"num_warps": 4, "enable_fp_fusion": False}, "hopper values",
-                        divisible_by_16=("KB", "stride_r"))]
+                        dict(_SWIZZLE_OPTIONS), "hopper values", divisible_by_16=("KB", "stride_r"))]
     for layout in LAYOUTS.values():
         if layout.layout_id:
             signature = {"s_ptr": "*u8", "out_ptr": "*u8", "R": "i32", "S": "i32", "stride_r": "i32",
                          "LAYOUT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_S": "constexpr"}
             out.append(KernelLaunch("swizzle", _scales_kernel, signature,
-                                    {"LAYOUT": layout.layout_id, "BLOCK_R": 64, "BLOCK_S": 32},
-                                    {"num_warps": 4, "enable_fp_fusion": False}, f"{layout.name} scales"))
+                                    {"LAYOUT": layout.layout_id, "BLOCK_R": _SCALE_TILE[0], "BLOCK_S": _SCALE_TILE[1]},
+                                    dict(_SWIZZLE_OPTIONS), f"{layout.name} scales"))
     return out
 
 
@@ -304,8 +307,8 @@ def _runs_triton(t: torch.Tensor) -> bool:
 
 
 def swizzle_kernel(plain: torch.Tensor, layout) -> torch.Tensor:
-    """``layout.swizzle(plain)`` in one Triton launch (two for a scale layout whose
-    storage pads the scales), bit-identical to the torch twin: for a layout with an id."""
+    """``layout.swizzle(plain)`` in one Triton launch (after a zero fill where the scale
+    layout pads its storage), bit-identical to the torch twin: for a layout with an id."""
     rows, cols = plain.shape
     if plain.stride(1) != 1:
         plain = plain.contiguous()
@@ -315,14 +318,13 @@ def swizzle_kernel(plain: torch.Tensor, layout) -> torch.Tensor:
         tiles_k = cols_p // 64
         with _on(plain):
             _hopper_values_kernel[(rows_p // 64 * tiles_k,)](plain, out, rows, cols, plain.stride(0), tiles_k,
-                                                             num_warps=4, enable_fp_fusion=False)
+                                                             **_SWIZZLE_OPTIONS)
         return out.view(torch.uint8)
     alloc = torch.zeros if (rows_p, cols_p) != (rows, cols) else torch.empty
     out = alloc(rows_p * cols_p, dtype=torch.uint8, device=plain.device)
     with _on(plain):
-        _scales_kernel[(triton.cdiv(rows, 64), triton.cdiv(cols, 32))](
-            plain, out, rows, cols, plain.stride(0), layout.layout_id, 64, 32, num_warps=4,
-            enable_fp_fusion=False)
+        _scales_kernel[(triton.cdiv(rows, _SCALE_TILE[0]), triton.cdiv(cols, _SCALE_TILE[1]))](
+            plain, out, rows, cols, plain.stride(0), layout.layout_id, *_SCALE_TILE, **_SWIZZLE_OPTIONS)
     return out
 
 

@@ -690,7 +690,8 @@ def test_gpu_kernels_per_call(overhead):
     calls = overhead.portable_calls(overhead.decode_problem(device, n=1024, k=1024))
     # outside weight_cache the weight is quantized too, and put in the layouts its GEMM plan
     # reads (layouts.swizzle_kernel: one launch per swizzled part; 1024 x 1024 needs no
-    # padding): the plan's weight memo names them, "gemm-weight:<values>:<scales>"
+    # padding), and the upcast GEMM's largest scale byte with the hopper values (one
+    # reduction): the plan's weight memo names them, "gemm-weight:<values>:<scales>[:largest]"
     from portable_mx.backends.triton import layouts
 
     backend = registry.select("matmul", device)
@@ -701,8 +702,9 @@ def test_gpu_kernels_per_call(overhead):
     assert len(names) <= 1, names
     swizzles = 0
     for name in names:
-        _, values, scales = name.split(":")
+        _, values, scales, *largest = name.split(":")
         swizzles = sum(bool(layout.layout_id) for layout in (layouts.VALUE_LAYOUTS[values], layouts.LAYOUTS[scales]))
+        swizzles += largest == ["largest"] and values == "hopper"
     want = {"pmx.quantize": 1, "pmx.matmul W4A16": 1, "pmx.matmul A4W4": 2, "MXLinear W4A16": 1,
             "MXLinear W4A16 uncached": 2 + swizzles}
     got = {name: overhead.profile_kernels(calls[name], 5)["kernels_per_call"] for name in want}

@@ -182,6 +182,62 @@ def test_decoded_tiles_equal_the_reference_bit_for_bit(gemm_kernel, layout):
                 assert bitwise_equal(decode_tiles(b.to(device), block_n, block_k, _routes()[layout], "bf16"), want)
 
 
+def small_scale_bytes(rows, k, seed):
+    """An MXTensor (rows, k) of random codes (every one) and scale bytes 0..128 (0, 127 and
+    128 included): the weights the folded decode takes (upcast.folded_scale)."""
+    b = any_bytes(rows, k, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    scales = torch.randint(0, 129, b.scales.shape, dtype=torch.uint8, generator=g)
+    scales[0, :3] = torch.tensor([0, 127, 128], dtype=torch.uint8)
+    return MXTensor(qdata=b.qdata, scales=scales, shape=b.shape, dtype=b.dtype, axis=1, recipe=b.recipe)
+
+
+@needs_kernels
+def test_folded_decode_is_exact_for_scale_bytes_up_to_128(gemm_kernel):
+    """Scale bytes <= 128: the one-multiply decode (the default, picked on the device from
+    the largest byte) gives the reference's values bit for bit, as the two-multiply decode
+    (forced by a largest byte of 255) does; a byte above 128 with the folded decode forced
+    (largest 0) would overflow: the choice matters, and the weight's own largest byte
+    makes it (any_bytes: the exact decode, test above)."""
+    from portable_mx.backends.triton.gemm_upcast import decode_tiles
+    from portable_mx.backends.triton.layouts import largest_scale
+
+    backend, device = gemm_kernel
+    route = _routes()["hopper"]
+    dots = ("fp32",) if device == "cpu" else ("fp32", "bf16")
+    b = small_scale_bytes(130, 512, seed=6).to(device)
+    assert int(largest_scale(b.scales)) == 128
+    want = REF.dequantize(b.to("cpu"))
+    force_exact = torch.full((1,), 255, dtype=torch.uint8, device=device)
+    force_fold = torch.zeros(1, dtype=torch.uint8, device=device)
+    with backend.running():
+        for dot in dots:
+            for block_n, block_k in ((64, 64), (128, 256)):
+                assert bitwise_equal(decode_tiles(b, block_n, block_k, route, dot), want)
+                assert bitwise_equal(decode_tiles(b, block_n, block_k, route, dot, largest=force_exact), want)
+        big = any_bytes(130, 512, seed=4).to(device)
+        assert int(largest_scale(big.scales)) == 255
+        assert not bitwise_equal(decode_tiles(big, 64, 64, route, "fp32", largest=force_fold), REF.dequantize(big.to("cpu")))
+
+
+@needs_kernels
+@pytest.mark.parametrize("magnitude", [0.5, 3000.0], ids=["folded", "scales-above-128"])
+def test_small_m_gemm_on_both_decodes(gemm_kernel, magnitude):
+    """A decode-sized GEMM (token tile 16: the kernel carries both decodes) on the hopper
+    layout, W4A16 and A4W4, with split-K: weights whose scale bytes all lie at or below 128
+    (the folded decode) and weights with larger ones (|w| ~ 3000: bytes ~136, the exact
+    decode) both equal the dequantized product within the accumulation bound."""
+    from portable_mx.backends.triton.launch import GemmConfig
+    from portable_mx.backends.triton.layouts import largest_scale
+
+    for i, (m, n, k) in enumerate(SHAPES):
+        b = rows_mx(randn(n, k, seed=200 + i, scale=magnitude), QR())
+        assert (int(largest_scale(b.scales)) <= 128) == (magnitude < 1)
+        for a in (randn(m, k, seed=i).to(torch.bfloat16), rows_mx(randn(m, k, seed=i), QR())):
+            config = GemmConfig(16, 64, 64, split_k=2)
+            assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()["hopper"]), a, b, k)
+
+
 @needs_gpu
 def test_inline_ptx_decode_equals_its_twin_on_sm90():
     """sm_90: the inline-PTX word decode gives the pure-Triton twin's bits."""
@@ -199,6 +255,13 @@ def test_inline_ptx_decode_equals_its_twin_on_sm90():
         twin = decode_tiles(b, block_n, block_k, UpcastRoute(HOPPER_VALUES, asm=False), "bf16", options)
         assert torch.equal(asm.view(torch.int16), twin.view(torch.int16))
         assert bitwise_equal(asm, REF.dequantize(b.to("cpu")))
+    small = small_scale_bytes(256, 1024, seed=7).to("cuda")  # the folded decode (no bias multiply)
+    for block_n, block_k, warps in ((64, 64, 4), (128, 128, 4)):
+        options = {"num_warps": warps}
+        asm = decode_tiles(small, block_n, block_k, UpcastRoute(HOPPER_VALUES, asm=True), "bf16", options)
+        twin = decode_tiles(small, block_n, block_k, UpcastRoute(HOPPER_VALUES, asm=False), "bf16", options)
+        assert torch.equal(asm.view(torch.int16), twin.view(torch.int16))
+        assert bitwise_equal(asm, REF.dequantize(small.to("cpu")))
 
 
 # ----------------------------------------------------------------------------- the GEMM
@@ -392,6 +455,16 @@ _SM90_PROBE = textwrap.dedent("""
     from portable_mx.backends.targets import TARGETS
     from portable_mx.backends.triton.gemm import Operand
     target, cuda = TARGETS["sm_90"], registry.get("cuda")
+
+    def loops(ptx):  # the PTX from each label to the last branch back to it
+        lines = ptx.splitlines()
+        for i, line in enumerate(lines):
+            label = re.match(r"(\$L__\w+):", line.strip())
+            if label:
+                back = [j for j in range(i + 1, len(lines)) if re.search(r"bra(\.uni)?\s+" + re.escape(label.group(1)) + ";", lines[j])]
+                if back:
+                    yield "\\n".join(lines[i:back[-1] + 1])
+
     out = {}
     for name, m in (("decode", 1), ("prefill", 4096)):
         a = Operand(torch.bfloat16, None, 0)
@@ -406,7 +479,8 @@ _SM90_PROBE = textwrap.dedent("""
         wgmma = re.search(r"wgmma\\.mma_async\\S* \\{[^}]*\\}, (\\{|%rd)", ptx)
         out[name] = {"asm_registers": json.loads(regs), "wgmma_a_in_registers": wgmma.group(1) == "{",
                      "cp_async_16": ptx.count("cp.async.cg.shared.global"), "local": "ld.local" in ptx,
-                     "global_loads_in_loop": len(re.findall(r"ld\\.global\\.(?:b8|b16)", ptx))}
+                     "loops": len(list(loops(ptx))), "global_loads_in_loop": sum(len(re.findall(r"ld\\.global\\.(?:b8|b16)", body))
+                                                 for body in loops(ptx))}
     print(json.dumps(out))
 """)
 
@@ -417,7 +491,8 @@ def test_sm90_assembly():
     the inline PTX gets 4 consecutive bytes of one 32-bit word (the first two register
     bases of its operand's layout are the byte's two low column bits: what the hopper
     layout and the twin assume); codes arrive by 16-byte cp.async; nothing spills to local
-    memory and no narrow global load is left in the loop (everything is pipelined)."""
+    memory and no narrow global load is left in a loop (everything there is pipelined; the
+    largest scale byte is one byte read once, before the K loop)."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _SM90_PROBE], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
@@ -428,7 +503,7 @@ def test_sm90_assembly():
     for name, facts in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert facts["asm_registers"][:2] == [[0, 1], [0, 2]], (name, facts)
         assert facts["wgmma_a_in_registers"] and facts["cp_async_16"] > 0, (name, facts)
-        assert not facts["local"] and facts["global_loads_in_loop"] == 0, (name, facts)
+        assert not facts["local"] and facts["loops"] > 0 and facts["global_loads_in_loop"] == 0, (name, facts)
 
 
 # ----------------------------------------------------------------------------- the GPU sweep

@@ -67,6 +67,18 @@ def test_forward_equals_the_oracle(gemm_kernel, monkeypatch, route, case):
     """Ragged, skewed and empty-expert routings (expert 0 takes several tiles of rows in
     the skewed ones), T = 1 over 16 experts, gather, scatter, bias, both activations,
     A4W4 and W4A16 with MBS and OF."""
+    check_forward(gemm_kernel, monkeypatch, route, case)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["a4w4", "w4a16-fp16"])
+def test_forward_with_weight_scales_above_128(gemm_kernel, monkeypatch, case):
+    """Expert weights of magnitude ~3000 (scale bytes above 128) on the hopper route (the
+    folded decode of the dense kernel would overflow on them; the grouped kernel decodes
+    with two multiplies)."""
+    check_forward(gemm_kernel, monkeypatch, "upcast-hopper", case, w_scale=3000.0)
+
+
+def check_forward(gemm_kernel, monkeypatch, route, case, w_scale=0.3):
     backend, device = on_route(gemm_kernel, monkeypatch, route)
     recipe, w_recipe, gather, scatter, bias_dtype, act, t, k, e, skew = case
     n, kk = 128, 96  # N a multiple of 64 (the hopper layout applies), K off the 64-column tile
@@ -74,7 +86,8 @@ def test_forward_equals_the_oracle(gemm_kernel, monkeypatch, route, case):
     weights = torch.softmax(rand(t, k, seed=41), -1)
     pr = py_routing(ids, e)
     x = rand(t if gather else t * k, kk, seed=42)
-    w_mx = pmx.quantize(rand(e, n, kk, seed=43, scale=0.3), w_recipe, axis=-1)
+    w_mx = pmx.quantize(rand(e, n, kk, seed=43, scale=w_scale), w_recipe, axis=-1)
+    assert (int(w_mx.scales.max()) > 128) == (w_scale > 1000)
     bias = None if bias_dtype is None else rand(e, n, seed=44, dtype=bias_dtype)
     r = pmx.route(ids.to(device), weights.to(device), e)
     with pytest.MonkeyPatch.context() as mp:  # the kernels (the test's data is quantized by the reference)

@@ -7,7 +7,8 @@ For each launch: registers, spilled bytes and local memory (ptxas -v, ld.local),
 memory (and per pipeline stage), whether wgmma takes the weight from registers (the PTX
 form ``wgmma.mma_async ... {d}, {a registers}, b_descriptor``), the width of the code
 loads (``cp.async.cg.shared.global`` 16-byte copies, ``ld.shared.v4``), whether ptxas
-serialized the wgmma chain (its C7515 note), and the SASS of the main K loop per 8
+serialized the wgmma chain (its C7515 note), and the SASS of the K loop (the folded
+decode's, where the kernel carries both) per 8
 weight values (all instructions; HMUL2; integer ops: LOP3, SHF, IMAD.SHL, PRMT, ISETP,
 SEL). CONFIG (optional) is ``kind:M:bm,bn,bk,warps,stages,split`` (kind w4a16 or a4w4) for
 extra launches; by default the backend's defaults at M = 1, 128 and 4096.
@@ -32,8 +33,10 @@ if str(ROOT) not in sys.path:
 _CLASSES = ("HMUL2", "HGMMA", "IMAD.SHL", "LOP3", "SHF", "PRMT", "ISETP", "SEL")  # the rest: "other"
 
 
-def _sass_loop(sass: str) -> Counter:
-    """Opcode counts of the longest backward-branch loop (the K loop)."""
+def _sass_loops(sass: str) -> list[Counter]:
+    """Opcode counts of the K loops: the backward-branch loops of 100 instructions or more
+    (one, or two where the kernel carries the folded and the exact decode: the folded
+    one, with fewer HMUL2, first)."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
@@ -44,11 +47,13 @@ def _sass_loop(sass: str) -> Counter:
         m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             loops.append((int(m.group(1), 16), addr))
-    if not loops:
-        return Counter()
-    start, end = max(loops, key=lambda se: se[1] - se[0])
-    body = [t for a, t in ins if start <= a <= end]
-    return Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*(?:\.[A-Z0-9_]+)*)", t).group(1) for t in body)
+    out = []
+    for start, end in loops:
+        body = [t for a, t in ins if start <= a <= end]
+        if len(body) >= 100:
+            out.append(Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*(?:\.[A-Z0-9_]+)*)", t).group(1)
+                               for t in body))
+    return sorted(out, key=lambda c: sum(v for op, v in c.items() if op.startswith("HMUL2"))) or [Counter()]
 
 
 def facts(launch, target) -> dict:
@@ -70,13 +75,15 @@ def facts(launch, target) -> dict:
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
     wgmma = re.search(r"(wgmma\.mma_async\S*) \{[^}]*\}, (\{|%rd)", ptx)
-    loop = _sass_loop(sass)
+    loops = _sass_loops(sass)
+    loop = loops[0]
     threads = launch.options["num_warps"] * 32
     values = c["BLOCK_N"] * c["BLOCK_K"] // threads  # weight values a thread decodes per K step
     per8 = Counter()
     for op, v in loop.items():
         per8[next((c for c in _CLASSES if op.startswith(c)), "other")] += v
     per8 = {name: round(8 * v / values, 2) for name, v in per8.items()}
+    exact = round(8 * sum(loops[-1].values()) / values, 1) if len(loops) > 1 else None
     return {
         "label": launch.label, "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": int(spill.group(1)) if spill else None, "local_memory": "ld.local" in ptx or "st.local" in ptx,
@@ -86,6 +93,7 @@ def facts(launch, target) -> dict:
         "narrow_global_loads": len(re.findall(r"ld\.global\.(?:b8|b16)\b", ptx)),
         "wgmma_serialized": WGMMA_SERIALIZED in log,
         "loop_instructions_per_8_values": round(8 * sum(loop.values()) / values, 1),
+        "exact_decode_loop_instructions_per_8_values": exact,
         "loop_per_8_values": per8, "loop_top": dict(loop.most_common(12)),
         "values_per_thread_per_k_step": values,
     }
@@ -127,7 +135,9 @@ def main(argv=None) -> int:
               f"{f['wgmma_a_from_registers']}  serialized: {f['wgmma_serialized']}\n"
               f"  16B cp.async {f['cp_async_16B']}, ld.shared.v4 {f['ld_shared_v4']}, narrow global loads "
               f"{f['narrow_global_loads']}; K loop per 8 weight values: {f['loop_instructions_per_8_values']} "
-              f"instructions {f['loop_per_8_values']}")
+              f"instructions {f['loop_per_8_values']}"
+              + (f" (folded decode; the exact decode's loop: {f['exact_decode_loop_instructions_per_8_values']})"
+                 if f["exact_decode_loop_instructions_per_8_values"] else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

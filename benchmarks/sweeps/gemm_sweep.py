@@ -74,6 +74,7 @@ class Candidate:
     block: tuple = ()  # (block_m, block_n, block_k, warps, stages, split_k)
     layout: str = "hopper"
     asm: bool = True
+    fold: bool = True  # False: the two-multiply decode even where the folded one applies
 
     def name(self) -> str:
         if self.kernel == "default":
@@ -82,7 +83,7 @@ class Candidate:
         tile = f"{bm}x{bn}x{bk} w{w} s{s} sk{sk}"
         if self.kernel == "scaled":
             return f"scaled {tile}"
-        return f"upcast {self.layout}{'+asm' if self.asm else '+twin'} {tile}"
+        return f"upcast {self.layout}{'+asm' if self.asm else '+twin'}{'' if self.fold else '+nofold'} {tile}"
 
     def config(self, extra=()):
         from portable_mx.backends.triton.launch import GemmConfig
@@ -103,12 +104,14 @@ def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
                 Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 4))]
     if smoke:  # the interpreter: a few, small
         return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 2)),
+                Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 2), fold=False),
                 Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1), layout="plain", asm=False),
                 Candidate(kind, shape, "scaled", (16, 32, 64, 4, 2, 2))]
     up = []
     if m <= 16:
         up += [(16, 128, 128, 4, 4, 4), (16, 128, 128, 4, 4, 8), (16, 128, 256, 4, 3, 4), (16, 256, 128, 8, 3, 8),
-               (16, 128, 64, 4, 4, 8), (16, 128, 128, 4, 4, 1)]
+               (16, 128, 64, 4, 4, 8), (16, 128, 128, 4, 4, 1),
+               (16, 128, 128, 8, 4, 4), (16, 128, 128, 4, 6, 4)]  # more warps a tile; more bytes in flight
         old = [(16, 64, 256, 4, 4, 1), (16, 64, 256, 4, 4, 4)]
     elif m <= 128:
         up += [(64, 256, 128, 8, 3, 2), (64, 256, 128, 8, 3, 4), (128, 256, 128, 8, 3, 1), (64, 128, 128, 4, 4, 4),
@@ -123,6 +126,8 @@ def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
     out = [Candidate(kind, shape, "default")]
     out += [Candidate(kind, shape, "upcast", b) for b in up]
     out.append(Candidate(kind, shape, "upcast", up[0], asm=False))  # the pure-Triton twin
+    if m <= 16:  # what the folded decode (one multiply per value pair) buys at decode
+        out.append(Candidate(kind, shape, "upcast", up[0], fold=False))
     out.append(Candidate(kind, shape, "upcast", up[0], layout="plain", asm=False))  # no swizzled layout
     out += [Candidate(kind, shape, "scaled", b) for b in old]
     return out
@@ -190,7 +195,8 @@ def runner(cand: Candidate, device):
     config = cand.config(tuple(extra.items()))
     options = backend.options(config)
     if cand.kernel == "upcast":
-        route = gemm_upcast.UpcastRoute(HOPPER_VALUES if cand.layout == "hopper" else PLAIN_VALUES, asm=cand.asm)
+        route = gemm_upcast.UpcastRoute(HOPPER_VALUES if cand.layout == "hopper" else PLAIN_VALUES, asm=cand.asm,
+                                        fold=cand.fold)
 
         def run(a, b, dt):
             with backend.running():

@@ -138,14 +138,18 @@ class _GemmPlan:
         self.weight, self.part, self.counts = weight, part, counts
 
 
-def _weight_parts(values, scales):
+def _weight_parts(values, scales, largest: bool = False):
     """A memo builder: an MXTensor's GEMM parts with its codes in value layout ``values``
-    and its scales in ``scales`` (layouts.py), swizzled once."""
-    from .layouts import prepared
+    and its scales in ``scales`` (layouts.py), swizzled once; ``largest``: followed by the
+    largest scale byte (the upcast kernel's ``bsmax_ptr``; read with the hopper layout)."""
+    from .layouts import HOPPER_VALUES, largest_scale, prepared
 
     def build(mx: MXTensor):
         parts = mx.memo("gemm-operand", _Operand).parts
-        return (prepared(parts[0], values), prepared(parts[1], scales), *parts[2:])
+        out = (prepared(parts[0], values), prepared(parts[1], scales), *parts[2:])
+        if largest:
+            out += (largest_scale(parts[1]) if values is HOPPER_VALUES else parts[1],)
+        return out
 
     return build
 
@@ -513,8 +517,9 @@ class TritonBackend(Backend):
                    out_dtype: torch.dtype) -> _GemmPlan:
         """The launch :meth:`run_gemm` makes, decided once: the kernel of
         :meth:`gemm_route` (``gemm.gemm_kernel`` or ``gemm_upcast.upcast_gemm_kernel``,
-        both taking ``(a, as, am, aov, aoi, b, bs, bm, bov, boi, c, part, counts, *ints,
-        **constexprs)`` and storing c's dtype), the config with ``split_k = 0`` resolved
+        both taking ``(a, as, am, aov, aoi, b, bs, bm, bov, boi, [bsmax,] c, part, counts,
+        *ints, **constexprs)``, bsmax for the upcast kernel, and storing c's dtype), the
+        config with ``split_k = 0`` resolved
         for this device, the weight's layouts, and the split-K buffers."""
         from . import gemm, gemm_upcast, splitk
         from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES
@@ -541,7 +546,9 @@ class TritonBackend(Backend):
             ints = (m, n, k, kp, stride_am, n, nma, nmb, *macros)
             fn, name = gemm.gemm_kernel, "gemm"
         weight = None
-        if values.layout_id or scales.layout_id:
+        if fn is gemm_upcast.upcast_gemm_kernel:  # its weight parts end with bsmax
+            weight = (f"gemm-weight:{values.name}:{scales.name}:largest", _weight_parts(values, scales, True))
+        elif values.layout_id or scales.layout_id:
             weight = (f"gemm-weight:{values.name}:{scales.name}", _weight_parts(values, scales))
         split = consts["SPLIT_K"]
         tiles = -(-m // config.block_m) * -(-n // config.block_n)

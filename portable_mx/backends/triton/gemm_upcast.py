@@ -43,8 +43,8 @@ from ...tensor import MXTensor
 from . import splitk
 from .gemm import FORMATS, Operand, _parts, macro_factors, outlier_tile
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
-from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, prepared
-from .upcast import decode_words, e8m0_scale, hopper_asm, hopper_twin
+from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, largest_scale, prepared
+from .upcast import decode_words, e8m0_scale, folded_scale, hopper_asm, hopper_twin
 
 
 @triton.jit
@@ -89,10 +89,34 @@ def _row_scales(s_ptr, rows, row_in, k0, NB, stride, WORDS: tl.constexpr, EVEN_K
 
 
 @triton.jit
+def _hopper_values(raw, s, BIAS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The hopper-layout tile [BLOCK_N, BLOCK_K] in DT from its storage ``raw`` (bytes for
+    ASM, else int32 words) times its scales ``s`` [BLOCK_N, BLOCK_K/32]: with BIAS, the code
+    bits times 2**126 and times 2**(s - 127) (every scale byte); without, times
+    :func:`folded_scale` (one multiply: scale bytes <= 128 only)."""
+    if ASM:
+        r0, r1 = hopper_asm(raw, BIAS)
+    else:
+        r0, r1 = hopper_twin(raw, DT, BLOCK_N // 2, BLOCK_K, BIAS)
+    v = tl.join(r0, r1)  # the new last axis is n3
+    v = tl.reshape(v, (BLOCK_N // 64, 2, 2, 2, 2, 2, BLOCK_K // 64, 2, 2, 2, 2, 2, 2, 2))
+    v = tl.permute(v, (0, 1, 2, 13, 3, 4, 5, 6, 9, 10, 11, 7, 8, 12))
+    v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 32))
+    if BIAS:
+        v = v * e8m0_scale(s, DT)[:, :, None]
+    else:
+        v = v * folded_scale(s, DT)[:, :, None]
+    return tl.reshape(v, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
                  VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                 SCALE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The decoded weight tile [BLOCK_N, BLOCK_K] (rows rn, K from k0) in the dot's dtype."""
+                 SCALE_WORDS: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The decoded weight tile [BLOCK_N, BLOCK_K] (rows rn, K from k0) in the dot's dtype.
+    Not BIAS (hopper layout, bf16 or fp32; every scale byte of the weight <= 128): the
+    one-multiply decode (:func:`_hopper_values`)."""
     DT: tl.constexpr = tl.bfloat16 if DOT == "bf16" else (tl.float16 if DOT == "fp16" else tl.float32)
     if VALUES == 1:
         # hopper layout (layouts.HopperValues): the tile as bytes [BLOCK_N/2, BLOCK_K]:
@@ -102,18 +126,12 @@ def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
         blk = (pid_n * (BLOCK_N // 64) + rr // 32).to(tl.int64)
         if ASM:
             cc = tl.arange(0, BLOCK_K)
-            b = tl.load(w_ptr + (blk * stride_wv + (rr % 32) * 64)[:, None]
-                        + ((k0 // 64 + cc // 64) * 2048 + cc % 64)[None, :])
-            r0, r1 = hopper_asm(b)
+            raw = tl.load(w_ptr + (blk * stride_wv + (rr % 32) * 64)[:, None]
+                          + ((k0 // 64 + cc // 64) * 2048 + cc % 64)[None, :])
         else:
             cw = tl.arange(0, BLOCK_K // 4)
-            words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + (blk * (stride_wv // 4) + (rr % 32) * 16)[:, None]
-                            + ((k0 // 64 + cw // 16) * 512 + cw % 16)[None, :])
-            r0, r1 = hopper_twin(words, DT, BLOCK_N // 2, BLOCK_K)
-        v = tl.join(r0, r1)  # the new last axis is n3
-        v = tl.reshape(v, (BLOCK_N // 64, 2, 2, 2, 2, 2, BLOCK_K // 64, 2, 2, 2, 2, 2, 2, 2))
-        v = tl.permute(v, (0, 1, 2, 13, 3, 4, 5, 6, 9, 10, 11, 7, 8, 12))
-        v = tl.reshape(v, (BLOCK_N, BLOCK_K))
+            raw = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + (blk * (stride_wv // 4) + (rr % 32) * 16)[:, None]
+                          + ((k0 // 64 + cw // 16) * 512 + cw % 16)[None, :])
         # scales (layouts.HOPPER): [BLOCK_N/2, 2 * BLOCK_K/32], column = (K block, n3): the
         # tile's 2 * BLOCK_K/32 bytes of a row pair, contiguous, read as 32-bit words
         sw = tl.arange(0, BLOCK_K // 64)
@@ -123,8 +141,7 @@ def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
         s = _bytes_of(s, BLOCK_N // 2, BLOCK_K // 16)
         s = tl.reshape(s, (BLOCK_N // 64, 2, 2, 2, 2, 2, BLOCK_K // 32, 2))
         s = tl.reshape(tl.permute(s, (0, 1, 2, 7, 3, 4, 5, 6)), (BLOCK_N, BLOCK_K // 32))
-        v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 32)) * e8m0_scale(s, DT)[:, :, None]
-        w = tl.reshape(v, (BLOCK_N, BLOCK_K))
+        w = _hopper_values(raw, s, BIAS, ASM, DT, BLOCK_N, BLOCK_K)
     else:
         # plain layout: int32 words [BLOCK_N, BLOCK_K/8] (rows of KP/8 words)
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -173,13 +190,18 @@ def upcast_k_loop(
     rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
-    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] fp32 (the tokens on the MMA's N) = the sum over K tiles
     first..last-1 of B's decoded rows rn times A's rows rm (N, M: their row counts), the
     outliers and, unless EPILOGUE, the macro factors applied per tile. The K loop of
-    upcast_gemm_kernel and of the grouped GEMM's upcast kernel."""
+    upcast_gemm_kernel and of the grouped GEMM's upcast kernel. Not BIAS: B's weight
+    decodes with one multiply per value pair instead of two (upcast.folded_scale; every
+    scale byte of B must be at most 128). The kernels pick BIAS on the device from B's
+    largest scale byte outside the loop, compiling it twice, and finish the tile inside each
+    branch (an accumulator merged from the two loops makes ptxas serialize the wgmmas:
+    C7515)."""
     # outliers fold into their own operand's decoded tile unless that operand has macro
     # factors (the outliers do not take them) or it would mean bf16 -> fp16
     FOLD_A: tl.constexpr = A_OUT > 0 and not A_MACRO
@@ -191,7 +213,7 @@ def upcast_k_loop(
     for t in range(first, last):
         k0 = t * BLOCK_K
         w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, NB, stride_bv, stride_bs,
-                         VALUES, ASM, DOT, EVEN_K, SCALE_WORDS, BLOCK_N, BLOCK_K)
+                         VALUES, ASM, DOT, EVEN_K, SCALE_WORDS, BIAS, BLOCK_N, BLOCK_K)
         xt = _token_tile(a_ptr, as_ptr, rm, k0, M, K, KP, NB, stride_am, A_FORMAT, DOT, EVEN_K, SCALE_WORDS,
                          BLOCK_M, BLOCK_K)
         if B_OUT > 0:
@@ -232,12 +254,12 @@ def upcast_k_loop(
 @triton.jit
 def upcast_gemm_kernel(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
-    b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+    b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr, bsmax_ptr,
     c_ptr, part_ptr, count_ptr,
     M, N, K, KP, stride_am, stride_cm, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
-    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
@@ -247,7 +269,8 @@ def upcast_gemm_kernel(
     [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32]. B: codes and scales in
     layout VALUES (0 plain: [N, KP/2] and [N, KP/32], row strides stride_bv, stride_bs;
     1 hopper: layouts.HOPPER_VALUES and layouts.HOPPER, 64-row block strides stride_bv,
-    stride_bs). Macro factors fp32 [rows, NMA / NMB] of macro blocks MACRO_A / MACRO_B,
+    stride_bs; with FOLD, bsmax_ptr: B's largest scale byte, uint8 [1]). Macro factors fp32
+    [rows, NMA / NMB] of macro blocks MACRO_A / MACRO_B,
     outliers int16 (bf16 bits) and uint8 indices [rows, KP/32, k] (gemm.py). With
     SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero) are splitk.buffers.
     EVEN_K: K is a multiple of BLOCK_K. DOT: "bf16", "fp16" or "fp32" (IEEE). SCALE_WORDS:
@@ -258,12 +281,41 @@ def upcast_gemm_kernel(
     NB = KP // 32
 
     first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
-    acc = upcast_k_loop(
-        a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
-        rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
-        A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-        BLOCK_M, BLOCK_N, BLOCK_K)
+    # the folded decode where B's scale bytes allow it (upcast_k_loop); each branch stores
+    # its own tile: an accumulator merged from two loops makes ptxas serialize the wgmmas
+    if FOLD:
+        if tl.load(bsmax_ptr) <= 128:
+            acc = upcast_k_loop(
+                a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+                rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
+                MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+                False, BLOCK_M, BLOCK_N, BLOCK_K)
+            _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
+                    stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
+        else:
+            acc = upcast_k_loop(
+                a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+                rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
+                MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+                True, BLOCK_M, BLOCK_N, BLOCK_K)
+            _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
+                    stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
+    else:
+        acc = upcast_k_loop(
+            a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+            rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
+            MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+            True, BLOCK_M, BLOCK_N, BLOCK_K)
+        _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
+                stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
 
+
+@triton.jit
+def _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
+            stride_cm, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr, EPILOGUE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The end of :func:`upcast_gemm_kernel`: split-K partials combined, the epilogue's
+    macro factors, the transposed tile stored in c's dtype."""
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K > 1:
         offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -280,17 +332,27 @@ def upcast_gemm_kernel(
 
 
 @triton.jit
-def decode_tiles_kernel(b_ptr, bs_ptr, out_ptr, N, KP, stride_bv, stride_bs,
+def decode_tiles_kernel(b_ptr, bs_ptr, bsmax_ptr, out_ptr, N, KP, stride_bv, stride_bs,
                         VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr,
-                        SCALE_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SCALE_WORDS: tl.constexpr, FOLD: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """out [N, KP] (the dot's dtype) = the weight decoded tile by tile exactly as the GEMM
     decodes it (for tests: the decode against the reference, the inline PTX against its
-    twin). Grid (cdiv(N, BLOCK_N), cdiv(KP, BLOCK_K)); KP a multiple of BLOCK_K."""
+    twin, the folded decode against the unfolded one). Grid (cdiv(N, BLOCK_N), cdiv(KP,
+    BLOCK_K)); KP a multiple of BLOCK_K."""
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
-                     VALUES, ASM, DOT, True, SCALE_WORDS, BLOCK_N, BLOCK_K)
+    if FOLD:
+        if tl.load(bsmax_ptr) <= 128:
+            w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
+                             VALUES, ASM, DOT, True, SCALE_WORDS, False, BLOCK_N, BLOCK_K)
+        else:
+            w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
+                             VALUES, ASM, DOT, True, SCALE_WORDS, True, BLOCK_N, BLOCK_K)
+    else:
+        w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
+                         VALUES, ASM, DOT, True, SCALE_WORDS, True, BLOCK_N, BLOCK_K)
     kk = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rn[:, None] * KP + kk[None, :], w, mask=rn[:, None] < N)
 
@@ -301,10 +363,13 @@ def decode_tiles_kernel(b_ptr, bs_ptr, out_ptr, N, KP, stride_bv, stride_bs,
 @dataclass(frozen=True)
 class UpcastRoute:
     """How a target runs the upcast GEMM: the weight's value layout (its scale layout
-    goes with it) and whether the sm_90 inline-PTX decoder is used (bf16 only)."""
+    goes with it), whether the sm_90 inline-PTX decoder is used (bf16 only), and whether
+    the kernel may take the folded decode where it applies (:func:`folds`; off: the
+    two-multiply decode always, for measurements)."""
 
     values: ValueLayout = PLAIN_VALUES
     asm: bool = False
+    fold: bool = True
 
     def scales(self, values: ValueLayout):
         return HOPPER if values is HOPPER_VALUES else PLAIN
@@ -355,10 +420,21 @@ def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, rout
         "A_FORMAT": FORMATS[a.format], "A_MACRO": a.macro_block is not None, "B_MACRO": b.macro_block is not None,
         "A_OUT": a.outliers, "B_OUT": b.outliers, "EVEN_K": k % block_k == 0, "EPILOGUE": epilogue,
         "VALUES": values.layout_id, "ASM": bool(route.asm and dot == "bf16"), "DOT": dot,
-        "SCALE_WORDS": kp % 128 == 0 and block_k % 128 == 0,
+        "SCALE_WORDS": kp % 128 == 0 and block_k % 128 == 0, "FOLD": route.fold and folds(values, dot, config.block_m),
         "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "GROUP_M": config.group_m,
         "SPLIT_K": max(1, config.split_k),
     }
+
+
+def folds(values: ValueLayout, dot: str, block_m: int = 16) -> bool:
+    """Whether the kernel carries the folded decode (one multiply per value pair, taken
+    where the weight's scale bytes are all at most 128: upcast.folded_scale): the hopper
+    layout with a bf16 or fp32 dot (fp16's decode has its own bias and range) and a token
+    tile of 16 rows, the decode tiles, where the decode's instructions bound the time. The
+    K loop is then compiled twice; on the larger tiles Triton 3.6 gives each copy its own
+    pipeline buffers (the 128 x 256 prefill tile: 260 KiB, past the SM's 227) and ptxas
+    serializes their wgmmas (C7515), so they keep the two-multiply decode alone."""
+    return values is HOPPER_VALUES and dot in ("bf16", "fp32") and block_m <= 16
 
 
 _INT_ARGS = ("M", "N", "K", "KP", "stride_am", "stride_cm", "stride_bv", "stride_bs", "NMA", "NMB",
@@ -374,7 +450,7 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route
         "a_ptr": "*u8" if a.format is None else POINTER_TYPES[a.format], "as_ptr": "*u8",
         "am_ptr": "*fp32" if a.macro_block else "*u8", "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
         "b_ptr": "*u8", "bs_ptr": "*u8", "bm_ptr": "*fp32" if b.macro_block else "*u8",
-        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8",
+        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", "bsmax_ptr": "*u8",
         "c_ptr": POINTER_TYPES[out_dtype], "part_ptr": "*fp32", "count_ptr": "*i32",
         **{name: "i32" for name in _INT_ARGS},
     }
@@ -383,7 +459,7 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route
     extras = [f"MBS-{m}" for m in sorted({a.macro_block, b.macro_block} - {None})]
     extras += [f"{side}OF-{n}" for side, n in (("a:", a.outliers), ("b:", b.outliers)) if n]
     values = PLAIN_VALUES if consts["VALUES"] == 0 else HOPPER_VALUES
-    extras.append(f"upcast:{values.name}{'+asm' if consts['ASM'] else ''}")
+    extras.append(f"upcast:{values.name}{'+asm' if consts['ASM'] else ''}{'+fold' if consts['FOLD'] else ''}")
     if out_dtype != torch.float32:
         extras.append(f"out:{FORMATS.get(out_dtype, str(out_dtype))}")
     label = " ".join([kind, *extras, config.label()])
@@ -393,30 +469,34 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route
 
 
 def _weight_storage(b: MXTensor, values: ValueLayout):
-    """(codes, scales, value stride, scale stride) of b as the kernel reads them."""
+    """(codes, scales, value stride, scale stride, largest scale byte) of b as the kernel
+    reads them (the last: uint8 [1] for the hopper layout, else the scales, unread)."""
     kp = b.k_padded
     codes, scales = b.qdata.contiguous(), b.scales.contiguous()
     if values is HOPPER_VALUES:
         return (prepared(codes, HOPPER_VALUES), prepared(scales, HOPPER), HOPPER_VALUES.row_stride(kp),
-                HOPPER.padded(1, kp // 32)[1] * 64)
-    return codes, scales, kp // 2, kp // 32
+                HOPPER.padded(1, kp // 32)[1] * 64, largest_scale(scales))
+    return codes, scales, kp // 2, kp // 32, scales
 
 
 def decode_tiles(b: MXTensor, block_n: int, block_k: int, route: UpcastRoute = PLAIN_ROUTE, dot: str = "fp32",
-                 options: Optional[dict] = None) -> torch.Tensor:
+                 options: Optional[dict] = None, largest: Optional[torch.Tensor] = None) -> torch.Tensor:
     """b's values [N, Kp] (Kp a multiple of ``block_k``) as the GEMM's weight tiles decode
-    them (``dot``: "fp32", "bf16" or "fp16"; the route's layout and inline-PTX choice)."""
+    them (``dot``: "fp32", "bf16" or "fp16"; the route's layout and inline-PTX choice).
+    ``largest`` (uint8 [1]) replaces the weight's largest scale byte that picks the folded
+    decode (tests: <= 128 forces it, 255 forbids it)."""
     n, kp = b.qdata.shape[0], b.k_padded
     if kp % block_k:
         raise ValueError(f"padded K {kp} is not a multiple of block_k {block_k}")
     values = values_for(route, GemmConfig(16, block_n, block_k), block_k)
-    codes, scales, stride_bv, stride_bs = _weight_storage(b, values)
+    codes, scales, stride_bv, stride_bs, smax = _weight_storage(b, values)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dot]
     out = torch.empty(n, kp, dtype=dtype, device=b.device)
     decode_tiles_kernel[(triton.cdiv(n, block_n), kp // block_k)](
-        codes, scales, out, n, kp, stride_bv, stride_bs, VALUES=values.layout_id, ASM=bool(route.asm and dot == "bf16"),
-        DOT=dot, SCALE_WORDS=kp % 128 == 0 and block_k % 128 == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        **(options or {}))
+        codes, scales, smax if largest is None else largest, out, n, kp, stride_bv, stride_bs,
+        VALUES=values.layout_id, ASM=bool(route.asm and dot == "bf16"), DOT=dot,
+        SCALE_WORDS=kp % 128 == 0 and block_k % 128 == 0, FOLD=route.fold and folds(values, dot), BLOCK_N=block_n,
+        BLOCK_K=block_k, **(options or {}))
     return out
 
 
@@ -444,7 +524,7 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
     consts = constexprs(oa, ob, k, kp, config, route, interpreted, dot)
     values = HOPPER_VALUES if consts["VALUES"] == 1 else PLAIN_VALUES
     _, _, macro, ov, oi = _parts(b)
-    codes, scales, stride_bv, stride_bs = _weight_storage(b, values)
+    codes, scales, stride_bv, stride_bs, smax = _weight_storage(b, values)
     nmb = 1 if b.macro_scales is None else b.macro_scales.shape[-1]
     c = out if out is not None else torch.empty(m, n, dtype=out_dtype, device=b.device)
     split = consts["SPLIT_K"]
@@ -453,7 +533,7 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
         part, counts = splitk.buffers(b.device, tiles * split * config.block_m * config.block_n, tiles)
     else:
         part, counts = c, c
-    args = (*a_parts, codes, scales, macro, ov, oi, c, part, counts,
+    args = (*a_parts, codes, scales, macro, ov, oi, smax, c, part, counts,
             m, n, k, kp, stride_am, c.stride(0), stride_bv, stride_bs, nma, nmb, oa.macro_block or 32,
             ob.macro_block or 32)
     return upcast_gemm_kernel, (tiles * split,), args, consts, c

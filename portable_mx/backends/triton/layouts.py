@@ -347,6 +347,20 @@ def _on(t: torch.Tensor):
 _PREPARED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
+def _kept(plain: torch.Tensor, tag: tuple, make) -> torch.Tensor:
+    """``make(plain)``, made on first use and then kept with plain's storage (for as long
+    as it lives and its version does not change)."""
+    storage = plain.untyped_storage()
+    key = (id(storage), plain.storage_offset(), tuple(plain.shape), plain.stride(), *tag)
+    hit = _PREPARED.get(key)
+    if hit is not None and hit[0]() is storage and hit[1] == plain._version:
+        return hit[2]
+    out = make(plain)
+    ref = weakref.ref(storage, lambda _, key=key: _PREPARED.pop(key, None))
+    _PREPARED[key] = (ref, plain._version, out)
+    return out
+
+
 def prepared(plain: torch.Tensor, layout) -> torch.Tensor:
     """``plain`` (a weight's scales, or its codes for a :class:`ValueLayout`) in
     ``layout``: swizzled on first use and then kept with the tensor's storage (a weight's
@@ -354,13 +368,11 @@ def prepared(plain: torch.Tensor, layout) -> torch.Tensor:
     is. An in-place change of ``plain`` (its version) makes a new copy."""
     if layout.layout_id == 0:
         return plain
-    storage = plain.untyped_storage()
-    key = (id(storage), plain.storage_offset(), tuple(plain.shape), plain.stride(), type(layout).__name__,
-           layout.name)
-    hit = _PREPARED.get(key)
-    if hit is not None and hit[0]() is storage and hit[1] == plain._version:
-        return hit[2]
-    out = swizzled(plain, layout)
-    ref = weakref.ref(storage, lambda _, key=key: _PREPARED.pop(key, None))
-    _PREPARED[key] = (ref, plain._version, out)
-    return out
+    return _kept(plain, (type(layout).__name__, layout.name), lambda t: swizzled(t, layout))
+
+
+def largest_scale(scales: torch.Tensor) -> torch.Tensor:
+    """The largest E8M0 byte of a weight's scales (uint8 [1], on their device, computed
+    there: no host synchronisation), kept like :func:`prepared`: the upcast GEMM decodes
+    with one multiply where it is at most 128 (upcast.folded_scale)."""
+    return _kept(scales, ("largest",), lambda t: torch.amax(t).reshape(1) if t.numel() else t.new_zeros(1))

@@ -17,7 +17,12 @@ one multiply by 2**126 gives the value; every target keeps the subnormal (NVIDIA
 denormals). The interpreter's bf16 arithmetic is not IEEE (it flushes bf16 subnormals and
 its bf16 products are wrong), so with ``DT = tl.float32`` each half becomes the top of an
 fp32 and the multiply is fp32 (numpy keeps fp32 subnormals): the same values. fp16 moves
-the 3 exponent and mantissa bits up by 3 and multiplies by 2**14. Two word layouts:
+the 3 exponent and mantissa bits up by 3 and multiplies by 2**14. The bias and the block
+scale are two multiplies; where every scale byte of a weight is at most 128 (scales up to
+2, so |w| below 12 or so: every trained weight we know of), their product 2**(s - 1) is a
+normal bf16 and one multiply does both (:func:`folded_scale`, the sm_90 layout; the GEMM
+reads the weight's largest byte on the device and picks, gemm_upcast.upcast_k_loop).
+Two word layouts:
 
 - :func:`decode_words`: the canonical layout (two codes per byte, the low nibble first):
   a byte's two codes become one bf16 pair (elements 2j, 2j + 1), ~4 integer ops per pair;
@@ -58,19 +63,41 @@ def e8m0_scale(s, DT: tl.constexpr):
 
 
 @triton.jit
-def _halves(pair, DT: tl.constexpr):
-    """int32 bf16x2 bits (value * 2**-126 in each half) -> (low, high) values in DT."""
+def folded_scale(s, DT: tl.constexpr):
+    """2**(s - 1) = 2**126 * 2**(s - 127) in DT (tl.bfloat16 or tl.float32) for E8M0 bytes
+    ``s`` <= 128 (uint8 tensor): the bias of the code bits (value * 2**-126) and the block
+    scale in one factor, so that one multiply decodes (``hopper_asm(b, BIAS=False)``).
+    Exact and normal for every byte 0..128; larger bytes overflow the format, and a
+    weight with any of them takes the unfolded decode (gemm_upcast.py)."""
+    bits = (s.to(tl.int32) + 126) << 7
     if DT == tl.float32:
-        lo = (pair << 16).to(tl.float32, bitcast=True) * _BIAS
-        hi = (pair & -0x10000).to(tl.float32, bitcast=True) * _BIAS
+        out = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return out
+
+
+@triton.jit
+def _halves(pair, DT: tl.constexpr, BIAS: tl.constexpr = True):
+    """int32 bf16x2 bits (value * 2**-126 in each half) -> (low, high) values in DT (still
+    times 2**-126 without ``BIAS``: bf16 and fp32 only)."""
+    if DT == tl.float32:
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & -0x10000).to(tl.float32, bitcast=True)
+        if BIAS:
+            lo = lo * _BIAS
+            hi = hi * _BIAS
     elif DT == tl.float16:
         # the fp16 bits of value * 2**-14: exponent and mantissa 3 bits up
         pair = ((pair & 0x01C001C0) << 3) | (pair & -0x7FFF8000)
         lo = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) * _BIAS16
         hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) * _BIAS16
     else:
-        lo = (pair & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * _BIAS
-        hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * _BIAS
+        lo = (pair & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if BIAS:
+            lo = lo * _BIAS
+            hi = hi * _BIAS
     return lo, hi
 
 
@@ -117,39 +144,31 @@ def _hopper_pair(words, J: tl.constexpr):
 
 
 @triton.jit
-def _hopper_output(words, J: tl.constexpr, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def _hopper_output(words, J: tl.constexpr, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                   BIAS: tl.constexpr):
     """Pairs J and J + 1 of each word as 4 elements: 2 * (pair - J) + half."""
-    l0, h0 = _halves(_hopper_pair(words, J), DT)
-    l1, h1 = _halves(_hopper_pair(words, J + 1), DT)
+    l0, h0 = _halves(_hopper_pair(words, J), DT, BIAS)
+    l1, h1 = _halves(_hopper_pair(words, J + 1), DT, BIAS)
     # [R, word, pair, half] flattens to element 4 word + 2 pair + half
     return tl.reshape(tl.join(tl.join(l0, l1), tl.join(h0, h1)), (R, C))
 
 
 @triton.jit
-def hopper_twin(words, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def hopper_twin(words, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BIAS: tl.constexpr = True):
     """Pure-Triton twin of :func:`hopper_asm`: int32 words [R, C // 4] of the sm_90 layout
-    -> its two outputs [R, C] in DT (element 4 w + t of an output: word w, its byte t)."""
-    return _hopper_output(words, 0, DT, R, C), _hopper_output(words, 2, DT, R, C)
+    -> its two outputs [R, C] in DT (element 4 w + t of an output: word w, its byte t);
+    without ``BIAS`` the values times 2**-126 (bf16 or fp32)."""
+    return _hopper_output(words, 0, DT, R, C, BIAS), _hopper_output(words, 2, DT, R, C, BIAS)
 
 
-@triton.jit
-def hopper_asm(b):
-    """Inline PTX (sm_90): bytes ``b`` uint8 [R, C] of the sm_90 layout -> two bf16 [R, C];
-    one instance per 32-bit word (``pack=4``: 4 consecutive bytes of a thread's
-    registers, which the layout makes the 4 bytes of one word), 10 integer ops and 4
-    ``mul.bf16x2`` per 8 values."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, t2, t3, bias;
-        mov.b32 bias, 0x7E807E80;
+# the sm_90 word decode: pairs 0-2 one AND of a shifted copy each, pair 3 three shifted
+# pieces; with the bias, each pair times 2**126 (bf16 0x7E80)
+_PAIRS = """
         and.b32 $0, $4, 0x81C081C0;
-        mul.bf16x2 $0, $0, bias;
         shl.b32 t0, $4, 3;
         and.b32 $1, t0, 0x81C081C0;
-        mul.bf16x2 $1, $1, bias;
         shl.b32 t0, $4, 6;
         and.b32 $2, t0, 0x81C081C0;
-        mul.bf16x2 $2, $2, bias;
         shl.b32 t1, $4, 1;
         and.b32 t1, t1, 0x80008000;
         shr.b32 t2, $4, 3;
@@ -157,12 +176,28 @@ def hopper_asm(b):
         shr.b32 t3, $4, 7;
         and.b32 t3, t3, 0x00400040;
         or.b32 t1, t1, t2;
-        or.b32 $3, t1, t3;
-        mul.bf16x2 $3, $3, bias;
-        }""",
-        constraints="=r,=r,=r,=r,r",
-        args=[b],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
+        or.b32 $3, t1, t3;"""
+_TIMES_BIAS = """
+        mov.b32 bias, 0x7E807E80;
+        mul.bf16x2 $0, $0, bias;
+        mul.bf16x2 $1, $1, bias;
+        mul.bf16x2 $2, $2, bias;
+        mul.bf16x2 $3, $3, bias;"""
+_HOPPER_ASM: tl.constexpr = tl.constexpr("{\n        .reg .b32 t0, t1, t2, t3, bias;" + _PAIRS + _TIMES_BIAS + "\n}")
+_HOPPER_ASM_RAW: tl.constexpr = tl.constexpr("{\n        .reg .b32 t0, t1, t2, t3;" + _PAIRS + "\n}")
+
+
+@triton.jit
+def hopper_asm(b, BIAS: tl.constexpr = True):
+    """Inline PTX (sm_90): bytes ``b`` uint8 [R, C] of the sm_90 layout -> two bf16 [R, C];
+    one instance per 32-bit word (``pack=4``: 4 consecutive bytes of a thread's
+    registers, which the layout makes the 4 bytes of one word), 10 integer ops and, with
+    ``BIAS``, 4 ``mul.bf16x2`` per 8 values (without it the values times 2**-126, for a
+    :func:`folded_scale` multiply)."""
+    if BIAS:
+        out = tl.inline_asm_elementwise(asm=_HOPPER_ASM, constraints="=r,=r,=r,=r,r", args=[b],
+                                        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(asm=_HOPPER_ASM_RAW, constraints="=r,=r,=r,=r,r", args=[b],
+                                        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return out

@@ -115,6 +115,16 @@ class Backend:
         accumulation order) plus bias[e] in fp32, rounded once."""
         raise NotImplementedError
 
+    def route(self, topk_ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+              tile_m: int) -> Optional[tuple]:
+        """The routing metadata of :func:`portable_mx.route` (op "grouped_matmul") made in
+        the backend's own way: (counts, offsets, gather_index, scatter_index,
+        sorted_weights, tile_schedule, ok) as moe.routing.Routing holds them, ok an int32
+        [1] that is 1 when every id lies in [0, num_experts); equal to the torch form of
+        moe/routing.py element for element. None (the default): the torch form runs.
+        topk_ids int32/int64 [T, k], weights float [T, k], both contiguous."""
+        return None
+
     def combine(self, rows: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], k: int,
                 out_dtype: torch.dtype) -> torch.Tensor:
         """The deterministic k-way weighted sum of a scattering grouped GEMM (op

@@ -240,3 +240,93 @@ def test_a_moe_layer_makes_no_host_sync_and_replays_in_a_cuda_graph(monkeypatch)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, layer())
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+@pytest.fixture
+def route_kernel_calls(gemm_kernel, monkeypatch):
+    """The kernel backend forced for route(), and a list that records each launch of the
+    one-launch routing (backends/triton/routing.py)."""
+    from portable_mx.backends.triton import routing
+
+    backend, device = gemm_kernel
+    calls = []
+    real = routing.route_tensors
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(routing, "route_tensors", counted)
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    return device, calls
+
+
+@pytest.mark.parametrize("t, k, e, skew, tile_m, id_dtype, w_dtype", [
+    (1, 4, 32, False, 16, torch.int64, torch.bfloat16),  # gpt-oss-20b decode
+    (1, 1, 1, False, 16, torch.int32, torch.float32),
+    (7, 2, 5, False, 16, torch.int32, torch.float16),
+    (40, 3, 4, True, 16, torch.int64, torch.float32),
+    (70, 2, 3, True, 64, torch.int64, torch.bfloat16),
+    (64, 8, 128, False, 16, torch.int64, torch.bfloat16),  # Qwen3-30B-A3B, 64 tokens
+    (5, 4, 256, False, 128, torch.int32, torch.float32),  # the most experts the kernel takes
+    (128, 8, 200, True, 32, torch.int64, torch.float32),  # the most pairs it takes
+])
+def test_route_kernel_matches_python_construction(route_kernel_calls, t, k, e, skew, tile_m, id_dtype, w_dtype):
+    """The one-launch routing equals the plain Python construction (tests/moe_oracle.py)
+    field for field: stable order with repeated experts in a token, empty experts, the
+    schedule's tail; another tile height still from the offsets."""
+    device, calls = route_kernel_calls
+    ids = ids_of(t, k, e, seed=t + k + e, skew=skew)
+    ids[0, :] = ids[0, 0]  # a token naming one expert several times
+    weights = rand(t, k, seed=3).to(w_dtype)
+    r = pmx.route(ids.to(id_dtype).to(device), weights.to(device), e, tile_m=tile_m)
+    assert len(calls) == 1
+    want = py_routing(ids, e, tile_m)
+    for name in ("counts", "offsets", "gather_index", "scatter_index", "tile_schedule"):
+        assert getattr(r, name).dtype == torch.int32, name
+    assert r.counts.tolist() == want["counts"] and r.offsets.tolist() == want["offsets"]
+    assert r.gather_index.tolist() == want["gather"] and r.scatter_index.tolist() == want["scatter"]
+    assert r.tile_schedule.tolist() == want["schedule"]
+    assert r.sorted_weights.dtype == w_dtype
+    assert torch.equal(r.sorted_weights.cpu(), weights.reshape(-1)[want["pairs"]])
+    other = 32 if tile_m != 32 else 16
+    assert r.schedule(other).tolist() == py_routing(ids, e, other)["schedule"]
+
+
+def test_route_kernel_limits_and_errors(route_kernel_calls):
+    """Past 1024 pairs or 256 experts route() takes the torch form (same result); ids
+    outside [0, E), an int64 id that would wrap to a valid int32 one included, are refused
+    before the kernel reads them (CPU) or by the kernel's flag (asserted on the device)."""
+    from portable_mx.backends.triton import routing
+
+    device, calls = route_kernel_calls
+    for t, k, e in ((129, 8, 16), (2, 2, 300)):
+        ids = ids_of(t, k, e, seed=5)
+        r = pmx.route(ids.to(device), None, e)
+        assert r.gather_index.tolist() == py_routing(ids, e, r.tile_m)["gather"]
+    assert calls == []
+    for bad in (torch.tensor([[0, 3]]), torch.tensor([[-1, 0]]), torch.tensor([[2**32 + 1, 0]])):
+        with pytest.raises((ValueError, RuntimeError), match=r"topk_ids must lie in \[0, num_experts=3\)"):
+            pmx.route(bad.to(device), None, 3)
+            if device != "cpu":
+                torch.cuda.synchronize()
+    # the flag itself, read back (the CPU path refuses such ids before launching)
+    ids = torch.tensor([[2**32 + 1, 0]], device=device)
+    *_, ok = routing.route_tensors(ids, torch.ones(1, 2, device=device), 3, 16, 2)
+    assert ok.tolist() == [0]
+    *_, ok = routing.route_tensors(ids % 3, torch.ones(1, 2, device=device), 3, 16, 2)
+    assert ok.tolist() == [1]
+
+
+def test_route_kernel_for_the_compile_matrix():
+    """The routing launches are among every GPU target's compile-matrix rows."""
+    from portable_mx.backends.targets import TARGETS
+
+    for name in ("cuda", "rocm"):
+        backend = registry.get(name)
+        for target in backend.targets:
+            labels = [l.label for l in backend.launches(TARGETS[target]) if l.kernel == "route"]
+            assert len(labels) == 3, (name, target, labels)

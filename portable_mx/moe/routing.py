@@ -146,6 +146,28 @@ def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     torch._assert_async(~bad, f"route: topk_ids must lie in [0, num_experts={num_experts})")
 
 
+def _backend_route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, tile_m: int):
+    """The routing tensors from the device's grouped-GEMM backend (Backend.route: one
+    Triton launch at decode sizes), their ids checked (raised on the CPU, asserted on the
+    device), or None: the torch form below (while tracing, too)."""
+    if torch.compiler.is_compiling() or topk_ids.device.type == "meta":
+        return None
+    from .. import registry
+
+    try:
+        backend = registry.select("grouped_matmul", topk_ids.device)
+    except registry.BackendUnavailableError:
+        return None
+    if type(backend).route is registry.Backend.route:
+        return None
+    if topk_ids.device.type == "cpu":
+        _check_ids(topk_ids, num_experts)  # the clear error, before any kernel reads them
+    made = backend.route(topk_ids.contiguous(), topk_weights.contiguous(), num_experts, tile_m)
+    if made is not None and topk_ids.device.type != "cpu":
+        torch._assert_async(made[-1], f"route: topk_ids must lie in [0, num_experts={num_experts})")
+    return made
+
+
 def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_experts: int, *,
           tile_m: Optional[int] = None) -> Routing:
     """The :class:`Routing` of T tokens to the k experts each of ``topk_ids``.
@@ -154,7 +176,9 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     same expert twice: two rows); topk_weights: float ``[T, k]`` on the same device, or
     None (weights 1, float32); num_experts: E >= 1. ``tile_m``: the tile height of the
     precomputed schedule (default :func:`default_tile_m` of T * k rows over E experts).
-    Device ops only: no host sync, shapes from T, k, E alone.
+    Device ops only: no host sync, shapes from T, k, E alone. A backend may build the
+    tensors in its own way (the Triton backends: one launch for up to 1024 pairs and 256
+    experts), equal element for element to the torch form here.
     """
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be an int32 or int64 tensor [T, k]; got "
@@ -176,10 +200,17 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
                          f"{topk_weights.device} and {topk_ids.device}")
     if tile_m is not None and tile_m not in TILE_M_CHOICES:
         raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}; got {tile_m!r}")
-    _check_ids(topk_ids, num_experts)
 
     t, k = topk_ids.shape
     rows = t * k
+    tile_m = default_tile_m(rows, num_experts) if tile_m is None else tile_m
+    made = _backend_route(topk_ids, topk_weights, num_experts, tile_m)
+    if made is not None:
+        counts, offsets, gather, scatter, sorted_weights, schedule, ok = made
+        return Routing(num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts,
+                       offsets=offsets, gather_index=gather, scatter_index=scatter, sorted_weights=sorted_weights,
+                       tile_m=tile_m, tile_schedule=schedule)
+    _check_ids(topk_ids, num_experts)
     device = topk_ids.device
     flat = topk_ids.reshape(rows)
     order = torch.argsort(flat, stable=True)  # the pair p of each sorted row
@@ -188,7 +219,6 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     scatter = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device, dtype=order.dtype))
-    tile_m = default_tile_m(rows, num_experts) if tile_m is None else tile_m
     return Routing(
         num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts, offsets=offsets,
         gather_index=(order // k).to(torch.int32), scatter_index=scatter.to(torch.int32),

@@ -296,6 +296,27 @@ def test_route_kernel_matches_python_construction(route_kernel_calls, t, k, e, s
     assert r.schedule(other).tolist() == py_routing(ids, e, other)["schedule"]
 
 
+def test_route_kernel_keeps_the_router_gradient(route_kernel_calls):
+    """Router weights that require a gradient: the sorted weights carry it (the kernel's
+    copy would not), equal to the torch form's in value and gradient."""
+    device, calls = route_kernel_calls
+    ids = ids_of(6, 2, 5, seed=8).to(device)
+    w = rand(6, 2, seed=9).to(device).requires_grad_()
+    c = torch.arange(12, dtype=torch.float32, device=device)
+    got = pmx.route(ids, w, 5)
+    assert calls and got.sorted_weights.requires_grad
+    (g,) = torch.autograd.grad((got.sorted_weights * c).sum(), w)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(registry.ENV_BACKEND)
+        w2 = w.detach().cpu().requires_grad_()
+        want = pmx.route(ids.cpu(), w2, 5)
+        (g2,) = torch.autograd.grad((want.sorted_weights * c.cpu()).sum(), w2)
+    assert torch.equal(got.sorted_weights.detach().cpu(), want.sorted_weights.detach())
+    assert torch.equal(g.cpu(), g2)
+    with torch.no_grad():
+        assert not pmx.route(ids, w, 5).sorted_weights.requires_grad
+
+
 def test_route_kernel_limits_and_errors(route_kernel_calls):
     """Past 1024 pairs or 256 experts route() takes the torch form (same result); ids
     outside [0, E), an int64 id that would wrap to a valid int32 one included, are refused

@@ -207,6 +207,9 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     made = _backend_route(topk_ids, topk_weights, num_experts, tile_m)
     if made is not None:
         counts, offsets, gather, scatter, sorted_weights, schedule, ok = made
+        if topk_weights.requires_grad and torch.is_grad_enabled():  # the kernel's copy carries no gradient
+            flat_w = topk_weights.reshape(rows)
+            sorted_weights = flat_w.scatter(0, scatter.to(torch.int64), flat_w)
         return Routing(num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts,
                        offsets=offsets, gather_index=gather, scatter_index=scatter, sorted_weights=sorted_weights,
                        tile_m=tile_m, tile_schedule=schedule)

@@ -238,6 +238,29 @@ def test_small_m_gemm_on_both_decodes(gemm_kernel, magnitude):
             assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()["hopper"]), a, b, k)
 
 
+@needs_kernels
+@pytest.mark.parametrize("layout", ["plain", "hopper"])
+@pytest.mark.parametrize("rb", [QR(outliers_per_block=1), QR(outliers_per_block=2),
+                                QR(outliers_per_block=2, macro_block=64)], ids=lambda r: r.describe())
+def test_w4a16_sparse_outliers_at_decode(gemm_kernel, layout, rb):
+    """W4A16 with M <= 4 tokens takes the weight's outliers as a sparse correction (the
+    x values at their columns): M = 1..4 (SPARSE_M 1, 2, 4 with masked rows), K off the
+    block (an outlier column past K reads nothing), bf16 and fp16 tokens, split-K, MBS;
+    within the accumulation bound of the dequantized product, as the dense path is."""
+    from portable_mx.backends.triton.gemm_upcast import sparse_rows
+    from portable_mx.backends.triton.gemm import Operand
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    assert [sparse_rows(Operand(torch.bfloat16, None, 0), Operand(None, None, 2), m) for m in (1, 2, 3, 4, 5)] == \
+        [1, 2, 4, 4, 0]
+    for i, (m, n, k, dtype) in enumerate([(1, 70, 250, torch.bfloat16), (2, 64, 256, torch.float16),
+                                          (3, 130, 300, torch.bfloat16), (4, 65, 96, torch.bfloat16)]):
+        a = randn(m, k, seed=i).to(dtype)
+        b = rows_mx(randn(n, k, seed=300 + i, scale=3.0), rb)
+        config = GemmConfig(16, 64, 64, split_k=1 + i % 2)
+        assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()[layout]), a, b, k)
+
+
 @needs_gpu
 def test_inline_ptx_decode_equals_its_twin_on_sm90():
     """sm_90: the inline-PTX word decode gives the pure-Triton twin's bits."""

@@ -75,6 +75,7 @@ class Candidate:
     layout: str = "hopper"
     asm: bool = True
     fold: bool = True  # False: the two-multiply decode even where the folded one applies
+    sparse: bool = True  # False: a weight's outliers as a dense tile even at M <= 4
 
     def name(self) -> str:
         if self.kernel == "default":
@@ -83,7 +84,8 @@ class Candidate:
         tile = f"{bm}x{bn}x{bk} w{w} s{s} sk{sk}"
         if self.kernel == "scaled":
             return f"scaled {tile}"
-        return f"upcast {self.layout}{'+asm' if self.asm else '+twin'}{'' if self.fold else '+nofold'} {tile}"
+        return (f"upcast {self.layout}{'+asm' if self.asm else '+twin'}{'' if self.fold else '+nofold'}"
+                f"{'' if self.sparse else '+dense-outliers'} {tile}")
 
     def config(self, extra=()):
         from portable_mx.backends.triton.launch import GemmConfig
@@ -96,10 +98,14 @@ def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
     """The launches tried for one kind and shape (NOTES-gemm.md: what each tests)."""
     if kind == "w4a16-of2":  # does split-K with a serialized wgmma chain (the default) beat no split?
         if smoke:
-            return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1))]
+            return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1)),
+                    Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1), sparse=False)]
         if m > 16:
             return []
+        # at M <= 4 the outliers are a sparse correction: beside it, the dense outlier tile
         return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 1)),
+                Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 2)),
+                Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 2), sparse=False),
                 Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 2)),
                 Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 4))]
     if smoke:  # the interpreter: a few, small
@@ -196,7 +202,7 @@ def runner(cand: Candidate, device):
     options = backend.options(config)
     if cand.kernel == "upcast":
         route = gemm_upcast.UpcastRoute(HOPPER_VALUES if cand.layout == "hopper" else PLAIN_VALUES, asm=cand.asm,
-                                        fold=cand.fold)
+                                        fold=cand.fold, sparse=cand.sparse)
 
         def run(a, b, dt):
             with backend.running():

@@ -556,7 +556,7 @@ class TritonBackend(Backend):
         nmb = -(-kp // ob.macro_block) if ob.macro_block else 1
         macros = (oa.macro_block or 32, ob.macro_block or 32)
         if route.kernel == "upcast":
-            consts = gemm_upcast.constexprs(oa, ob, k, kp, config, route.upcast, interpreted=st.target is None)
+            consts = gemm_upcast.constexprs(oa, ob, k, kp, config, route.upcast, interpreted=st.target is None, m=m)
             values, scales = (HOPPER_VALUES, HOPPER) if consts["VALUES"] == 1 else (PLAIN_VALUES, PLAIN)
             strides = ((values.row_stride(kp), scales.padded(1, kp // 32)[1] * 64) if values is HOPPER_VALUES
                        else (kp // 2, kp // 32))
@@ -635,7 +635,8 @@ class TritonBackend(Backend):
         route = self.gemm_route(target, a, b)
         config = self.resolve_split_k(config, m, n, kp, self.gemm_sms.get(target.name, 132))
         if route.kernel == "upcast":
-            return gemm_upcast.launch_spec(a, b, config, self.options(config), route.upcast, kp=kp, out_dtype=out_dtype)
+            return gemm_upcast.launch_spec(a, b, config, self.options(config), route.upcast, kp=kp, out_dtype=out_dtype,
+                                           m=m)
         return gemm.launch_spec(a, b, config, self.options(config), route.scales, kp=kp, out_dtype=out_dtype)
 
     # ------------------------------------------------------------------- for AOT

@@ -185,18 +185,45 @@ def _token_tile(x_ptr, xs_ptr, rm, k0, M, K, KP, NB, stride_xm,
 
 
 @triton.jit
+def _outlier_products(ov_ptr, oi_ptr, x_ptr, rn, N, M, K, k0, NB, stride_xm, N_OUT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, SPARSE_M] fp32: B's outliers in K tile [k0, k0 + BLOCK_K) times tokens
+    0 .. SPARSE_M - 1's values at their columns (W4A16: x bf16/fp16 [M, K], row stride
+    stride_xm, M <= SPARSE_M), summed per (weight row, token): the outliers as a sparse
+    correction, each product exact in fp32, read from x where they sit instead of
+    expanded into a dense tile (a compare and a select per value and outlier, and a
+    layout conversion: 3.5x the decode's instructions on sm_90)."""
+    rm = tl.arange(0, SPARSE_M)
+    NBK: tl.constexpr = BLOCK_K // 32
+    blk = k0 // 32 + tl.arange(0, NBK)
+    o = tl.arange(0, N_OUT)
+    off = ((rn[:, None] * NB + blk[None, :]) * N_OUT)[:, :, None] + o[None, None, :]  # [BLOCK_N, NBK, N_OUT]
+    inside = ((rn[:, None] < N) & (blk[None, :] < NB))[:, :, None]
+    idx = tl.load(oi_ptr + off, mask=inside, other=0).to(tl.int32)
+    val = tl.load(ov_ptr + off, mask=inside, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    col = (blk * 32)[None, :, None] + idx  # < KP; past K only where the value is 0
+    xv = tl.load(x_ptr + rm[None, None, None, :] * stride_xm + col[:, :, :, None],
+                 mask=(inside & (col < K))[:, :, :, None] & (rm < M)[None, None, None, :], other=0.0)
+    prod = val[:, :, :, None] * xv.to(tl.float32)  # [BLOCK_N, NBK, N_OUT, SPARSE_M]
+    return tl.sum(tl.sum(prod, 2), 1)
+
+
+@triton.jit
 def upcast_k_loop(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
     rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPARSE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] fp32 (the tokens on the MMA's N) = the sum over K tiles
     first..last-1 of B's decoded rows rn times A's rows rm (N, M: their row counts), the
     outliers and, unless EPILOGUE, the macro factors applied per tile. The K loop of
-    upcast_gemm_kernel and of the grouped GEMM's upcast kernel. Not BIAS: B's weight
+    upcast_gemm_kernel and of the grouped GEMM's upcast kernel. SPARSE_M (W4A16, M <=
+    SPARSE_M, B with outliers): B's outliers as a sparse correction of tokens
+    0 .. SPARSE_M - 1 (:func:`_outlier_products`); 0: folded into the decoded tile or a
+    correction dot. Not BIAS: B's weight
     decodes with one multiply per value pair instead of two (upcast.folded_scale; every
     scale byte of B must be at most 128). The kernels pick BIAS on the device from B's
     largest scale byte outside the loop, compiling it twice, and finish the tile inside each
@@ -206,8 +233,11 @@ def upcast_k_loop(
     # factors (the outliers do not take them) or it would mean bf16 -> fp16
     FOLD_A: tl.constexpr = A_OUT > 0 and not A_MACRO
     FOLD_B: tl.constexpr = B_OUT > 0 and not B_MACRO and DOT != "fp16"
+    # W4A16 decode tiles: B's outliers as a sparse correction (gathered x values) instead
+    SPARSE_B: tl.constexpr = SPARSE_M > 0 and B_OUT > 0 and A_FORMAT != "e2m1"
     PROMOTE: tl.constexpr = (A_MACRO or B_MACRO) and not EPILOGUE
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    corr_b = tl.zeros((BLOCK_N, max(SPARSE_M, 1)), tl.float32)
     ma = tl.full((BLOCK_M,), 1.0, tl.float32)
     mb = tl.full((BLOCK_N,), 1.0, tl.float32)
     for t in range(first, last):
@@ -216,7 +246,10 @@ def upcast_k_loop(
                          VALUES, ASM, DOT, EVEN_K, SCALE_WORDS, BIAS, BLOCK_N, BLOCK_K)
         xt = _token_tile(a_ptr, as_ptr, rm, k0, M, K, KP, NB, stride_am, A_FORMAT, DOT, EVEN_K, SCALE_WORDS,
                          BLOCK_M, BLOCK_K)
-        if B_OUT > 0:
+        if SPARSE_B:
+            corr_b += _outlier_products(bov_ptr, boi_ptr, a_ptr, rn, N, M, K, k0, NB, stride_am, B_OUT,
+                                        BLOCK_N, SPARSE_M, BLOCK_K)
+        elif B_OUT > 0:
             sb = outlier_tile(bov_ptr, boi_ptr, rn, N, k0, NB, B_OUT, BLOCK_N, BLOCK_K)
             if FOLD_B:
                 w += sb.to(w.dtype)
@@ -238,7 +271,7 @@ def upcast_k_loop(
             if B_MACRO:
                 corr = corr * mb[:, None]
             acc += corr
-        if B_OUT > 0 and not FOLD_B:  # A times B's outliers
+        if B_OUT > 0 and not FOLD_B and not SPARSE_B:  # A times B's outliers
             if DOT == "fp16":  # no fp16 x bf16 dot: both sides widened (exactly) to fp32
                 corr = tl.dot(sb.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
             else:
@@ -248,6 +281,11 @@ def upcast_k_loop(
             acc += corr
             if A_OUT > 0 and not FOLD_A:  # outliers times outliers: no macro factor
                 acc += _dot(sb.to(w.dtype), sat, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+    if SPARSE_B:  # token j's sums into column j (the outliers take no macro factor; A has none)
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        for j in tl.static_range(SPARSE_M):
+            col_j = tl.sum(tl.where(tl.arange(0, SPARSE_M)[None, :] == j, corr_b, 0.0), 1)
+            acc += tl.where(cols == j, col_j[:, None], 0.0)
     return acc
 
 
@@ -260,8 +298,8 @@ def upcast_gemm_kernel(
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, FOLD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPARSE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
 
@@ -289,7 +327,7 @@ def upcast_gemm_kernel(
                 a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
                 rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
                 MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-                False, BLOCK_M, BLOCK_N, BLOCK_K)
+                False, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
             _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
                     stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
         else:
@@ -297,7 +335,7 @@ def upcast_gemm_kernel(
                 a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
                 rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
                 MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-                True, BLOCK_M, BLOCK_N, BLOCK_K)
+                True, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
             _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
                     stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
     else:
@@ -305,7 +343,7 @@ def upcast_gemm_kernel(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
             MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-            True, BLOCK_M, BLOCK_N, BLOCK_K)
+            True, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
         _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
                 stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
 
@@ -363,13 +401,15 @@ def decode_tiles_kernel(b_ptr, bs_ptr, bsmax_ptr, out_ptr, N, KP, stride_bv, str
 @dataclass(frozen=True)
 class UpcastRoute:
     """How a target runs the upcast GEMM: the weight's value layout (its scale layout
-    goes with it), whether the sm_90 inline-PTX decoder is used (bf16 only), and whether
+    goes with it), whether the sm_90 inline-PTX decoder is used (bf16 only), whether
     the kernel may take the folded decode where it applies (:func:`folds`; off: the
-    two-multiply decode always, for measurements)."""
+    two-multiply decode always, for measurements) and the sparse outlier correction
+    (:func:`sparse_rows`; off: the dense outlier tile always)."""
 
     values: ValueLayout = PLAIN_VALUES
     asm: bool = False
     fold: bool = True
+    sparse: bool = True
 
     def scales(self, values: ValueLayout):
         return HOPPER if values is HOPPER_VALUES else PLAIN
@@ -408,9 +448,9 @@ def dot_format(a: Operand, interpreted: bool) -> str:
 
 
 def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, route: UpcastRoute,
-               interpreted: bool, dot: Optional[str] = None) -> dict:
-    """The kernel's constexprs for operands like ``a``, ``b`` (K = ``k``, padded ``kp``);
-    ``dot`` overrides :func:`dot_format` (tests)."""
+               interpreted: bool, dot: Optional[str] = None, m: Optional[int] = None) -> dict:
+    """The kernel's constexprs for operands like ``a``, ``b`` (K = ``k``, padded ``kp``,
+    ``m`` rows of ``a`` where known); ``dot`` overrides :func:`dot_format` (tests)."""
     if a.format not in FORMATS:
         raise TypeError(f"the GEMM's left operand must be MXFP4, bf16 or fp16; got {a.format}")
     block_k, epilogue = block_k_of(a, b, kp, config)
@@ -421,9 +461,24 @@ def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, rout
         "A_OUT": a.outliers, "B_OUT": b.outliers, "EVEN_K": k % block_k == 0, "EPILOGUE": epilogue,
         "VALUES": values.layout_id, "ASM": bool(route.asm and dot == "bf16"), "DOT": dot,
         "SCALE_WORDS": kp % 128 == 0 and block_k % 128 == 0, "FOLD": route.fold and folds(values, dot, config.block_m),
+        "SPARSE_M": sparse_rows(a, b, m) if route.sparse else 0,
         "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "GROUP_M": config.group_m,
         "SPLIT_K": max(1, config.split_k),
     }
+
+
+SPARSE_MAX_M = 4
+"""The most tokens for which a W4A16 launch takes a weight's outliers as a sparse
+correction (gemm_upcast._outlier_products: its cost grows with M; at M = 16 it is about the
+dense expansion's)."""
+
+
+def sparse_rows(a: Operand, b: Operand, m: Optional[int]) -> int:
+    """SPARSE_M: for W4A16 with a weight with outliers and M <= SPARSE_MAX_M tokens, M
+    rounded up to a power of two; else 0."""
+    if m is None or not b.outliers or a.format is None or not 0 < m <= SPARSE_MAX_M:
+        return 0
+    return 1 << (m - 1).bit_length()
 
 
 def folds(values: ValueLayout, dot: str, block_m: int = 16) -> bool:
@@ -442,10 +497,10 @@ _INT_ARGS = ("M", "N", "K", "KP", "stride_am", "stride_cm", "stride_bv", "stride
 
 
 def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route: UpcastRoute = PLAIN_ROUTE,
-                kp: int = 8192, out_dtype: torch.dtype = torch.float32) -> KernelLaunch:
+                kp: int = 8192, out_dtype: torch.dtype = torch.float32, m: Optional[int] = None) -> KernelLaunch:
     """The launch :func:`matmul` makes for operands like ``a`` and ``b`` (K = Kp =
     ``kp``), as data (for AOT). Not ``multiplies_mx``: this kernel upcasts by design."""
-    consts = constexprs(a, b, kp, kp, config, route, interpreted=False)
+    consts = constexprs(a, b, kp, kp, config, route, interpreted=False, m=m)
     signature = {
         "a_ptr": "*u8" if a.format is None else POINTER_TYPES[a.format], "as_ptr": "*u8",
         "am_ptr": "*fp32" if a.macro_block else "*u8", "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
@@ -460,6 +515,8 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route
     extras += [f"{side}OF-{n}" for side, n in (("a:", a.outliers), ("b:", b.outliers)) if n]
     values = PLAIN_VALUES if consts["VALUES"] == 0 else HOPPER_VALUES
     extras.append(f"upcast:{values.name}{'+asm' if consts['ASM'] else ''}{'+fold' if consts['FOLD'] else ''}")
+    if consts["SPARSE_M"]:
+        extras.append(f"sparse-outliers:m{consts['SPARSE_M']}")
     if out_dtype != torch.float32:
         extras.append(f"out:{FORMATS.get(out_dtype, str(out_dtype))}")
     label = " ".join([kind, *extras, config.label()])
@@ -521,7 +578,7 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
         a_parts = (a, b.scales, b.scales, b.scales, b.scales)
         stride_am = a.stride(0)
         nma = 1
-    consts = constexprs(oa, ob, k, kp, config, route, interpreted, dot)
+    consts = constexprs(oa, ob, k, kp, config, route, interpreted, dot, m)
     values = HOPPER_VALUES if consts["VALUES"] == 1 else PLAIN_VALUES
     _, _, macro, ov, oi = _parts(b)
     codes, scales, stride_bv, stride_bs, smax = _weight_storage(b, values)

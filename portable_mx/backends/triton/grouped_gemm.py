@@ -193,7 +193,7 @@ def grouped_upcast_kernel(
         a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
         rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
         A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-        True, BLOCK_M, BLOCK_N, BLOCK_K)  # the two-multiply decode: see upcast_kernel_constexprs
+        True, 0, BLOCK_M, BLOCK_N, BLOCK_K)  # the two-multiply decode, dense outliers: upcast_kernel_constexprs
 
     if expert >= 0:
         mask = (cols[:, None] < N) & valid[None, :]
@@ -281,6 +281,7 @@ def upcast_kernel_constexprs(a: Operand, b: Operand, k: int, kp: int, config: Ge
     # not (yet) the folded decode of the dense kernel: compiled twice here, Triton 3.6 gives
     # the two K loops separate pipeline buffers and ptxas serializes their wgmmas (C7515)
     consts.pop("FOLD")
+    consts.pop("SPARSE_M")  # the tokens of a tile are gathered rows: the dense outlier tile
     return {**consts, **epi.constexprs()}
 
 

@@ -321,23 +321,17 @@ def upcast_gemm_kernel(
     first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
     # the folded decode where B's scale bytes allow it (upcast_k_loop); each branch stores
     # its own tile: an accumulator merged from two loops makes ptxas serialize the wgmmas
+    folded = False  # without FOLD a constant: one loop is compiled
     if FOLD:
-        if tl.load(bsmax_ptr) <= 128:
-            acc = upcast_k_loop(
-                a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
-                rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
-                MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-                False, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
-            _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
-                    stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
-        else:
-            acc = upcast_k_loop(
-                a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
-                rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
-                MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-                True, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
-            _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
-                    stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
+        folded = tl.load(bsmax_ptr) <= 128
+    if folded:
+        acc = upcast_k_loop(
+            a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+            rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
+            MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+            False, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
+        _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
+                stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
     else:
         acc = upcast_k_loop(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
@@ -381,13 +375,12 @@ def decode_tiles_kernel(b_ptr, bs_ptr, bsmax_ptr, out_ptr, N, KP, stride_bv, str
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    folded = False
     if FOLD:
-        if tl.load(bsmax_ptr) <= 128:
-            w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
-                             VALUES, ASM, DOT, True, SCALE_WORDS, False, BLOCK_N, BLOCK_K)
-        else:
-            w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
-                             VALUES, ASM, DOT, True, SCALE_WORDS, True, BLOCK_N, BLOCK_K)
+        folded = tl.load(bsmax_ptr) <= 128
+    if folded:
+        w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
+                         VALUES, ASM, DOT, True, SCALE_WORDS, False, BLOCK_N, BLOCK_K)
     else:
         w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, KP // 32, stride_bv, stride_bs,
                          VALUES, ASM, DOT, True, SCALE_WORDS, True, BLOCK_N, BLOCK_K)

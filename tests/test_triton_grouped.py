@@ -334,9 +334,13 @@ def test_route_kernel_limits_and_errors(route_kernel_calls):
             with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, num_experts=3\)"):
                 pmx.route(bad, None, 3)
     # the flag the device asserts, read back (the CPU path refuses such ids before launching)
-    for bad in ([[2**32 + 1, 0]], [[-1, 0]], [[0, 3]]):
-        *_, ok = routing.route_tensors(torch.tensor(bad, device=device), torch.ones(1, 2, device=device), 3, 16, 2)
+    for bad in ([[2**32 + 1, 0]], [[-1, 0]], [[0, 3]], [[300, 1]]):
+        w = torch.ones(1, 2, device=device)
+        counts, offsets, gather, scatter, sorted_w, sched, ok = routing.route_tensors(
+            torch.tensor(bad, device=device), w, 3, 16, 2)
         assert ok.tolist() == [0], bad
+        # out-of-range ids sort last: every row written stays inside the outputs
+        assert sorted(scatter.tolist()) == [0, 1] and int(offsets[-1]) <= 2, bad
     *_, ok = routing.route_tensors(torch.tensor([[1, 2]], device=device), torch.ones(1, 2, device=device), 3, 16, 2)
     assert ok.tolist() == [1]
 

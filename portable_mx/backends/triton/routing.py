@@ -15,7 +15,8 @@ computes everything for up to :data:`MAX_ROWS` rows and :data:`MAX_EXPERTS` expe
   tiles before s inside it; both as sums over the experts that end at or before s.
 
 Integer arithmetic only: the outputs equal the torch twin's exactly (tests). Ids outside
-[0, E) set the ``ok`` flag to 0 (the caller asserts it on the device).
+[0, E) set the ``ok`` flag to 0 (the caller asserts it on the device) and sort last, so that
+no write leaves the outputs whatever the ids.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def route_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, gather_ptr, scatter_pt
     p = tl.arange(0, BLOCK_R)
     p_in = p < R
     raw = tl.load(ids_ptr + p, mask=p_in, other=0)
-    bad = p_in & ((raw < 0) | (raw >= E))  # in the ids' own width: no wrap to a valid id
-    tl.store(ok_ptr, (tl.sum(bad.to(tl.int32), 0) == 0).to(tl.int32))
-    e_p = tl.where(p_in, raw.to(tl.int32), BLOCK_E)  # padding sorts after every expert
+    valid = p_in & (raw >= 0) & (raw < E)  # in the ids' own width: no wrap to a valid id
+    tl.store(ok_ptr, (tl.sum((p_in & ~valid).to(tl.int32), 0) == 0).to(tl.int32))
+    # padding and out-of-range ids sort after every expert: every row and offset stays in
+    # [0, R] whatever the ids (a bad id is asserted by the caller, after this kernel)
+    e_p = tl.where(valid, raw.to(tl.int32), BLOCK_E)
 
     # sorted row of each pair, and the experts' counts, over chunks of pairs j
     x = tl.arange(0, BLOCK_E)
@@ -55,8 +58,8 @@ def route_kernel(ids_ptr, w_ptr, counts_ptr, offsets_ptr, gather_ptr, scatter_pt
     counts = tl.zeros([BLOCK_E], tl.int32)
     for j0 in range(0, R, CHUNK):
         j = j0 + tl.arange(0, CHUNK)
-        e_j = tl.load(ids_ptr + j, mask=j < R, other=0).to(tl.int32)
-        e_j = tl.where(j < R, e_j, BLOCK_E)
+        raw_j = tl.load(ids_ptr + j, mask=j < R, other=0)
+        e_j = tl.where((j < R) & (raw_j >= 0) & (raw_j < E), raw_j.to(tl.int32), BLOCK_E)
         earlier = (e_j[None, :] < e_p[:, None]) | ((e_j[None, :] == e_p[:, None]) & (j[None, :] < p[:, None]))
         before += tl.sum(earlier.to(tl.int32), 1)
         counts += tl.sum((e_j[None, :] == x[:, None]).to(tl.int32), 1)

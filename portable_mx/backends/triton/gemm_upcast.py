@@ -223,17 +223,17 @@ def upcast_k_loop(
     upcast_gemm_kernel and of the grouped GEMM's upcast kernel. SPARSE_M (W4A16, M <=
     SPARSE_M, B with outliers): B's outliers as a sparse correction of tokens
     0 .. SPARSE_M - 1 (:func:`_outlier_products`); 0: folded into the decoded tile or a
-    correction dot. Not BIAS: B's weight
-    decodes with one multiply per value pair instead of two (upcast.folded_scale; every
-    scale byte of B must be at most 128). The kernels pick BIAS on the device from B's
-    largest scale byte outside the loop, compiling it twice, and finish the tile inside each
-    branch (an accumulator merged from the two loops makes ptxas serialize the wgmmas:
-    C7515)."""
+    correction dot. Not BIAS: B's weight decodes with one multiply per value pair instead
+    of two (upcast.folded_scale; every scale byte of B must be at most 128). The kernels
+    pick BIAS on the device from B's largest scale byte outside the loop, compiling it
+    twice, and finish the tile inside each branch (an accumulator merged from the two
+    loops makes ptxas serialize the wgmmas: C7515)."""
     # outliers fold into their own operand's decoded tile unless that operand has macro
     # factors (the outliers do not take them) or it would mean bf16 -> fp16
     FOLD_A: tl.constexpr = A_OUT > 0 and not A_MACRO
     FOLD_B: tl.constexpr = B_OUT > 0 and not B_MACRO and DOT != "fp16"
-    # W4A16 decode tiles: B's outliers as a sparse correction (gathered x values) instead
+    # W4A16 with a few tokens: B's outliers as a sparse correction (x gathered at their
+    # columns) instead of a dense outlier tile
     SPARSE_B: tl.constexpr = SPARSE_M > 0 and B_OUT > 0 and A_FORMAT != "e2m1"
     PROMOTE: tl.constexpr = (A_MACRO or B_MACRO) and not EPILOGUE
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)

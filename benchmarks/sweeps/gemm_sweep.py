@@ -102,12 +102,13 @@ def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
                     Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 1), sparse=False)]
         if m > 16:
             return []
-        # at M <= 4 the outliers are a sparse correction: beside it, the dense outlier tile
-        return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 1)),
-                Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 2)),
-                Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 2), sparse=False),
-                Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 2)),
-                Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 4))]
+        out = [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 1)),
+               Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 2)),
+               Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 2)),
+               Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 4))]
+        if m <= 4:  # the outliers a sparse correction (gemm_upcast.SPARSE_MAX_M): beside it, the dense tile
+            out.insert(3, Candidate(kind, shape, "upcast", (16, 64, 128, 4, 3, 2), sparse=False))
+        return out
     if smoke:  # the interpreter: a few, small
         return [Candidate(kind, shape, "default"), Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 2)),
                 Candidate(kind, shape, "upcast", (16, 64, 64, 4, 2, 2), fold=False),

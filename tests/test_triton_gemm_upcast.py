@@ -221,6 +221,25 @@ def test_folded_decode_is_exact_for_scale_bytes_up_to_128(gemm_kernel):
 
 
 @needs_kernels
+def test_largest_scale_follows_in_place_writes(gemm_kernel):
+    """The kept largest scale byte (and swizzled copies) of a weight are redone after an
+    in-place write of its scales: a byte raised above 128 after a first GEMM switches the
+    next one to the exact decode, and its result stays the dequantized product."""
+    from portable_mx.backends.triton.launch import GemmConfig
+    from portable_mx.backends.triton.layouts import largest_scale
+
+    backend, device = gemm_kernel
+    b = rows_mx(randn(64, 128, seed=31, scale=0.5), QR()).to(device)
+    a = randn(1, 128, seed=32).to(torch.bfloat16)
+    config = GemmConfig(16, 64, 64, split_k=1)
+    assert int(largest_scale(b.scales)) <= 128
+    assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()["hopper"]), a, b, 128)
+    b.scales[3, 1] = 140  # in place: a block now scaled by 2**13
+    assert int(largest_scale(b.scales)) == 140
+    assert_accumulation_close(upcast(gemm_kernel, a, b, config, _routes()["hopper"]), a, b, 128)
+
+
+@needs_kernels
 @pytest.mark.parametrize("magnitude", [0.5, 3000.0], ids=["folded", "scales-above-128"])
 def test_small_m_gemm_on_both_decodes(gemm_kernel, magnitude):
     """A decode-sized GEMM (token tile 16: the kernel carries both decodes) on the hopper

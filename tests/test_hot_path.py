@@ -691,7 +691,8 @@ def test_gpu_kernels_per_call(overhead):
     # outside weight_cache the weight is quantized too, and put in the layouts its GEMM plan
     # reads (layouts.swizzle_kernel: one launch per swizzled part; 1024 x 1024 needs no
     # padding), and the upcast GEMM's largest scale byte with the hopper values (one
-    # reduction): the plan's weight memo names them, "gemm-weight:<values>:<scales>[:largest]"
+    # reduction, where the kernel folds): the plan's weight memo names them,
+    # "gemm-weight:<values>:<scales>:largest" (or ":bsmax-unread")
     from portable_mx.backends.triton import layouts
 
     backend = registry.select("matmul", device)

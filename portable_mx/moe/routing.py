@@ -148,8 +148,8 @@ def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
 
 def _backend_route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, tile_m: int):
     """The routing tensors from the device's grouped-GEMM backend (Backend.route: one
-    Triton launch at decode sizes), their ids checked (raised on the CPU, asserted on the
-    device), or None: the torch form below (while tracing, too)."""
+    Triton launch at decode sizes), their ids asserted on a GPU by the kernel's flag (on
+    the CPU route() checked them before), or None: the torch form (while tracing, too)."""
     if torch.compiler.is_compiling() or topk_ids.device.type == "meta":
         return None
     from .. import registry
@@ -160,8 +160,6 @@ def _backend_route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
         return None
     if type(backend).route is registry.Backend.route:
         return None
-    if topk_ids.device.type == "cpu":
-        _check_ids(topk_ids, num_experts)  # the clear error, before any kernel reads them
     made = backend.route(topk_ids.contiguous(), topk_weights.contiguous(), num_experts, tile_m)
     if made is not None and topk_ids.device.type != "cpu":
         torch._assert_async(made[-1], f"route: topk_ids must lie in [0, num_experts={num_experts})")
@@ -204,6 +202,9 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     t, k = topk_ids.shape
     rows = t * k
     tile_m = default_tile_m(rows, num_experts) if tile_m is None else tile_m
+    on_cpu = topk_ids.device.type == "cpu"
+    if on_cpu:
+        _check_ids(topk_ids, num_experts)  # the clear error, before any kernel reads them
     made = _backend_route(topk_ids, topk_weights, num_experts, tile_m)
     if made is not None:
         counts, offsets, gather, scatter, sorted_weights, schedule, ok = made
@@ -213,7 +214,8 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
         return Routing(num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts,
                        offsets=offsets, gather_index=gather, scatter_index=scatter, sorted_weights=sorted_weights,
                        tile_m=tile_m, tile_schedule=schedule)
-    _check_ids(topk_ids, num_experts)
+    if not on_cpu:
+        _check_ids(topk_ids, num_experts)
     device = topk_ids.device
     flat = topk_ids.reshape(rows)
     order = torch.argsort(flat, stable=True)  # the pair p of each sorted row

@@ -138,17 +138,18 @@ class _GemmPlan:
         self.weight, self.part, self.counts = weight, part, counts
 
 
-def _weight_parts(values, scales, largest: bool = False):
+def _weight_parts(values, scales, bsmax: Optional[bool] = None):
     """A memo builder: an MXTensor's GEMM parts with its codes in value layout ``values``
-    and its scales in ``scales`` (layouts.py), swizzled once; ``largest``: followed by the
-    largest scale byte (the upcast kernel's ``bsmax_ptr``; read with the hopper layout)."""
-    from .layouts import HOPPER_VALUES, largest_scale, prepared
+    and its scales in ``scales`` (layouts.py), swizzled once; ``bsmax`` (the upcast
+    kernel's last weight part): True, the largest scale byte (read by its folded decode);
+    False, a stand-in never read."""
+    from .layouts import largest_scale, prepared
 
     def build(mx: MXTensor):
         parts = mx.memo("gemm-operand", _Operand).parts
         out = (prepared(parts[0], values), prepared(parts[1], scales), *parts[2:])
-        if largest:
-            out += (largest_scale(parts[1]) if values is HOPPER_VALUES else parts[1],)
+        if bsmax is not None:
+            out += (largest_scale(parts[1]) if bsmax else parts[1],)
         return out
 
     return build
@@ -569,7 +570,9 @@ class TritonBackend(Backend):
             fn, name = gemm.gemm_kernel, "gemm"
         weight = None
         if fn is gemm_upcast.upcast_gemm_kernel:  # its weight parts end with bsmax
-            weight = (f"gemm-weight:{values.name}:{scales.name}:largest", _weight_parts(values, scales, True))
+            fold = bool(consts["FOLD"])
+            weight = (f"gemm-weight:{values.name}:{scales.name}" + (":largest" if fold else ":bsmax-unread"),
+                      _weight_parts(values, scales, fold))
         elif values.layout_id or scales.layout_id:
             weight = (f"gemm-weight:{values.name}:{scales.name}", _weight_parts(values, scales))
         split = consts["SPLIT_K"]

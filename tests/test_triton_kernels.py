@@ -517,3 +517,62 @@ def test_decompose_statistics_layouts_agree(kernel, tile, warp_size):
             with backend.running():
                 got = dk.decompose(xd, recipe, "gain", False, config, backend.options(config), warp_size=warp_size)
             assert_stats_close(got, REF.decompose(x, recipe, "gain", False))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-slab", "inner-axis-split"])
+@pytest.mark.parametrize("order", ["k", "r"])
+def test_both_program_orders_cover_every_tile(kernel, order, split, monkeypatch):
+    """The launch grid in both orders (TileConfig.order: the spans of a row tile in
+    consecutive programs, or the row tiles of a span) on a shape with several row tiles
+    and spans, ragged in both: quantize (one span a chunk, one macro block a program, a
+    macro block over two chunks), dequantize and decompose against the reference. With
+    ``split`` the inner count (5 row tiles or 7 spans) is spread over slabs of 3, as
+    counts beyond 65535 are: the programs past the end must do nothing (decompose counts
+    NaN/Inf with an atomic add; a macro factor stored past a row lands in the next one)."""
+    from portable_mx.backends.triton import decompose as dk
+    from portable_mx.backends.triton import dequantize as dq
+    from portable_mx.backends.triton import encode
+    from portable_mx.backends.triton import quantize as qk
+    from portable_mx.backends.triton.launch import TileConfig
+
+    backend, device = kernel
+    config = TileConfig(8, 64, num_warps=4, order=order)
+    options = backend.options(config)
+    if split:
+        monkeypatch.setattr(encode, "MAX_GRID_YZ", 3)
+        assert encode.tile_grid(33, 416, 8, 64, order == "k") == ((7, 3, 2) if order == "k" else (5, 3, 3))
+    x = sample((33, 400), seed=80, specials=False)  # 5 row tiles x 7 spans of 64 (5 of 96), both ragged
+    for recipe in (QR(), QR(macro_block=96), QR(macro_block=128, outliers_per_block=1), QR(macro_block=160)):
+        with backend.running():
+            q, s, m, ov, oi = qk.quantize(x.to(device), recipe, config, options)
+        want = REF.quantize(x, recipe)
+        assert torch.equal(q.cpu(), want.qdata) and torch.equal(s.cpu(), want.scales), recipe.describe()
+        if m is not None:
+            assert torch.equal(m.cpu(), want.macro_scales), recipe.describe()
+        if oi is not None:
+            assert torch.equal(oi.cpu(), want.outlier_indices) and torch.equal(ov.cpu(), want.outlier_values)
+    mx = REF.quantize(sample((33, 400), seed=81), QR(outliers_per_block=2, macro_block=96))
+    with backend.running():
+        got = dq.dequantize(mx.to(device), torch.float32, config, options)
+    want = REF.dequantize(mx)
+    assert torch.equal(got.isnan().cpu(), want.isnan()) and same_bits(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    for recipe in (QR(), QR(macro_block=160)):
+        with backend.running():
+            got = dk.decompose(x.to(device), recipe, "gain", True, config, options)
+        assert_stats_close(got, REF.decompose(x, recipe, "gain", True))
+    # whole tiles (the maskless kernel), in a buffer whose rows past the tensor hold NaN:
+    # a program past the end would read them (or the next row's values) and count them
+    big = sample((48, 448), seed=82)  # NaN and +-Inf planted
+    big[40:] = float("nan")
+    bad = big.to(device)[:40]
+    with backend.running():
+        got = dk.decompose(bad, QR(), "gain", False, config, options)
+    assert int(got.non_finite) == int((~torch.isfinite(big[:40])).sum()) > 0
+
+
+def test_tile_config_order_is_checked():
+    from portable_mx.backends.triton.launch import TileConfig
+
+    assert TileConfig(16, 256).order == "k" and "r-first" in TileConfig(16, 256, order="r").label()
+    with pytest.raises(ValueError, match="order"):
+        TileConfig(16, 256, order="rows")

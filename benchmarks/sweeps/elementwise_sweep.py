@@ -6,7 +6,8 @@ portable_mx/backends/cuda.py and rocm.py.
 
 For quantize (floor, MBS-128, OF-2, stochastic), dequantize (bf16 out) and decompose
 (statistics only, and full), every candidate tile config of :data:`CANDIDATES` (the
-backend's current one first) is
+backend's current one first, then the same tile in the other program order,
+``TileConfig.order``; these two for every case before any other candidate) is
 
 1. checked against the reference backend on a small input (codes, scales, macro
    factors, outliers, dequantized bytes and counts bit-exact; decompose statistics
@@ -40,6 +41,10 @@ from elementwise import Timer, buffers  # noqa: E402
 # (case, recipe kwargs) -> candidate tiles as (block_r, block_k, num_warps); one 32-block
 # per thread needs block_r * block_k / 32 >= 32 * num_warps, and the quantize words
 # layout wants block_r * block_k / 2 >= 16 * 32 * num_warps for a whole block per thread.
+# Every candidate runs in the program order "k" (TileConfig.order: consecutive programs
+# take the spans of one row tile, memory order); the backend's current tile also runs in
+# order "r" (the row tiles of one span: the earlier grid), second, so that each case
+# measures what the order alone moves.
 CANDIDATES: dict[str, tuple[dict, list[tuple[int, int, int]]]] = {
     "quantize floor": ({}, [(16, 256, 4), (32, 256, 4), (8, 512, 4), (32, 256, 8), (64, 256, 8), (32, 512, 8),
                            (8, 256, 4), (16, 256, 2)]),
@@ -166,16 +171,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         copies[f"{r}x{k}"] = {"us": copy_ms * 1e3, "gbps": 2 * nbytes / copy_ms / 1e6}
         print(f"copy {r}x{k}: {copy_ms * 1e3:.1f} us, {copies[f'{r}x{k}']['gbps']:.0f} GB/s", flush=True)
 
-    rows = []
+    # every case's context, then the work in two rounds: each case's current tile in both
+    # program orders first (so that a spent budget still leaves every case its baseline
+    # and the order's effect), then the other candidates
     wanted = set(args.cases.split(",")) if args.cases else None
+    contexts, first, rest = {}, [], []
     for case, (kwargs, tiles) in CANDIDATES.items():
         if wanted and case not in wanted:
             continue
         recipe = pmx.QuantRecipe(**kwargs)
         op = case.split()[0]
         own = backend.tile_config("decompose-full" if case == "decompose full" else op, target, recipe)
-        own_t = (own.block_r, own.block_k, own.num_warps)
-        order = [own_t] + [t for t in tiles if t != own_t]
+        own_t = (own.block_r, own.block_k, own.num_warps, own.order)
+        other = "r" if own.order == "k" else "k"
+        order = [own_t, own_t[:3] + (other,)] + [(*t, "k") for t in tiles if (*t, "k") != own_t]
         if args.cpu_smoke:
             order = order[: SMOKE["tiles"]]
         mx_check_cpu = ref.quantize(x_check_cpu, recipe)
@@ -185,39 +194,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             want = ref.dequantize(mx_check_cpu, torch.bfloat16)
         else:
             want = ref.decompose(x_check_cpu, recipe, "gain", case.endswith("full"))
-        mx_check = mx_check_cpu.to(device)
-        for br, bk, warps in order:
-            row: dict[str, Any] = {"case": case, "tile": f"r{br}xk{bk} w{warps}", "current": (br, bk, warps) == own_t}
-            if time.perf_counter() - start > args.budget:
-                row["skipped"] = "budget spent"
-                rows.append(row)
-                continue
-            t0 = time.perf_counter()
-            try:
-                config = TileConfig(br, bk, num_warps=warps, extra=own.extra)
-                options = backend.options(config)
-                with backend.running():
-                    got = run_case(case, recipe, config, options, x_check, mx_check)
-                problem = check(case, recipe, got, x_check_cpu, mx_check_cpu, want)
-                row["compile_and_check_s"] = time.perf_counter() - t0
-                if problem:
-                    row["error"] = f"check: {problem}"
-                else:
-                    for (r, k), xs in inputs.items():
-                        mxs = [backend.quantize(x, recipe) for x in xs] if op == "dequantize" else None
-                        mx_bytes = (mxs[0] if mxs else backend.quantize(xs[0], recipe)).nbytes()
-                        nbytes = case_bytes(case, r, k, mx_bytes)
-                        feed = mxs if op == "dequantize" else xs
-                        with backend.running():
-                            ms = timer.kernel_ms(lambda a: run_case(case, recipe, config, options, a, a), feed, nbytes)
-                        key = f"{r}x{k}"
-                        row[key] = {"us": ms * 1e3, "gbps": nbytes / ms / 1e6,
-                                    "ratio": nbytes / ms / 1e6 / copies[key]["gbps"]}
-            except Exception as err:  # noqa: BLE001  (record, go on)
-                row["error"] = f"{type(err).__name__}: {err}"[:600]
-            row["seconds"] = time.perf_counter() - t0
+        contexts[case] = (recipe, op, own, own_t, mx_check_cpu, mx_check_cpu.to(device), want)
+        first += [(case, t) for t in order[:2]]
+        rest += [(case, t) for t in order[2:]]
+
+    rows = []
+    for case, (br, bk, warps, walk) in first + rest:
+        recipe, op, own, own_t, mx_check_cpu, mx_check, want = contexts[case]
+        row: dict[str, Any] = {"case": case, "tile": f"r{br}xk{bk} w{warps}{' r-first' if walk == 'r' else ''}",
+                               "current": (br, bk, warps, walk) == own_t}
+        if time.perf_counter() - start > args.budget:
+            row["skipped"] = "budget spent"
             rows.append(row)
-            print(_line(row, time_shapes), flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            config = TileConfig(br, bk, num_warps=warps, extra=own.extra, order=walk)
+            options = backend.options(config)
+            with backend.running():
+                got = run_case(case, recipe, config, options, x_check, mx_check)
+            problem = check(case, recipe, got, x_check_cpu, mx_check_cpu, want)
+            row["compile_and_check_s"] = time.perf_counter() - t0
+            if problem:
+                row["error"] = f"check: {problem}"
+            else:
+                for (r, k), xs in inputs.items():
+                    mxs = [backend.quantize(x, recipe) for x in xs] if op == "dequantize" else None
+                    mx_bytes = (mxs[0] if mxs else backend.quantize(xs[0], recipe)).nbytes()
+                    nbytes = case_bytes(case, r, k, mx_bytes)
+                    feed = mxs if op == "dequantize" else xs
+                    with backend.running():
+                        ms = timer.kernel_ms(lambda a: run_case(case, recipe, config, options, a, a), feed, nbytes)
+                    key = f"{r}x{k}"
+                    row[key] = {"us": ms * 1e3, "gbps": nbytes / ms / 1e6,
+                                "ratio": nbytes / ms / 1e6 / copies[key]["gbps"]}
+        except Exception as err:  # noqa: BLE001  (record, go on)
+            row["error"] = f"{type(err).__name__}: {err}"[:600]
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        print(_line(row, time_shapes), flush=True)
+    rows.sort(key=lambda row: list(contexts).index(row["case"]))  # stable: each case's rows together
 
     result = {**result_header("elementwise-sweep", name), "target": target.name if target else None,
               "backend": backend.name, "cpu_smoke": args.cpu_smoke, "budget_s": args.budget,
@@ -245,17 +261,17 @@ def best(rows: list[dict[str, Any]], time_shapes) -> dict[str, Any]:
 
 def _line(row: dict[str, Any], time_shapes) -> str:
     if "error" in row or "skipped" in row:
-        return f"{row['case']:<20} {row['tile']:<16} {row.get('error', row.get('skipped'))[:150]}"
+        return f"{row['case']:<20} {row['tile']:<24} {row.get('error', row.get('skipped'))[:150]}"
     cells = "  ".join(f"{r}x{k} {row[f'{r}x{k}']['us']:8.1f} us ratio {row[f'{r}x{k}']['ratio']:.3f}"
                       for r, k in time_shapes if f"{r}x{k}" in row)
-    return f"{row['case']:<20} {row['tile']:<16}{' *' if row['current'] else '  '} {cells}"
+    return f"{row['case']:<20} {row['tile']:<24}{' *' if row['current'] else '  '} {cells}"
 
 
 def format_table(rows, time_shapes, best_rows) -> str:
-    lines = ["case                 tile               " + "  ".join(f"{r}x{k:<16}" for r, k in time_shapes)]
+    lines = ["case                 tile                       " + "  ".join(f"{r}x{k:<16}" for r, k in time_shapes)]
     lines += [_line(r, time_shapes) for r in rows]
     lines.append("best (ratio at the first shape; * marks the backend's current tile):")
-    lines += [f"  {case:<20} {b['tile']:<16} ratio {b['ratio']:.3f} ({b['us']:.1f} us)" for case, b in best_rows.items()]
+    lines += [f"  {case:<20} {b['tile']:<24} ratio {b['ratio']:.3f} ({b['us']:.1f} us)" for case, b in best_rows.items()]
     return "\n".join(lines)
 
 

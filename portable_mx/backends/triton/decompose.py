@@ -54,6 +54,7 @@ from .encode import (
     load_block_words,
     encode_stochastic,
     fma_divides,
+    program_tile,
     scaled_halves,
     span_macro_factor,
     split_blocks,
@@ -419,18 +420,21 @@ def decompose_kernel(
     MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr,
     COUNTERFACTUAL: tl.constexpr, FULL: tl.constexpr, FMA_DIV: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
+    K_FIRST: tl.constexpr,
 ):
     """w: the input (as quantize_kernel); beta: fp32 [R, Kp/32]; energy: the float64
     bits (int64) [5, R, Kp/32] in the order of ENERGIES; counts: int32 [2, R, Kp/32]
     (COUNTS); full: the fp32 bits (int32) [4, R, Kp = 2 KW] in the order of COMPONENTS
     (written when FULL), FULL_PLANE = R * Kp; bad: int64 [1], incremented by the number of
     NaN/Inf values. WHOLE_BLOCKS: one thread per 32-block (blocks_per_thread, VEC words a
-    load), else a [BR, BW] word tile whose blocks threads share (:func:`_load_words`)."""
+    load), else a [BR, BW] word tile whose blocks threads share (:func:`_load_words`).
+    The program's tile from encode.program_tile (K_FIRST: their order)."""
     w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    col0 = tl.program_id(1) * SPAN
+    pid_r, pid_k = program_tile(K_FIRST)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    col0 = pid_k * SPAN
     NB = KW // 16
     plane = R * NB
     lane_lo = tl.arange(0, 16)[None, None, :] * 2

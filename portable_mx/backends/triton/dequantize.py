@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...tensor import MXTensor
+from .encode import exact_grid, program_tile, tile_grid
 from .launch import KernelLaunch, TileConfig
 from .numerics import F32_QNAN, bf16_round_bits, decode_bits, exp2i, f16_bits
 
@@ -55,16 +56,19 @@ def dequantize_kernel(
     q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr, out_ptr,
     R, KW, NM, MACRO,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, HAS_MACRO: tl.constexpr,
-    N_OUT: tl.constexpr, OUT_KIND: tl.constexpr, EVEN: tl.constexpr,
+    N_OUT: tl.constexpr, OUT_KIND: tl.constexpr, EVEN: tl.constexpr, K_FIRST: tl.constexpr,
 ):
     """q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM]; ov: int16 (bf16
     bits) and oi: uint8 [R, Kp/32, N_OUT]; out: the output's words [R, KW] (int64 for
-    fp32, int32 for bf16/fp16). MACRO is the macro block length. EVEN: whole tiles."""
+    fp32, int32 for bf16/fp16). MACRO is the macro block length. EVEN: whole tiles, one
+    program each.
+    The program's tile from encode.program_tile (K_FIRST: their order)."""
     BW: tl.constexpr = BLOCK_K // 2
     NV: tl.constexpr = BW // VEC
     NB = KW // 16
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    vcol = (tl.program_id(1) * BW + tl.arange(0, NV) * VEC)[None, :]  # first byte of each vector
+    pid_r, pid_k = program_tile(K_FIRST)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    vcol = (pid_k * BW + tl.arange(0, NV) * VEC)[None, :]  # first byte of each vector
     byte = vcol[:, :, None] + tl.arange(0, VEC)[None, None, :]  # [1, NV, VEC]
     vmask = (rows[:, None] < R) & (vcol < KW)  # unused (dead) when EVEN
     if EVEN:
@@ -108,7 +112,7 @@ def dequantize_kernel(
             hi = f16_bits(hi)
             nan = F16_QNAN
         word = tl.where(special, nan | (nan << 16), lo | (hi << 16))
-    wcol = (tl.program_id(1) * BW + tl.arange(0, BW))[None, :]
+    wcol = (pid_k * BW + tl.arange(0, BW))[None, :]
     word = tl.reshape(word, (BLOCK_R, BW))
     if EVEN:
         tl.store(out_ptr + rows[:, None] * KW + wcol, word)
@@ -118,7 +122,7 @@ def dequantize_kernel(
 
 def _constexprs(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, even: bool) -> dict:
     return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "VEC": vec_bytes(dtype), "HAS_MACRO": has_macro,
-            "N_OUT": n_out, "OUT_KIND": OUT_KINDS[dtype], "EVEN": even}
+            "N_OUT": n_out, "OUT_KIND": OUT_KINDS[dtype], "EVEN": even, "K_FIRST": config.order == "k"}
 
 
 def launch_spec(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, options: dict,
@@ -145,8 +149,10 @@ def dequantize(mx: MXTensor, dtype: torch.dtype, config: TileConfig, options: di
     out = torch.empty(r, kp, dtype=dtype, device=mx.device)
     has_macro = mx.macro_scales is not None
     n_out = 0 if mx.outlier_values is None else mx.outlier_values.shape[-1]
-    even = r % config.block_r == 0 and kp % config.block_k == 0
-    grid = (triton.cdiv(r, config.block_r), triton.cdiv(kp, config.block_k))
+    k_first = config.order == "k"
+    even = (r % config.block_r == 0 and kp % config.block_k == 0
+            and exact_grid(r, kp, config.block_r, config.block_k, k_first))
+    grid = tile_grid(r, kp, config.block_r, config.block_k, k_first)
     dequantize_kernel[grid](
         mx.qdata.contiguous(), mx.scales.contiguous(),
         mx.macro_scales.contiguous() if has_macro else mx.scales,

@@ -98,6 +98,47 @@ def word_pointer(x_ptr, IN_KIND: tl.constexpr):
 # ----------------------------------------------------------------------------- tiles
 
 
+MAX_GRID_YZ = 65535
+"""The largest grid size along a launch's second and third axes (CUDA and HIP)."""
+
+
+@triton.jit
+def program_tile(K_FIRST: tl.constexpr):
+    """(row tile, column span) of this program in the grid of :func:`tile_grid`. K_FIRST:
+    the first grid axis counts the spans of one row tile, so consecutive programs (and the
+    ones resident at any moment) read and write one contiguous stretch of the tensor, as a
+    copy does; else it counts the row tiles of one span (pieces of SPAN columns, rows
+    BLOCK_R apart). The other count is split over the second and third axes, which may
+    leave a few programs past its end: their rows (or columns) are past the tensor's, and
+    the kernel is launched with its masks then (:func:`exact_grid`)."""
+    inner = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    if K_FIRST:
+        pid_r = inner
+        pid_k = tl.program_id(0)
+    else:
+        pid_r = tl.program_id(0)
+        pid_k = inner
+    return pid_r, pid_k
+
+
+def tile_grid(r: int, kp: int, block_r: int, span: int, k_first: bool) -> tuple[int, int, int]:
+    """The launch grid of :func:`program_tile` for r rows of kp (padded) columns: any size
+    (the second axis alone would cap the count it holds at 65535) and no division in the
+    kernel."""
+    rows, spans = triton.cdiv(r, block_r), triton.cdiv(kp, span)
+    outer, inner = (spans, rows) if k_first else (rows, spans)
+    z = triton.cdiv(inner, MAX_GRID_YZ)
+    return outer, triton.cdiv(inner, z), z
+
+
+def exact_grid(r: int, kp: int, block_r: int, span: int, k_first: bool) -> bool:
+    """Whether :func:`tile_grid` has exactly one program a tile (always, unless the inner
+    count is above 65535 and not a multiple of its slabs): the maskless kernels need it."""
+    rows, spans = triton.cdiv(r, block_r), triton.cdiv(kp, span)
+    _, y, z = tile_grid(r, kp, block_r, span, k_first)
+    return y * z == (rows if k_first else spans)
+
+
 @triton.jit
 def blocked(t, BLOCK_R: tl.constexpr, BW: tl.constexpr):
     """[BR, BW] words -> [BR, BW/16, 16] (rows, 32-blocks, words)."""

@@ -41,16 +41,25 @@ class TileConfig(_LaunchOptions):
     """Tile sizes and launch options of one element-wise MX kernel (quantize, dequantize,
     decompose): ``block_r`` rows by ``block_k`` columns per program (``block_k`` a power of
     two and a multiple of 32), ``num_warps`` warps, and vendor options (``waves_per_eu``
-    on AMD ...) passed through to the launch."""
+    on AMD ...) passed through to the launch. ``order``: which tiles consecutive programs
+    take (the grid is one-dimensional): "k", the column spans of one row tile (launch order
+    walks the tensor in memory order, as a copy does), or "r", the row tiles of one span
+    (rows ``block_r`` apart: the order of the earlier two-dimensional grid)."""
 
     block_r: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 1
     extra: tuple[tuple[str, Any], ...] = ()
+    order: str = "k"
+
+    def __post_init__(self):
+        if self.order not in ("k", "r"):
+            raise ValueError(f"TileConfig.order must be 'k' or 'r'; got {self.order!r}")
 
     def label(self) -> str:
-        return f"r{self.block_r}xk{self.block_k} w{self.num_warps}{self._extra_label()}"
+        order = "" if self.order == "k" else " r-first"
+        return f"r{self.block_r}xk{self.block_k} w{self.num_warps}{order}{self._extra_label()}"
 
 
 @dataclass(frozen=True)

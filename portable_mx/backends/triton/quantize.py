@@ -32,9 +32,12 @@ from .encode import (
     chunk_words,
     encode_half,
     flat,
+    tile_grid,
+    exact_grid,
     group_macro_factors,
     encode_stochastic,
     fma_divides,
+    program_tile,
     scaled_halves,
     span_macro_factor,
     split_blocks,
@@ -53,17 +56,20 @@ def quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, FMA_DIV: tl.constexpr,
+    K_FIRST: tl.constexpr,
 ):
     """w: the input, bf16 / fp16 / fp32 [R, K], read as words of two elements (int32 for
     16-bit input, int64 for fp32): [R, KW_IN valid words, row stride stride_w words];
     q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM] (HAS_MACRO); ov: int16 (bf16 bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT > 0). EVEN: every tile
-    is whole (R % BLOCK_R == 0, K == Kp, Kp % SPAN == 0, SPAN == BLOCK_K): no masks.
-    FMA_DIV: divide by macro factors with fmas (encode.fma_divides)."""
+    is whole (R % BLOCK_R == 0, K == Kp, Kp % SPAN == 0, SPAN == BLOCK_K) and has one
+    program (encode.exact_grid): no masks.
+    FMA_DIV: divide by macro factors with fmas (encode.fma_divides). The program's
+    tile from encode.program_tile (K_FIRST: their order)."""
     w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
-    pid_k = tl.program_id(1)
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    pid_r, pid_k = program_tile(K_FIRST)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     col0 = pid_k * SPAN
     NB = KW // 16
     m_span = tl.full([BLOCK_R], 1.0, tl.float32)
@@ -118,7 +124,8 @@ def quantize_kernel(
                 tl.store(ov_ptr + boff * N_OUT + 1, ob2.to(tl.int16), mask=bmask)
                 tl.store(oi_ptr + boff * N_OUT + 1, idx2.to(tl.uint8), mask=bmask)
     if HAS_MACRO and MACRO_GROUP == 0:
-        tl.store(m_ptr + rows * NM + pid_k, m_span, mask=rows < R)
+        # (a vector mask: the interpreter rejects one made of a vector and a scalar)
+        tl.store(m_ptr + rows * NM + pid_k, m_span, mask=(rows < R) & (rows * 0 + pid_k < NM))
 
 
 @dataclass(frozen=True)
@@ -153,19 +160,20 @@ class Plan:
         constexprs = {
             "BLOCK_R": block_r, "BLOCK_K": block_k, "SPAN": span, "NUM_CHUNKS": chunks, "MACRO_GROUP": group,
             "RULE": RULE_IDS[recipe.scale_rule], "STOCHASTIC": recipe.rounding == "stochastic",
-            "HAS_MACRO": mb is not None, "N_OUT": recipe.outliers_per_block,
+            "HAS_MACRO": mb is not None, "N_OUT": recipe.outliers_per_block, "K_FIRST": config.order == "k",
         }
         return Plan(block_r, block_k, span, chunks, constexprs)
 
     def even(self, r: int, k: int) -> bool:
-        """Whether every tile of an [r, k] input is whole (the maskless variant)."""
+        """Whether every tile of an [r, k] input is whole and has one program (the
+        maskless variant)."""
         kp = -(-k // 32) * 32
         return (r % self.block_r == 0 and k == kp and kp % self.span == 0
-                and self.num_chunks * self.block_k == self.span)
+                and self.num_chunks * self.block_k == self.span
+                and exact_grid(r, kp, self.block_r, self.span, self.constexprs["K_FIRST"]))
 
-    def grid(self, r: int, k: int) -> tuple[int, int]:
-        kp = -(-k // 32) * 32
-        return triton.cdiv(r, self.block_r), triton.cdiv(kp, self.span)
+    def grid(self, r: int, k: int) -> tuple[int, int, int]:
+        return tile_grid(r, -(-k // 32) * 32, self.block_r, self.span, self.constexprs["K_FIRST"])
 
 
 _INT_ARGS = ("R", "KW_IN", "KW", "NM", "stride_w")

@@ -4,7 +4,9 @@ Three modes (see NOTES-overhead.md for what should move and the recorded figures
 
 - GPU (default): host time per eager call of ``pmx.quantize``, ``pmx.dequantize``,
   W4A16 and A4W4 ``pmx.matmul`` and ``MXLinear`` forward (x bf16 [16, 8192], weight
-  8192 x 8192), beside ``torch.matmul`` and a bare Triton launch (an empty
+  8192 x 8192) and of a W4A16 mixture-of-experts layer at one token (``pmx.route`` and
+  two ``pmx.grouped_matmul``, gpt-oss-20b's experts: 32 of [5760, 2880] and [2880,
+  2880], top-4), beside ``torch.matmul`` and a bare Triton launch (an empty
   ``@triton.jit`` kernel) in the same run; per call also the kernels launched and their
   GPU time (torch profiler), and the same calls with direct launches off (Triton's JIT
   path), for scale.
@@ -112,6 +114,42 @@ def decode_problem(device: Any, *, m: int = M, n: int = N, k: int = K, bias: boo
             "x_mx": pmx.quantize(x), "lin": lin, "lin_cached": lin_cached}
 
 
+MOE = {"experts": 32, "top_k": 4, "hidden": 2880, "inter": 2880}
+"""The MoE layer of the ``MoE layer W4A16 T=1`` row: gpt-oss-20b's (benchmarks/moe.py)."""
+
+
+def moe_problem(device: Any, hidden: int = MOE["hidden"], inter: int = MOE["inter"]) -> dict:
+    """One token, its router's top-k ids and weights, gpt-oss-style expert weights in
+    MXFP4 (W1 [E, 2 I, H] gate/up interleaved, W2 [E, H, I]) and biases."""
+    import torch
+
+    import portable_mx as pmx
+
+    e, k = MOE["experts"], MOE["top_k"]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(1, hidden, generator=g).to(device=device, dtype=torch.bfloat16)
+    w, ids = torch.randn(1, e, generator=g).topk(k, dim=-1)
+    return {"x": x, "ids": ids.to(device), "weights": w.softmax(-1).to(device=device, dtype=torch.bfloat16),
+            "w1": pmx.quantize(torch.randn(e, 2 * inter, hidden, generator=g).to(device), axis=-1),
+            "w2": pmx.quantize(torch.randn(e, hidden, inter, generator=g).to(device), axis=-1),
+            "b1": torch.zeros(e, 2 * inter, dtype=torch.bfloat16, device=device),
+            "b2": torch.zeros(e, hidden, dtype=torch.bfloat16, device=device),
+            "recipe": pmx.QuantRecipe(activations="bf16")}
+
+
+def moe_call(q: dict) -> Callable[[], Any]:
+    """The eager MoE layer: route, gather + bias + SwiGLU up, bias + weighted scatter down."""
+    import portable_mx as pmx
+
+    def layer():
+        r = pmx.route(q["ids"], q["weights"], MOE["experts"])
+        h = pmx.grouped_matmul(q["x"], q["w1"], routing=r, gather=True, bias=q["b1"], activation="swiglu_oai",
+                               recipe=q["recipe"])
+        return pmx.grouped_matmul(h, q["w2"], routing=r, scatter=True, bias=q["b2"], recipe=q["recipe"])
+
+    return layer
+
+
 def portable_calls(p: dict, uncached: bool = True) -> dict[str, Callable[[], Any]]:
     """The eager calls measured, by name. MXLinear under no_grad (inference), inside a
     ``pmx.nn.weight_cache`` block held open for the whole measurement (the deployed
@@ -145,6 +183,8 @@ def portable_calls(p: dict, uncached: bool = True) -> dict[str, Callable[[], Any
     }
     if uncached:
         calls["MXLinear W4A16 uncached"] = mxlinear_uncached
+    if "moe" in p:
+        calls["MoE layer W4A16 T=1"] = moe_call(p["moe"])
     return calls
 
 
@@ -168,6 +208,7 @@ def run_gpu(args) -> dict:
 
     device = torch.device("cuda", torch.cuda.current_device())
     p = decode_problem(device)
+    p["moe"] = moe_problem(device)
     buf = torch.zeros(16, device=device)
     empty = _empty_kernel()
     calls, repeats = args.calls, args.repeats
@@ -220,7 +261,6 @@ def simulate_sm90() -> None:
     from portable_mx import registry
     from portable_mx.backends.cuda import CudaBackend
     from portable_mx.backends.targets import TARGETS
-    from portable_mx.backends.triton import dequantize as dequantize_kernels
     from portable_mx.backends.triton import launch as L
 
     class SimulatedSm90(CudaBackend):
@@ -236,14 +276,30 @@ def simulate_sm90() -> None:
         def _identity(self, device, target):
             return "sm_90", "simulated sm_90"
 
-    class NoLaunch:  # the dequantize kernel is launched through its module, not a plan
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
     registry.register(SimulatedSm90(), replace=True)
     os.environ[registry.ENV_BACKEND] = SimulatedSm90.name
     L.launch = lambda plan, args: None
-    dequantize_kernels.dequantize_kernel = NoLaunch()
+
+
+def torch_ops(fn: Callable[[], Any]) -> dict[str, int]:
+    """The aten ops one call of ``fn`` dispatches (after a first, warming call), by name."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    fn()
+    with Count() as count:
+        fn()
+    return dict(count.ops)
 
 
 def _machine() -> dict:
@@ -263,6 +319,7 @@ def run_cpu(args, smoke: bool) -> dict:
     simulate_sm90()
     dev = torch.device("cpu")
     p = decode_problem(dev, m=M, n=256 if smoke else N, k=256 if smoke else K)
+    p["moe"] = moe_problem(dev, 64, 64)  # the host path does not depend on the sizes: no kernel runs
     calls, repeats = (20, 3) if smoke else (args.calls, args.repeats)
     machine = _machine()
     cases: dict[str, Callable[[], Any]] = {
@@ -271,12 +328,16 @@ def run_cpu(args, smoke: bool) -> dict:
     }
     cases.update(portable_calls(p, uncached=False))
     rows = {name: {"host_us": host_us(fn, calls, repeats)} for name, fn in cases.items()}
-    # outputs each call allocates with torch.empty (its cost is part of the total)
-    allocations = {"pmx.quantize": 2, "pmx.dequantize": 1, "pmx.matmul W4A16": 1, "pmx.matmul A4W4": 3,
-                   "MXLinear W4A16": 1}
+    # outputs each call allocates with torch.empty (their cost is part of the total), and
+    # the other torch ops it dispatches (each a kernel launch on a GPU)
     empty_us = rows["torch.empty"]["host_us"]["min"]
-    for name, n_alloc in allocations.items():
+    for name, fn in cases.items():
+        if name in ("python call", "torch.empty"):
+            continue
+        ops = torch_ops(fn)
+        n_alloc = sum(n for op, n in ops.items() if op.startswith("aten.empty"))
         rows[name]["allocations"] = n_alloc
+        rows[name]["other_torch_ops"] = {op: n for op, n in ops.items() if not op.startswith("aten.empty")}
         rows[name]["layers_us"] = rows[name]["host_us"]["min"] - n_alloc * empty_us
     machine["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     doc = result_header("overhead-cpu", f"simulated sm_90 on {machine['cpu']}")
@@ -515,6 +576,8 @@ def print_table(doc: dict) -> None:
             extra += f"  (JIT launches: {row['host_us_jit_launch']['min']:6.1f} us)"
         if "layers_us" in row:
             extra += f"  without its {row['allocations']} torch.empty: {row['layers_us']:5.2f} us"
+        if row.get("other_torch_ops"):
+            extra += f"  other torch ops: {row['other_torch_ops']}"
         print(f"  {name:22s} host {h['min']:7.2f} us (median {h['median']:7.2f}){extra}")
     for name, err in doc.get("errors", {}).items():
         print(f"  {name:22s} FAILED: {err}")

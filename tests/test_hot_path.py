@@ -278,6 +278,45 @@ def test_a_misaligned_input_gets_its_own_plan(kernel):
     assert len(plans) == before + 2
 
 
+DEQUANT_RECIPES = [QR(), QR(macro_block=64), QR(macro_block=96), QR(outliers_per_block=2),
+                   QR(macro_block=128, outliers_per_block=1)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_planned_dequantize_equals_the_host_function_and_the_reference(kernel, dtype):
+    """The backend's kept dequantize plans write the bits of the kernel module's own host
+    function and of the reference, for every kind of MXTensor (macro blocks of two lengths
+    with the same shapes, which must not share a plan, and outliers), twice (the second
+    round runs the kept plans), and a view whose parts start off 16 bytes gets its own."""
+    from portable_mx.backends.triton import dequantize as kernels
+
+    backend, device = kernel
+    config = backend.tile_config("dequantize", backend._device(device).target, None)
+    written = torch.float32 if dtype == torch.float64 else dtype
+    plans = backend._device(torch.empty(0, device=device).device).dequantize_plans
+    for _ in range(2):
+        for recipe in DEQUANT_RECIPES:
+            mx = REF.quantize(randn(33, 300, seed=6, scale=8.0), recipe).to(device)
+            got = backend.dequantize(mx, dtype)
+            with backend.running():
+                old = kernels.dequantize(mx, written, config, backend.options(config))
+            want = REF.dequantize(mx.to("cpu"), dtype)
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.equal(got.cpu().view(torch.uint8), old.to(dtype).cpu().view(torch.uint8))
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), recipe.describe()
+        count = len(plans)
+    assert len([k for k in plans if k[0] == dtype]) >= len(DEQUANT_RECIPES)
+    full = REF.quantize(randn(9, 33 * 32, seed=7), QR()).to(device)
+    rows = [pmx.MXTensor(full.qdata[i:i + 8], full.scales[i:i + 8], torch.Size([8, 33 * 32]), torch.float32, 1, QR())
+            for i in (0, 1)]  # the second's scales start 33 bytes in: contiguous, not 16-byte aligned
+    assert rows[0].scales.data_ptr() % 16 == 0 and rows[1].scales.data_ptr() % 16 != 0
+    for mx in rows:
+        got = backend.dequantize(mx, dtype)
+        assert torch.equal(got.cpu().view(torch.uint8), REF.dequantize(mx.to("cpu"), dtype).view(torch.uint8))
+    assert len(plans) == count + 2
+
+
 def _close(got, a_rows, b_rows, k, out_dtype):
     """got [M, N] within the fp32 accumulation bound of the exact product, plus half an
     ulp of out_dtype (the one rounding of the stored result)."""

@@ -93,10 +93,11 @@ class _Device:
     """What a Triton backend decided for one device, once: its target, the weight's
     scale layout, whether the GEMM stores fp32 and casts afterwards (the interpreter,
     whose fp32 -> bf16 conversion truncates), the context launches run in, and the launch
-    plans (quantize per recipe and shapes, the GEMM per operand kinds and shapes)."""
+    plans (quantize per recipe and shapes, dequantize and the GEMM per operand kinds and
+    shapes)."""
 
     __slots__ = ("device", "target", "layout", "cast_output", "running", "quantize_plans", "quantize_by_value",
-                 "gemm_plans", "grouped_plans", "cache_generation")
+                 "dequantize_plans", "gemm_plans", "grouped_plans", "cache_generation")
 
     def __init__(self, backend: "TritonBackend", device: torch.device) -> None:
         self.device = device
@@ -107,6 +108,7 @@ class _Device:
         self.running = backend.running if overridden else None
         self.quantize_plans: dict[tuple, tuple[QuantRecipe, _QuantizePlan]] = {}  # by recipe object
         self.quantize_by_value: dict[tuple, _QuantizePlan] = {}  # by recipe value
+        self.dequantize_plans: dict[tuple, tuple] = {}  # see TritonBackend._plan_dequantize
         self.gemm_plans: dict[tuple, _GemmPlan] = {}
         self.grouped_plans: dict[tuple, Any] = {}  # grouped_gemm.GroupedPlan and combine launches
         self.cache_generation = config_cache.generation()
@@ -437,13 +439,42 @@ class TritonBackend(Backend):
         return out
 
     def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .dequantize import OUT_KINDS, dequantize
-
-        config = self.tile_config("dequantize", self._device(mx.device).target, mx.recipe)
-        written = dtype if dtype in OUT_KINDS else torch.float32  # float64: exact from fp32
-        with self.running():
-            out = dequantize(mx, written, config, self.options(config))
+        """mx (R, K), axis 1 -> [R, Kp] in ``dtype``, written by the kernel (fp32, bf16,
+        fp16; float64 exactly from fp32): one planned launch, decided once per (parts'
+        kinds, R, Kp, output dtype, alignment)."""
+        dev = mx.qdata.device
+        st = self._devices.get(dev) or self._device(dev)
+        q, s = mx.qdata.contiguous(), mx.scales.contiguous()
+        m, ov, oi = mx.macro_scales, mx.outlier_values, mx.outlier_indices
+        m = s if m is None else m.contiguous()
+        ov = s if ov is None else ov.contiguous().view(torch.int16)
+        oi = s if oi is None else oi.contiguous()
+        aligned = q.data_ptr() % 16 == 0 and s.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0 \
+            and ov.data_ptr() % 16 == 0 and oi.data_ptr() % 16 == 0
+        r, kp = q.shape[0], mx.k_padded
+        key = (dtype, r, kp, None if m is s else mx.recipe.macro_block, 0 if ov is s else ov.shape[-1], aligned)
+        plan = st.dequantize_plans.get(key) or self._plan_dequantize(st, key, mx, dtype)
+        launch, ints, written, words = plan
+        out = torch.empty(r, kp, dtype=written, device=dev)
+        self._launch(st, launch, (q, s, m, ov, oi, out.view(words), *ints))
         return out if written == dtype else out.to(dtype)
+
+    def _plan_dequantize(self, st: _Device, key: tuple, mx: MXTensor, dtype: torch.dtype) -> tuple:
+        """(launch, integer arguments, dtype written, its word dtype) of
+        ``dequantize.dequantize``'s launch for ``mx`` to ``dtype``: ``dequantize.plan``
+        (grid, constexprs) and ``dequantize.int_args``."""
+        from . import dequantize as kernels
+
+        if len(st.dequantize_plans) >= _MAX_PLANS:
+            st.dequantize_plans.clear()
+        written = dtype if dtype in kernels.OUT_WORDS else torch.float32  # float64: exact from fp32
+        config = self.tile_config("dequantize", st.target, mx.recipe)
+        n_out = 0 if mx.outlier_values is None else mx.outlier_values.shape[-1]
+        grid, constexprs = kernels.plan(mx.qdata.shape[0], mx.k_padded, mx.macro_scales is not None, n_out, written,
+                                        config)
+        launch = Launch("dequantize", kernels.dequantize_kernel, grid, constexprs, self.options(config), config)
+        out = st.dequantize_plans[key] = (launch, kernels.int_args(mx), written, kernels.OUT_WORDS[written][0])
+        return out
 
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         from .decompose import decompose

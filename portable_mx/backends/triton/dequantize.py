@@ -31,7 +31,7 @@ from .numerics import F32_QNAN, bf16_round_bits, decode_bits, exp2i, f16_bits
 
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Constexpr id of each output dtype the kernel writes."""
-_OUT_WORDS = {torch.float32: (torch.int64, "*i64"), torch.bfloat16: (torch.int32, "*i32"),
+OUT_WORDS = {torch.float32: (torch.int64, "*i64"), torch.bfloat16: (torch.int32, "*i32"),
               torch.float16: (torch.int32, "*i32")}
 F16_QNAN = tl.constexpr(0x7E00)  # format.CANONICAL_NAN_BITS
 BF16_QNAN = tl.constexpr(0x7FC0)
@@ -131,7 +131,7 @@ def launch_spec(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileCon
     ``n_out`` outliers per block, writing ``dtype``, as data (for AOT)."""
     constexprs = _constexprs(has_macro, n_out, dtype, config, even)
     signature = {"q_ptr": "*u8", "s_ptr": "*u8", "m_ptr": "*fp32" if has_macro else "*u8",
-                 "ov_ptr": "*i16" if n_out else "*u8", "oi_ptr": "*u8", "out_ptr": _OUT_WORDS[dtype][1],
+                 "ov_ptr": "*i16" if n_out else "*u8", "oi_ptr": "*u8", "out_ptr": OUT_WORDS[dtype][1],
                  "R": "i32", "KW": "i32", "NM": "i32", "MACRO": "i32"}
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in dequantize_kernel.arg_names}
@@ -141,26 +141,37 @@ def launch_spec(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileCon
                         divisible_by_16=("KW",))
 
 
+def plan(r: int, kp: int, has_macro: bool, n_out: int, dtype: torch.dtype,
+         config: TileConfig) -> tuple[tuple[int, int, int], dict]:
+    """The grid and constexprs of the launch that dequantizes r rows of kp (padded)
+    columns, with/without macro factors and ``n_out`` outliers a block, to ``dtype``."""
+    k_first = config.order == "k"
+    even = (r % config.block_r == 0 and kp % config.block_k == 0
+            and exact_grid(r, kp, config.block_r, config.block_k, k_first))
+    return tile_grid(r, kp, config.block_r, config.block_k, k_first), _constexprs(has_macro, n_out, dtype, config, even)
+
+
+def int_args(mx: MXTensor) -> tuple[int, int, int, int]:
+    """The kernel's integer arguments R, KW, NM, MACRO for ``mx``."""
+    has_macro = mx.macro_scales is not None
+    return (mx.qdata.shape[0], mx.k_padded // 2, mx.macro_scales.shape[-1] if has_macro else 1,
+            mx.recipe.macro_block if has_macro else 32)
+
+
 def dequantize(mx: MXTensor, dtype: torch.dtype, config: TileConfig, options: dict) -> torch.Tensor:
     """MXTensor (R, K), axis 1, on the kernel's device -> [R, Kp] in ``dtype`` (fp32,
-    bf16 or fp16)."""
+    bf16 or fp16). (The Triton backend makes the same launch as a kept plan.)"""
     r = mx.qdata.shape[0]
     kp = mx.k_padded
     out = torch.empty(r, kp, dtype=dtype, device=mx.device)
     has_macro = mx.macro_scales is not None
     n_out = 0 if mx.outlier_values is None else mx.outlier_values.shape[-1]
-    k_first = config.order == "k"
-    even = (r % config.block_r == 0 and kp % config.block_k == 0
-            and exact_grid(r, kp, config.block_r, config.block_k, k_first))
-    grid = tile_grid(r, kp, config.block_r, config.block_k, k_first)
+    grid, constexprs = plan(r, kp, has_macro, n_out, dtype, config)
     dequantize_kernel[grid](
         mx.qdata.contiguous(), mx.scales.contiguous(),
         mx.macro_scales.contiguous() if has_macro else mx.scales,
         mx.outlier_values.contiguous().view(torch.int16) if n_out else mx.scales,
         mx.outlier_indices.contiguous() if n_out else mx.scales,
-        out.view(_OUT_WORDS[dtype][0]), r, kp // 2,
-        mx.macro_scales.shape[-1] if has_macro else 1,
-        mx.recipe.macro_block if has_macro else 32,
-        **_constexprs(has_macro, n_out, dtype, config, even), **options,
+        out.view(OUT_WORDS[dtype][0]), *int_args(mx), **constexprs, **options,
     )
     return out

@@ -323,7 +323,7 @@ def swizzle_kernel(plain: torch.Tensor, layout) -> torch.Tensor:
     alloc = torch.zeros if (rows_p, cols_p) != (rows, cols) else torch.empty
     out = alloc(rows_p * cols_p, dtype=torch.uint8, device=plain.device)
     with _on(plain):
-        _scales_kernel[(triton.cdiv(rows, _SCALE_TILE[0]), triton.cdiv(cols, _SCALE_TILE[1]))](
+        _scales_kernel[(-(-rows // _SCALE_TILE[0]), -(-cols // _SCALE_TILE[1]))](
             plain, out, rows, cols, plain.stride(0), layout.layout_id, *_SCALE_TILE, **_SWIZZLE_OPTIONS)
     return out
 

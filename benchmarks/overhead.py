@@ -126,12 +126,14 @@ def moe_problem(device: Any, hidden: int = MOE["hidden"], inter: int = MOE["inte
     import portable_mx as pmx
 
     e, k = MOE["experts"], MOE["top_k"]
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(1, hidden, generator=g).to(device=device, dtype=torch.bfloat16)
-    w, ids = torch.randn(1, e, generator=g).topk(k, dim=-1)
-    return {"x": x, "ids": ids.to(device), "weights": w.softmax(-1).to(device=device, dtype=torch.bfloat16),
-            "w1": pmx.quantize(torch.randn(e, 2 * inter, hidden, generator=g).to(device), axis=-1),
-            "w2": pmx.quantize(torch.randn(e, hidden, inter, generator=g).to(device), axis=-1),
+    g = torch.Generator(device=device).manual_seed(1)  # made on the device: W1 is 0.5 G values
+    x = torch.randn(1, hidden, generator=g, device=device).to(torch.bfloat16)
+    w, ids = torch.randn(1, e, generator=g, device=device).topk(k, dim=-1)
+    return {"x": x, "ids": ids, "weights": w.softmax(-1).to(torch.bfloat16),
+            "w1": pmx.quantize(torch.randn(e, 2 * inter, hidden, generator=g, device=device, dtype=torch.bfloat16),
+                               axis=-1),
+            "w2": pmx.quantize(torch.randn(e, hidden, inter, generator=g, device=device, dtype=torch.bfloat16),
+                               axis=-1),
             "b1": torch.zeros(e, 2 * inter, dtype=torch.bfloat16, device=device),
             "b2": torch.zeros(e, hidden, dtype=torch.bfloat16, device=device),
             "recipe": pmx.QuantRecipe(activations="bf16")}
@@ -404,7 +406,7 @@ def check_direct_equals_jit(device: Any) -> dict:
     out = {}
     L.launch = spy
     try:
-        for name in ("pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4"):
+        for name in ("pmx.quantize", "pmx.dequantize", "pmx.matmul W4A16", "pmx.matmul A4W4"):
             fn = calls[name]
             seen.clear()
             fn()

@@ -72,10 +72,16 @@ def test_forward_equals_the_oracle(gemm_kernel, monkeypatch, route, case):
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["a4w4", "w4a16-fp16"])
 def test_forward_with_weight_scales_above_128(gemm_kernel, monkeypatch, case):
-    """Expert weights of magnitude ~3000 (scale bytes above 128) on the hopper route (the
-    folded decode of the dense kernel would overflow on them; the grouped kernel decodes
-    with two multiplies)."""
+    """Expert weights of magnitude ~3000 (scale bytes above 128) on the hopper route: the
+    kernel carries the folded decode (one multiply a value pair, which would overflow on
+    them) and must take its exact decode, from the experts' largest scale byte read on the
+    device. (Forcing the folded decode makes this fail.)"""
     check_forward(gemm_kernel, monkeypatch, "upcast-hopper", case, w_scale=3000.0)
+    plans = [p for st in gemm_kernel[0]._devices.values() for p in st.grouped_plans.values()
+             if getattr(p, "launch", None) is not None and p.launch.kernel == "grouped-gemm-upcast"]
+    assert plans and all(p.weight[0].endswith(":largest") == bool(p.launch.constexprs["FOLD"]) for p in plans)
+    if torch.device(gemm_kernel[1]).type == "cpu":  # the interpreter's fp32 dot folds: the choice was made here
+        assert all(p.launch.constexprs["FOLD"] for p in plans)
 
 
 def check_forward(gemm_kernel, monkeypatch, route, case, w_scale=0.3):

@@ -343,11 +343,29 @@ def upcast_gemm_kernel(
 
 
 @triton.jit
+def after_k_loop():
+    """Called right after each K loop of a kernel that compiles two (the folded and the
+    exact decode, one per branch): a loop of one trip (a runtime count) holding a barrier.
+    Without a loop after the K loop, triton 3.6 gave the two branches' pipeline buffers
+    separate shared memory (the decode tile: 42496 -> 84992 bytes) and ptxas serialized
+    their wgmmas (C7515: "non wgmma instructions defining accumulator registers ... between
+    start and end of the pipeline stage"), which is what kept the folded decode off the
+    tiles without a split-K combine loop (split-K 1 and 2, where the combine's loop of
+    SPLIT_K - 1 trips vanishes) and off the grouped kernel; found in the compiled sm_90
+    code (NOTES-gemm.md, "The folded decode everywhere"). The barrier changes no value
+    (every thread has finished its loop; the count is never a constant the compiler folds:
+    the JIT makes integer arguments equal to 1 constants, so it comes from the program id)."""
+    for _ in range(0, (tl.program_id(0) >= 0).to(tl.int32)):
+        tl.debug_barrier()
+
+
+@triton.jit
 def _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
             stride_cm, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr, EPILOGUE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """The end of :func:`upcast_gemm_kernel`: split-K partials combined, the epilogue's
     macro factors, the transposed tile stored in c's dtype."""
+    after_k_loop()
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K > 1:
         offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
@@ -479,9 +497,9 @@ def folds(values: ValueLayout, dot: str, block_m: int = 16) -> bool:
     where the weight's scale bytes are all at most 128: upcast.folded_scale): the hopper
     layout with a bf16 or fp32 dot (fp16's decode has its own bias and range) and a token
     tile of 16 rows, the decode tiles, where the decode's instructions bound the time. The
-    K loop is then compiled twice; on the larger tiles Triton 3.6 gives each copy its own
-    pipeline buffers (the 128 x 256 prefill tile: 260 KiB, past the SM's 227) and ptxas
-    serializes their wgmmas (C7515), so they keep the two-multiply decode alone."""
+    K loop is then compiled twice (each followed by :func:`after_k_loop`); on the prefill
+    tiles the second copy's registers spill (sm_90, triton 3.6: 64 x 256 with split-K 4,
+    24 bytes; 128 x 256, 24-48 bytes), so they keep the two-multiply decode alone."""
     return values is HOPPER_VALUES and dot in ("bf16", "fp32") and block_m <= 16
 
 

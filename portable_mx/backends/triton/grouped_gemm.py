@@ -41,7 +41,7 @@ import triton.language as tl
 
 from . import splitk
 from .gemm import FORMATS, Operand, Plan, macro_factors, scaled_k_loop
-from .gemm_upcast import block_k_of, constexprs as upcast_constexprs, upcast_k_loop
+from .gemm_upcast import after_k_loop, block_k_of, constexprs as upcast_constexprs, upcast_k_loop
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 
 ACTIVATION_IDS = {None: "", "swiglu_oai": "swiglu_oai", "swiglu": "swiglu"}
@@ -162,12 +162,12 @@ def grouped_kernel(
 @triton.jit
 def grouped_upcast_kernel(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
-    b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+    b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr, bsmax_ptr,
     c_ptr, part_ptr, count_ptr, sched_ptr, off_ptr, gather_ptr, bias_ptr,
     XR, N, K, KP, stride_am, stride_cm, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B, SLOTS, NE,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
-    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     GATHER: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, GLU_CONCAT: tl.constexpr,
@@ -176,7 +176,8 @@ def grouped_upcast_kernel(
     the tokens on the MMA's N: ``acc[BLOCK_N, BLOCK_M]``). Operands and epilogue as
     :func:`grouped_kernel`'s; B's codes and scales in layout VALUES (plain: the rows view's
     own, strides stride_bv / stride_bs a row; hopper: a padded swizzled copy, 64-row block
-    strides, N a multiple of 64)."""
+    strides, N a multiple of 64). FOLD: the folded decode where every scale byte of the
+    experts is at most 128 (bsmax_ptr: uint8 [1], their largest), as upcast_gemm_kernel."""
     slot, pid_n, pid_k, grid_n = splitk.program_tile(SLOTS * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K)
     expert, rows, valid, rm, cols, wrow, rn = _tile(sched_ptr, off_ptr, gather_ptr, slot, XR, NE, N, pid_n, GATHER,
                                                    GLU_CONCAT, BLOCK_M, BLOCK_N)
@@ -189,12 +190,39 @@ def grouped_upcast_kernel(
 
     first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
     last = tl.where(expert < 0, first, last)
-    acc = upcast_k_loop(
-        a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
-        rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
-        A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-        True, 0, BLOCK_M, BLOCK_N, BLOCK_K)  # the two-multiply decode, dense outliers: upcast_kernel_constexprs
+    # the dense outlier tile (the tokens of a tile are gathered rows: no sparse correction);
+    # each branch finishes its own tile (gemm_upcast.upcast_gemm_kernel)
+    folded = False  # without FOLD a constant: one loop is compiled
+    if FOLD:
+        folded = tl.load(bsmax_ptr) <= 128
+    if folded:
+        acc = upcast_k_loop(
+            a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+            rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
+            MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+            False, 0, BLOCK_M, BLOCK_N, BLOCK_K)
+        _finish_upcast(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, expert, rows, valid, rm, rn,
+                       cols, wrow, slot, pid_n, pid_k, grid_n, XR, N, NT, NMA, NMB, stride_cm, A_MACRO, B_MACRO,
+                       EPILOGUE, BIAS, ACT, BLOCK_M, BLOCK_N, SPLIT_K)
+    else:
+        acc = upcast_k_loop(
+            a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
+            rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
+            MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
+            True, 0, BLOCK_M, BLOCK_N, BLOCK_K)
+        _finish_upcast(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, expert, rows, valid, rm, rn,
+                       cols, wrow, slot, pid_n, pid_k, grid_n, XR, N, NT, NMA, NMB, stride_cm, A_MACRO, B_MACRO,
+                       EPILOGUE, BIAS, ACT, BLOCK_M, BLOCK_N, SPLIT_K)
 
+
+@triton.jit
+def _finish_upcast(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, expert, rows, valid, rm, rn, cols,
+                   wrow, slot, pid_n, pid_k, grid_n, XR, N, NT, NMA, NMB, stride_cm, A_MACRO: tl.constexpr,
+                   B_MACRO: tl.constexpr, EPILOGUE: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The end of :func:`grouped_upcast_kernel` (acc [BLOCK_N, BLOCK_M]): split-K
+    partials combined, macro factors, bias, activation, the transposed tile stored."""
+    after_k_loop()
     if expert >= 0:
         mask = (cols[:, None] < N) & valid[None, :]
         if SPLIT_K > 1:
@@ -278,9 +306,6 @@ def upcast_kernel_constexprs(a: Operand, b: Operand, k: int, kp: int, config: Ge
         from .layouts import PLAIN_VALUES
 
         consts = upcast_constexprs(a, b, k, kp, config, UpcastRoute(PLAIN_VALUES, route.asm), interpreted, dot)
-    # not (yet) the folded decode of the dense kernel: compiled twice here, Triton 3.6 gives
-    # the two K loops separate pipeline buffers and ptxas serializes their wgmmas (C7515)
-    consts.pop("FOLD")
     consts.pop("SPARSE_M")  # the tokens of a tile are gathered rows: the dense outlier tile
     return {**consts, **epi.constexprs()}
 
@@ -290,12 +315,13 @@ _INT_UPCAST = ("XR", "N", "K", "KP", "stride_am", "stride_cm", "stride_bv", "str
                "MACRO_B", "SLOTS", "NE")
 
 
-def _signature(a: Operand, b: Operand, out_dtype: torch.dtype, epi: Epilogue, ints, consts) -> dict:
+def _signature(a: Operand, b: Operand, out_dtype: torch.dtype, epi: Epilogue, ints, consts,
+               upcast: bool = False) -> dict:
     sig = {
         "a_ptr": "*u8" if a.format is None else POINTER_TYPES[a.format], "as_ptr": "*u8",
         "am_ptr": "*fp32" if a.macro_block else "*u8", "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
         "b_ptr": "*u8", "bs_ptr": "*u8", "bm_ptr": "*fp32" if b.macro_block else "*u8",
-        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8",
+        "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", **({"bsmax_ptr": "*u8"} if upcast else {}),
         "c_ptr": POINTER_TYPES[out_dtype], "part_ptr": "*fp32", "count_ptr": "*i32", "sched_ptr": "*i32",
         "off_ptr": "*i32", "gather_ptr": "*i32", "bias_ptr": POINTER_TYPES[epi.bias] if epi.bias is not None else "*i32",
         **{name: "i32" for name in ints},
@@ -322,8 +348,9 @@ def launch_spec(kind: str, a: Operand, b: Operand, config: GemmConfig, options: 
         divisible = ("K", "KP", "stride_am", "stride_cm")
     else:
         consts = upcast_kernel_constexprs(a, b, kp, kp, config, route, False, epi, n)
-        sig = _signature(a, b, out_dtype, epi, _INT_UPCAST, consts)
-        extras.append(f"upcast:{'hopper' if consts['VALUES'] == 1 else 'plain'}{'+asm' if consts['ASM'] else ''}")
+        sig = _signature(a, b, out_dtype, epi, _INT_UPCAST, consts, upcast=True)
+        extras.append(f"upcast:{'hopper' if consts['VALUES'] == 1 else 'plain'}{'+asm' if consts['ASM'] else ''}"
+                      f"{'+fold' if consts['FOLD'] else ''}")
         fn, name, mx = grouped_upcast_kernel, "grouped-gemm-upcast", False
         divisible = ("K", "KP", "stride_am", "stride_cm", "stride_bv", "stride_bs")
     extras.append(epi.label())
@@ -352,8 +379,9 @@ def combine_launch_spec(k: int, weights: Optional[torch.dtype], out_dtype: torch
 class GroupedPlan:
     """One grouped launch, decided once per (operand kinds, shapes, epilogue, alignment):
     the kernel launch, the store dtype, the integer arguments, the tile height of the
-    schedule, the weight's storage (None: the rows view's parts, else a memo key and
-    builder of its swizzled copy) and the split-K buffers."""
+    schedule, the weight's storage (None: the rows view's parts, else a memo key, its
+    value and scale layouts and, for the upcast kernel, whether its largest scale byte is
+    read: :func:`_weight_storage`) and the split-K buffers."""
 
     __slots__ = ("launch", "store", "ints", "tile_m", "weight", "part", "counts")
 
@@ -362,12 +390,14 @@ class GroupedPlan:
         self.weight, self.part, self.counts = weight, part, counts
 
 
-def _weight_storage(parts, values, scales) -> tuple:
+def _weight_storage(parts, values, scales, bsmax: Optional[bool] = None) -> tuple:
     """The rows view's GEMM ``parts`` with codes in ``values`` and scales in ``scales``
     (layouts.py), the hopper copies padded by 256 rows (a tile of the last expert may run
-    past its rows)."""
-    from .layouts import swizzled
+    past its rows); ``bsmax`` (the upcast kernel's last weight part): True, the experts'
+    largest scale byte (read by its folded decode); False, a stand-in never read."""
+    from .layouts import largest_scale, swizzled
 
+    extra = () if bsmax is None else ((largest_scale(parts[1]) if bsmax else parts[1]),)
     codes, sc = parts[0], parts[1]
     if values.layout_id:
         codes = swizzled(torch.cat([codes, codes.new_zeros(256, codes.shape[1])]), values)
@@ -376,7 +406,7 @@ def _weight_storage(parts, values, scales) -> tuple:
         from .layouts import prepared
 
         sc = prepared(sc, scales)
-    return (codes, sc, *parts[2:])
+    return (codes, sc, *parts[2:], *extra)
 
 
 def plan(backend, st, key, a, wop, num_experts: int, rows: int, xr: int, stride_am: int, epi: Epilogue,
@@ -413,8 +443,12 @@ def plan(backend, st, key, a, wop, num_experts: int, rows: int, xr: int, stride_
         ints = (xr, n, k, kp, stride_am, n_out, nma, nmb, *macros, slots, num_experts)
         fn, name = grouped_kernel, "grouped-gemm"
     weight = None
-    if values.layout_id or scales.layout_id:
-        weight = (f"grouped-weight:{values.name}:{scales.name}", values, scales)
+    if fn is grouped_upcast_kernel:  # its weight parts end with bsmax
+        fold = bool(consts["FOLD"])
+        weight = (f"grouped-weight:{values.name}:{scales.name}" + (":largest" if fold else ":bsmax-unread"),
+                  values, scales, fold)
+    elif values.layout_id or scales.layout_id:
+        weight = (f"grouped-weight:{values.name}:{scales.name}", values, scales, None)
     split = consts["SPLIT_K"]
     tiles = slots * -(-n // config.block_n)
     part = counts = None
@@ -457,8 +491,8 @@ def run(backend, st, a, a_parts: tuple, a_key: tuple, xr: int, stride_am: int, w
     if found.weight is None:
         b_parts = wop.parts
     else:
-        name, values, scales = found.weight
-        b_parts = w.memo(name, lambda _: _weight_storage(wop.parts, values, scales))
+        name, values, scales, bsmax = found.weight
+        b_parts = w.memo(name, lambda _: _weight_storage(wop.parts, values, scales, bsmax))
     sched = schedule(found.tile_m)
     part = c if found.part is None else found.part
     counts = c if found.counts is None else found.counts

@@ -67,7 +67,7 @@ gpu_tests() {  # gpu_tests LIMIT: what the compiled kernels do on this GPU, agai
 steps_default() {
   bench bench-elementwise 45 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
   bench bench-gemm 165 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
-  bench bench-overhead 45 benchmarks/overhead.py --gpu-checks --out "$out/results"
+  bench bench-overhead 70 benchmarks/overhead.py --gpu-checks --out "$out/results"
   bench bench-moe 60 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
   gpu_tests 130
   # The full corpus, in what is left of the budget (the GPU tests hold the small corpus

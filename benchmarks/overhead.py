@@ -505,8 +505,9 @@ def check_cuda_graph_mlp(device: Any, width: int = 1024, batch: int = 16) -> dic
     return out
 
 
-PROFILED = ("pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4")
-"""The calls whose host time the GPU checks profile (issue 12's criterion)."""
+PROFILED = ("pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4", "MoE layer W4A16 T=1")
+"""The calls whose host time the GPU checks profile (issue 12's criterion, and the MoE
+layer at decode, issue 23's, which is host-bound there)."""
 
 
 def host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 25) -> list[dict]:
@@ -547,7 +548,9 @@ def run_gpu_checks(args) -> dict:
             checks[name] = {"error": {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}}
     gpu = run_gpu(argparse.Namespace(calls=100, repeats=5))
     checks["host_time"] = {name: {"ok": c["met"], **c} for name, c in gpu["criterion"].items()}
-    calls = portable_calls(decode_problem(device), uncached=False)
+    p = decode_problem(device)
+    p["moe"] = moe_problem(device)
+    calls = portable_calls(p, uncached=False)
     profiles = {}
     for name in PROFILED:
         try:

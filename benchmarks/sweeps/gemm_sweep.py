@@ -118,7 +118,8 @@ def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
     if m <= 16:
         up += [(16, 128, 128, 4, 4, 4), (16, 128, 128, 4, 4, 8), (16, 128, 256, 4, 3, 4), (16, 256, 128, 8, 3, 8),
                (16, 128, 64, 4, 4, 8), (16, 128, 128, 4, 4, 1),
-               (16, 128, 128, 8, 4, 4), (16, 128, 128, 4, 6, 4)]  # more warps a tile; more bytes in flight
+               (16, 128, 128, 8, 4, 4), (16, 128, 128, 4, 6, 4),  # more warps a tile; more bytes in flight
+               (16, 128, 128, 4, 4, 2)]  # a program's fixed cost (NOTES-gemm.md, "Split-K at decode")
         old = [(16, 64, 256, 4, 4, 1), (16, 64, 256, 4, 4, 4)]
     elif m <= 128:
         up += [(64, 256, 128, 8, 3, 2), (64, 256, 128, 8, 3, 4), (128, 256, 128, 8, 3, 1), (64, 128, 128, 4, 4, 4),

@@ -11,7 +11,9 @@ a weight w ``[K, N]`` bf16, the weight quantized once beforehand as a model does
 - **kernel-only**: ``triton.testing.do_bench`` (median; it flushes the L2 before every
   run, and the host's launch overlaps that flush) around the GEMM alone on prequantized
   operands in the backend's rows layout: ``backend.matmul(a, w_rows)``, with ``a`` the
-  bf16 x (W4A16) or ``quantize(x)`` (A4W4). torch: ``torch.matmul(x, w)``; gemlite: its
+  bf16 x (W4A16) or ``quantize(x)`` (A4W4; at decode sizes on sm_90 and gfx942 the bf16
+  values of ``quantize(x)``, which that backend multiplies there: ``Backend.left_values``,
+  so the quantize kernel is not in the figure). torch: ``torch.matmul(x, w)``; gemlite: its
   layer's forward (A4W4: gemlite quantizes x inside, as its API does). The host time of
   one call is recorded (``host_us``): where it exceeds the flush, the kernel time
   includes host time and the row says so;
@@ -475,6 +477,8 @@ def measure_shape(
         w_rows = [ops._mx_rows(wi) for wi in w_mx]
         a = ops.left_operand(x, recipe)
         a = a if isinstance(a, torch.Tensor) else ops._mx_rows(a)
+        if variant == "a4w4" and backend.left_values(m, recipe, device):  # decode on upcast targets: the
+            a = backend.quantized_values(x, recipe)[:, :k]  # W4A16 GEMM on the tokens' quantized values
         w64 = pmx.dequantize(w_mx[0], dtype=torch.float64)
         a64 = x.double() if variant == "w4a16" else pmx.dequantize(pmx.quantize(x, recipe), dtype=torch.float64)
         label = f"{shape_name(shape)} {variant}"

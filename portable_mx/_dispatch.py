@@ -138,9 +138,15 @@ def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype) ->
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if m == 0 or k == 0 or n == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=b.device)
-    a_op = left_operand(a, recipe)
     b_rows = right_operand(b, recipe)
-    return _select("matmul", b_rows.device).matmul(a_op, b_rows, out_dtype)
+    backend = _select("matmul", b_rows.device)
+    if isinstance(a, _Tensor) and recipe.activations == "mxfp4" and backend.left_values(m, recipe, a.device):
+        # A4W4 as the W4A16 GEMM on a's quantized values (bf16, exact): the same products
+        a_op = backend.quantized_values(a, recipe)
+        a_op = a_op if a_op.shape[1] == k else a_op[:, :k]
+    else:
+        a_op = left_operand(a, recipe)
+    return backend.matmul(a_op, b_rows, out_dtype)
 
 
 def flatten_batch(a: Operand) -> Operand:

@@ -76,6 +76,19 @@ class Backend:
         the exact fp32 values rounded once to ``dtype`` (as ``Tensor.to(dtype)``)."""
         raise NotImplementedError
 
+    def quantized_values(self, x: torch.Tensor, recipe: "QuantRecipe") -> torch.Tensor:
+        """x: float [R, K] -> bf16 [R, Kp]: the values of ``quantize(x, recipe)`` (a recipe
+        without macro blocks or outliers: every value is then a bf16 number, code * 2**e;
+        NaN in NaN/Inf blocks, inf where the fp32 dequantization overflows). This default
+        is the exact twin a backend's own one-pass form is held to."""
+        return self.dequantize(self.quantize(x, recipe), torch.bfloat16)
+
+    def left_values(self, m: int, recipe: "QuantRecipe", device: torch.device) -> bool:
+        """Whether ``matmul`` of an M-row float left operand quantized with ``recipe`` runs
+        better as the W4A16 GEMM on :meth:`quantized_values` (the same products, so the
+        same result up to accumulation order) than as the A4W4 GEMM. False by default."""
+        return False
+
     def decompose(
         self, x: torch.Tensor, recipe: "QuantRecipe", definition: str, full: bool
     ) -> "Decomposition":

@@ -448,7 +448,7 @@ def test_direct_launch_passes_what_the_jit_passes(monkeypatch):
     from portable_mx.backends.cuda import TILES
 
     plan = kernels.Plan.make(QR(macro_block=64), TILES["quantize"])
-    every = {**plan.constexprs, "IN_KIND": 0, "EVEN": True, "FMA_DIV": True}
+    every = {**plan.constexprs, "IN_KIND": 0, "EVEN": True, "FMA_DIV": True, "VALUES": False}
     constexprs = dict(reversed(list(every.items())))  # order must not matter
     launch = L.Launch("quantize", JitStandIn(), (3, 2), constexprs, {"num_warps": 4})
     n_args = len(kernels.quantize_kernel.arg_names) - len(every)

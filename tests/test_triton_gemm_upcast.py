@@ -577,3 +577,71 @@ def test_gemm_sweep_cpu_smoke(tmp_path):
     assert {r["kind"] for r in result["candidates"]} == {"a4w4", "w4a16-of2"}
     assert result["candidates"] and all(r["check_small"] and r["check_rows"] and "ms" in r
                                         for r in result["candidates"])
+
+
+# ----------------------------------------------------------------------------- A4W4 at decode
+
+
+@pytest.mark.triton
+def test_left_values_policy():
+    """Backend.left_values: the W4A16 GEMM on the tokens' quantized values at decode sizes
+    (M <= 16) where the A4W4 GEMM decodes its operands (sm_90, gfx942), for recipes whose
+    values are bf16 numbers (no macro blocks, no outliers); never on native targets."""
+    from portable_mx.backends.cuda import CudaBackend
+    from portable_mx.backends.rocm import RocmBackend
+
+    def on(base, name):
+        class Simulated(base):
+            def target(self, device):
+                return TARGETS[name]
+
+        return Simulated()
+
+    cpu = torch.device("cpu")
+    for base, name, upcasts in ((CudaBackend, "sm_90", True), (CudaBackend, "sm_100", False),
+                                (CudaBackend, "sm_120", False), (RocmBackend, "gfx942", True),
+                                (RocmBackend, "gfx950", False)):
+        backend = on(base, name)
+        assert backend.left_values(1, QR(), cpu) is upcasts, name
+        assert backend.left_values(16, QR(rounding="stochastic", seed=3), cpu) is upcasts, name
+        assert backend.left_values(17, QR(), cpu) is False
+        assert backend.left_values(1, QR(macro_block=64), cpu) is False
+        assert backend.left_values(1, QR(outliers_per_block=1), cpu) is False
+    assert ReferenceBackend().left_values(1, QR(), cpu) is False
+
+
+@needs_kernels
+def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
+    """With left_values on (as on sm_90 at M <= 16), pmx.matmul A4W4 runs the W4A16 GEMM on
+    the tokens' quantized values: the same products as the A4W4 GEMM, so within the fp32
+    accumulation bound of the exact product of the quantized operands; and bit for bit
+    the W4A16 GEMM of the reference's dequantized tokens (same kernel, same config)."""
+    backend, device = gemm_kernel
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    calls = []
+    real = type(backend).quantized_values
+
+    def spy(self, x, recipe):
+        calls.append(tuple(x.shape))
+        return real(self, x, recipe)
+
+    monkeypatch.setattr(type(backend), "left_values", lambda self, m, recipe, dev: m <= 16 and not (
+        recipe.macro_block or recipe.outliers_per_block))
+    monkeypatch.setattr(type(backend), "quantized_values", spy)
+    x, w = randn(1, 5, 100, seed=11, scale=3.0), randn(100, 70, seed=12)
+    for recipe in (QR(), QR(scale_rule="rceil", rounding="stochastic", seed=9)):
+        w_mx = pmx.quantize(w.to(device), recipe, axis=0)
+        calls.clear()
+        out = pmx.matmul(x.to(device), w_mx, recipe)
+        assert calls == [(5, 100)] and out.shape == (1, 5, 70)
+        with monkeypatch.context() as cpu:
+            cpu.setenv(registry.ENV_BACKEND, "reference")
+            left = ops.left_operand(x.reshape(-1, 100), recipe)
+        assert_accumulation_close(out.reshape(-1, 70), ops._mx_rows(left), ops._mx_rows(w_mx.to("cpu")), 100)
+        values = REF.dequantize(ops._mx_rows(left), torch.bfloat16)[:, :100]
+        w16 = backend.matmul(values.to(device), w_mx.rows(), torch.float32)  # as the dispatch layer calls it
+        assert bitwise_equal(out.reshape(-1, 70), w16)
+    calls.clear()
+    pmx.matmul(x.to(device), pmx.quantize(w.to(device), QR(macro_block=64), axis=0), QR(macro_block=64))
+    pmx.matmul(randn(17, 100, seed=13).to(device), pmx.quantize(w.to(device), axis=0))
+    assert calls == []  # macro blocks (values not bf16) and M > 16: the A4W4 GEMM

@@ -576,3 +576,37 @@ def test_tile_config_order_is_checked():
     assert TileConfig(16, 256).order == "k" and "r-first" in TileConfig(16, 256, order="r").label()
     with pytest.raises(ValueError, match="order"):
         TileConfig(16, 256, order="rows")
+
+
+VALUE_RECIPES = [QR(), QR(scale_rule="rceil"), QR(scale_rule="even"), QR(scale_rule="ceil"),
+                 QR(rounding="stochastic", seed=7), QR(rounding="stochastic", seed=2**40 + 3, scale_rule="even")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", VALUE_RECIPES, ids=lambda r: r.describe())
+def test_quantized_values_equal_the_reference(kernel, recipe, dtype):
+    """The quantize kernel's VALUES output (backend.quantized_values: the bf16 values of
+    the codes, one launch) against the reference's dequantize(quantize(x)) in bf16, bit
+    for bit: ragged and whole tiles, NaN/Inf blocks, subnormal scales, saturation."""
+    backend, device = kernel
+    for i, shape in enumerate([(1, 1), (3, 31), (33, 300), (64, 512)]):
+        x = sample(shape, seed=90 + i).to(dtype)
+        got = backend.quantized_values(x.to(device), recipe)
+        want = REF.dequantize(REF.quantize(x, recipe), torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert torch.equal(got.isnan().cpu(), want.isnan())
+        assert torch.equal(got.cpu().nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+    # the largest finite inputs: scale 2**125 or 2**126 with the top codes (the even and
+    # ceil rules round up to 2**128: inf, in fp32 as in bf16)
+    big = torch.tensor([[torch.finfo(torch.float32).max, 1.5 * 2.0**127] + [1.0] * 30])
+    got, want = backend.quantized_values(big.to(device), recipe).cpu(), REF.dequantize(REF.quantize(big, recipe),
+                                                                                       torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_quantized_values_refuse_macro_blocks_and_outliers(kernel):
+    backend, device = kernel
+    x = torch.randn(4, 64).to(device)
+    for recipe in (QR(macro_block=64), QR(outliers_per_block=1)):
+        with pytest.raises(ValueError, match="macro blocks or outliers"):
+            backend.quantized_values(x, recipe)

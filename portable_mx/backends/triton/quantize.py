@@ -44,7 +44,7 @@ from .encode import (
     unpack_words,
 )
 from .launch import KernelLaunch, TileConfig
-from .numerics import RULE_IDS, as_f32, inverse_scale, macro_factor
+from .numerics import RULE_IDS, as_f32, decode_bits, exp2i, inverse_scale, macro_factor
 
 
 # seed is never specialised: the JIT would make a seed of 1 a constexpr, which philox4x32's
@@ -56,7 +56,7 @@ def quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, FMA_DIV: tl.constexpr,
-    K_FIRST: tl.constexpr,
+    K_FIRST: tl.constexpr, VALUES: tl.constexpr = False,
 ):
     """w: the input, bf16 / fp16 / fp32 [R, K], read as words of two elements (int32 for
     16-bit input, int64 for fp32): [R, KW_IN valid words, row stride stride_w words];
@@ -64,7 +64,10 @@ def quantize_kernel(
     is whole (R % BLOCK_R == 0, K == Kp, Kp % SPAN == 0, SPAN == BLOCK_K) and has one
     program (encode.exact_grid): no masks.
     FMA_DIV: divide by macro factors with fmas (encode.fma_divides). The program's
-    tile from encode.program_tile (K_FIRST: their order)."""
+    tile from encode.program_tile (K_FIRST: their order). VALUES (no macro factors, no
+    outliers): instead of the codes and scales, q is int32 words [R, KW], the bf16 values
+    of the quantized elements (code * 2**e, exact; NaN in NaN/Inf blocks), two a word in
+    the input's order."""
     w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
@@ -107,25 +110,55 @@ def quantize_kernel(
         else:
             code_lo, _ = encode_half(slo, inv, rlo, False)
             code_hi, _ = encode_half(shi, inv, rhi, False)
-        keep = tl.where(special, 0, 0xFF)[:, :, None]
-        packed = flat((code_lo | (code_hi << 4)) & keep, BLOCK_R, BW).to(tl.uint8)
-        if EVEN:
-            tl.store(q_ptr + rows[:, None] * KW + wcol, packed)
+        if VALUES:
+            _store_values(q_ptr, rows, wcol, smask, code_lo, code_hi, e, special, KW, BLOCK_R, BW, EVEN)
         else:
-            tl.store(q_ptr + rows[:, None] * KW + wcol, packed, mask=smask)
-
-        sbyte = tl.where(special, 255, e + 127).to(tl.uint8)
-        boff = rows[:, None] * NB + bidx
-        tl.store(s_ptr + boff, sbyte, mask=bmask)
-        if N_OUT >= 1:
-            tl.store(ov_ptr + boff * N_OUT, ob1.to(tl.int16), mask=bmask)
-            tl.store(oi_ptr + boff * N_OUT, idx1.to(tl.uint8), mask=bmask)
-            if N_OUT == 2:
-                tl.store(ov_ptr + boff * N_OUT + 1, ob2.to(tl.int16), mask=bmask)
-                tl.store(oi_ptr + boff * N_OUT + 1, idx2.to(tl.uint8), mask=bmask)
+            _store_codes(q_ptr, s_ptr, ov_ptr, oi_ptr, rows, wcol, smask, bidx, bmask, NB, KW, code_lo, code_hi, e,
+                         special, idx1, ob1, idx2, ob2, N_OUT, BLOCK_R, BW, EVEN)
     if HAS_MACRO and MACRO_GROUP == 0:
         # (a vector mask: the interpreter rejects one made of a vector and a scalar)
         tl.store(m_ptr + rows * NM + pid_k, m_span, mask=(rows < R) & (rows * 0 + pid_k < NM))
+
+
+@triton.jit
+def _store_codes(q_ptr, s_ptr, ov_ptr, oi_ptr, rows, wcol, smask, bidx, bmask, NB, KW, code_lo, code_hi, e, special,
+                 idx1, ob1, idx2, ob2, N_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BW: tl.constexpr,
+                 EVEN: tl.constexpr):
+    """quantize_kernel's MXTensor output of one chunk: packed codes (0 in special blocks),
+    scale bytes (255 there) and the outliers' values and indices."""
+    keep = tl.where(special, 0, 0xFF)[:, :, None]
+    packed = flat((code_lo | (code_hi << 4)) & keep, BLOCK_R, BW).to(tl.uint8)
+    if EVEN:
+        tl.store(q_ptr + rows[:, None] * KW + wcol, packed)
+    else:
+        tl.store(q_ptr + rows[:, None] * KW + wcol, packed, mask=smask)
+    sbyte = tl.where(special, 255, e + 127).to(tl.uint8)
+    boff = rows[:, None] * NB + bidx
+    tl.store(s_ptr + boff, sbyte, mask=bmask)
+    if N_OUT >= 1:
+        tl.store(ov_ptr + boff * N_OUT, ob1.to(tl.int16), mask=bmask)
+        tl.store(oi_ptr + boff * N_OUT, idx1.to(tl.uint8), mask=bmask)
+        if N_OUT == 2:
+            tl.store(ov_ptr + boff * N_OUT + 1, ob2.to(tl.int16), mask=bmask)
+            tl.store(oi_ptr + boff * N_OUT + 1, idx2.to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _store_values(q_ptr, rows, wcol, smask, code_lo, code_hi, e, special, KW, BLOCK_R: tl.constexpr,
+                  BW: tl.constexpr, EVEN: tl.constexpr):
+    """quantize_kernel's VALUES output: the bf16 bits of code * 2**e, two a word (the
+    fp32 product is exact and has at most two significant bits, so its top half is the
+    bf16 value, subnormals included; it overflows to inf where the reference's fp32
+    dequantization does), NaN in special blocks."""
+    f = exp2i(e)[:, :, None]
+    lo = (decode_bits(code_lo, f) >> 16) & 0xFFFF
+    hi = decode_bits(code_hi, f) >> 16
+    word = tl.where(special[:, :, None], 0x7FC07FC0, lo | (hi << 16))
+    word = flat(word, BLOCK_R, BW)
+    if EVEN:
+        tl.store(q_ptr + rows[:, None] * KW + wcol, word)
+    else:
+        tl.store(q_ptr + rows[:, None] * KW + wcol, word, mask=smask)
 
 
 @dataclass(frozen=True)
@@ -180,23 +213,26 @@ _INT_ARGS = ("R", "KW_IN", "KW", "NM", "stride_w")
 
 
 def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, options: dict,
-                even: bool = True) -> KernelLaunch:
+                even: bool = True, values: bool = False) -> KernelLaunch:
     """The launch :func:`quantize` makes for inputs of ``dtype`` (``even``: whole tiles),
-    as data (for AOT). The masked variant is compiled as the JIT compiles it for a ragged
-    K: a row stride not known to be a multiple of 16 words (Triton then lays the loads out
-    otherwise; a decompose layout of that case reduced across rows on an H200)."""
+    as data (for AOT); ``values``: the backend's ``quantized_values`` launch instead (bf16
+    values out, as int32 words in every output pointer). The masked variant is compiled as
+    the JIT compiles it for a ragged K: a row stride not known to be a multiple of 16 words
+    (Triton then lays the loads out otherwise; a decompose layout of that case reduced
+    across rows on an H200)."""
     plan = Plan.make(recipe, config)
-    constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "FMA_DIV": True}
+    constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "FMA_DIV": True, "VALUES": values}
     # unused outputs are passed the scales tensor (see quantize), hence "*u8"
-    signature = {"w_ptr": IN_POINTERS[dtype], "q_ptr": "*u8", "s_ptr": "*u8",
-                 "m_ptr": "*fp32" if recipe.macro_block else "*u8",
-                 "ov_ptr": "*i16" if recipe.outliers_per_block else "*u8", "oi_ptr": "*u8",
+    out = "*i32" if values else "*u8"
+    signature = {"w_ptr": IN_POINTERS[dtype], "q_ptr": out, "s_ptr": out,
+                 "m_ptr": "*fp32" if recipe.macro_block else out,
+                 "ov_ptr": "*i16" if recipe.outliers_per_block else out, "oi_ptr": out,
                  **{a: "i32" for a in _INT_ARGS}, "seed": "i64"}
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in quantize_kernel.arg_names}
     return KernelLaunch("quantize", quantize_kernel, signature, constexprs, dict(options),
                         f"{str(dtype).removeprefix('torch.')} {recipe.describe()} {config.label()}"
-                        f"{'' if even else ' masked'}",
+                        f"{'' if even else ' masked'}{' values' if values else ''}",
                         divisible_by_16=("KW",) + (("KW_IN", "stride_w") if even else ()))
 
 

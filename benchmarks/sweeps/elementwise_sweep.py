@@ -275,7 +275,8 @@ def format_table(rows, time_shapes, best_rows) -> str:
     lines = ["case                 tile                       " + "  ".join(f"{r}x{k:<16}" for r, k in time_shapes)]
     lines += [_line(r, time_shapes) for r in rows]
     lines.append("best (ratio at the first shape; * marks the backend's current tile):")
-    lines += [f"  {case:<20} {b['tile']:<24} ratio {b['ratio']:.3f} ({b['us']:.1f} us)" for case, b in best_rows.items()]
+    lines += [f"  {case:<20} {b['tile']:<24} ratio {b['ratio']:.3f} ({b['us']:.1f} us)"
+              for case, b in best_rows.items()]
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ from .numerics import F32_QNAN, bf16_round_bits, decode_bits, exp2i, f16_bits
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Constexpr id of each output dtype the kernel writes."""
 OUT_WORDS = {torch.float32: (torch.int64, "*i64"), torch.bfloat16: (torch.int32, "*i32"),
-              torch.float16: (torch.int32, "*i32")}
+             torch.float16: (torch.int32, "*i32")}
 F16_QNAN = tl.constexpr(0x7E00)  # format.CANONICAL_NAN_BITS
 BF16_QNAN = tl.constexpr(0x7FC0)
 
@@ -61,8 +61,7 @@ def dequantize_kernel(
     """q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM]; ov: int16 (bf16
     bits) and oi: uint8 [R, Kp/32, N_OUT]; out: the output's words [R, KW] (int64 for
     fp32, int32 for bf16/fp16). MACRO is the macro block length. EVEN: whole tiles, one
-    program each.
-    The program's tile from encode.program_tile (K_FIRST: their order)."""
+    program each. The program's tile from encode.program_tile (K_FIRST: their order)."""
     BW: tl.constexpr = BLOCK_K // 2
     NV: tl.constexpr = BW // VEC
     NB = KW // 16
@@ -148,7 +147,8 @@ def plan(r: int, kp: int, has_macro: bool, n_out: int, dtype: torch.dtype,
     k_first = config.order == "k"
     even = (r % config.block_r == 0 and kp % config.block_k == 0
             and exact_grid(r, kp, config.block_r, config.block_k, k_first))
-    return tile_grid(r, kp, config.block_r, config.block_k, k_first), _constexprs(has_macro, n_out, dtype, config, even)
+    grid = tile_grid(r, kp, config.block_r, config.block_k, k_first)
+    return grid, _constexprs(has_macro, n_out, dtype, config, even)
 
 
 def int_args(mx: MXTensor) -> tuple[int, int, int, int]:

@@ -645,3 +645,30 @@ def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
     pmx.matmul(x.to(device), pmx.quantize(w.to(device), QR(macro_block=64), axis=0), QR(macro_block=64))
     pmx.matmul(randn(17, 100, seed=13).to(device), pmx.quantize(w.to(device), axis=0))
     assert calls == []  # macro blocks (values not bf16) and M > 16: the A4W4 GEMM
+
+
+@needs_kernels
+def test_public_matmul_sees_an_in_place_write_of_the_weight(gemm_kernel, monkeypatch):
+    """A prequantized weight written in place after a first GEMM (as load_state_dict does
+    to a module's buffers): on the upcast route the backend keeps the weight's swizzled
+    copies and largest scale byte; the next GEMM must multiply the new bytes, a scale byte
+    raised above 128 included (the folded decode would overflow on it)."""
+    from portable_mx.backends.triton.backend import GemmRoute
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    backend, device = gemm_kernel
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    monkeypatch.setattr(backend, "_devices", {})
+    monkeypatch.setattr(type(backend), "gemm_route",
+                        lambda self, target, a, b: GemmRoute("upcast", upcast=_routes()["hopper"]))
+    monkeypatch.setattr(type(backend), "default_gemm_config",
+                        lambda self, target, m, a_format, heavy: GemmConfig(16, 64, 64, split_k=1))
+    recipe = QR(activations="bf16")
+    x = randn(4, 128, seed=21)
+    w_mx = pmx.quantize(randn(128, 64, seed=22, scale=0.5).to(device), recipe, axis=0)
+    new = pmx.quantize(randn(128, 64, seed=23, scale=3000.0).to(device), recipe, axis=0)
+    pmx.matmul(x.to(device), w_mx, recipe)
+    w_mx.qdata.copy_(new.qdata)
+    w_mx.scales.copy_(new.scales)
+    out = pmx.matmul(x.to(device), w_mx, recipe)
+    assert_accumulation_close(out, x.to(torch.bfloat16), ops._mx_rows(new.to("cpu")), 128)

@@ -360,3 +360,30 @@ def test_route_kernel_for_the_compile_matrix():
         for target in backend.targets:
             labels = [l.label for l in backend.launches(TARGETS[target]) if l.kernel == "route"]
             assert len(labels) == 3, (name, target, labels)
+
+
+@pytest.mark.parametrize("route", ["default", "upcast-hopper"])
+def test_an_in_place_write_of_the_weight_is_seen(gemm_kernel, monkeypatch, route):
+    """Expert weights written in place after a first call (load_state_dict copies into a
+    frozen MXExperts' buffers so): the next call multiplies the new bytes. The hopper
+    route keeps swizzled copies and the largest scale byte with the weight; they must be
+    redone, including a byte raised above 128 (the folded decode would overflow on it)."""
+    backend, device = on_route(gemm_kernel, monkeypatch, route)
+    e, n, kk, t, k = 4, 64, 96, 3, 2
+    ids = ids_of(t, k, e, seed=50)
+    weights = torch.softmax(rand(t, k, seed=51), -1)
+    x = rand(t, kk, seed=52)
+    w_mx = pmx.quantize(rand(e, n, kk, seed=53, scale=0.3), QR(), axis=-1).to(device)
+    new = pmx.quantize(rand(e, n, kk, seed=54, scale=3000.0), QR(), axis=-1).to(device)
+    r = pmx.route(ids.to(device), weights.to(device), e)
+    recipe = QR(activations="bf16")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(registry.ENV_BACKEND, backend.name)
+        pmx.grouped_matmul(x.to(device), w_mx, routing=r, gather=True, recipe=recipe)
+        w_mx.qdata.copy_(new.qdata)
+        w_mx.scales.copy_(new.scales)
+        got = pmx.grouped_matmul(x.to(device), w_mx, routing=r, gather=True, recipe=recipe)
+    pr = py_routing(ids, e)
+    exact, bound = grouped_oracle(left_values(x, recipe)[pr["gather"]], pmx.dequantize(new.to("cpu"), dtype=torch.float32),
+                                  pr["expert_of_row"], None, None, None, weights, k)
+    assert_within(got.cpu(), exact, bound)

@@ -549,7 +549,7 @@ class TritonBackend(Backend):
         if plan is None:
             plan = self._plan_gemm(st, key, a, w, m, stride_am, out_dtype)
         c = torch.empty(m, w.key[3], dtype=plan.store, device=dev)
-        b_parts = w.parts if plan.weight is None else b.memo(plan.weight[0], plan.weight[1])
+        b_parts = w.parts if plan.weight is None else b.memo(plan.weight[0], plan.weight[1], True)
         part = c if plan.part is None else plan.part
         counts = c if plan.counts is None else plan.counts
         self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, *plan.ints))

@@ -321,10 +321,7 @@ def upcast_gemm_kernel(
     first, last = splitk.tile_k_range(pid_k, KP, BLOCK_K, SPLIT_K)
     # the folded decode where B's scale bytes allow it (upcast_k_loop); each branch stores
     # its own tile: an accumulator merged from two loops makes ptxas serialize the wgmmas
-    folded = False  # without FOLD a constant: one loop is compiled
-    if FOLD:
-        folded = tl.load(bsmax_ptr) <= 128
-    if folded:
+    if folded_decode(bsmax_ptr, FOLD):
         acc = upcast_k_loop(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
@@ -340,6 +337,17 @@ def upcast_gemm_kernel(
             True, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
         _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
                 stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+@triton.jit
+def folded_decode(bsmax_ptr, FOLD: tl.constexpr):
+    """Whether a kernel carrying the folded decode (FOLD) takes it: B's largest scale
+    byte, read once, is at most 128 (upcast.folded_scale). Without FOLD the constant
+    False: the kernel compiles its exact K loop alone."""
+    if FOLD:
+        return tl.load(bsmax_ptr) <= 128
+    else:
+        return False
 
 
 @triton.jit

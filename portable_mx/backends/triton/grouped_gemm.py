@@ -41,7 +41,7 @@ import triton.language as tl
 
 from . import splitk
 from .gemm import FORMATS, Operand, Plan, macro_factors, scaled_k_loop
-from .gemm_upcast import after_k_loop, block_k_of, constexprs as upcast_constexprs, upcast_k_loop
+from .gemm_upcast import after_k_loop, block_k_of, constexprs as upcast_constexprs, folded_decode, upcast_k_loop
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 
 ACTIVATION_IDS = {None: "", "swiglu_oai": "swiglu_oai", "swiglu": "swiglu"}
@@ -192,10 +192,7 @@ def grouped_upcast_kernel(
     last = tl.where(expert < 0, first, last)
     # the dense outlier tile (the tokens of a tile are gathered rows: no sparse correction);
     # each branch finishes its own tile (gemm_upcast.upcast_gemm_kernel)
-    folded = False  # without FOLD a constant: one loop is compiled
-    if FOLD:
-        folded = tl.load(bsmax_ptr) <= 128
-    if folded:
+    if folded_decode(bsmax_ptr, FOLD):
         acc = upcast_k_loop(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,

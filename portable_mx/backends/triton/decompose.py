@@ -176,40 +176,51 @@ def _own_unit_energy(v_lo, v_hi):
 
 
 @triton.jit
-def _beta_and_signal(xn_lo, xn_hi, qn_lo, qn_hi, gdead_lo, gdead_hi):
-    """From x and Q in units of 2**w [BR, NBK, 16] and definition G's deadzone: (beta, the
-    survivors' energy, the signal energy) [BR, NBK], the energies in those units. Both are
-    right in these units for every block (the module doc, "Range")."""
-    # definition G's first pass: beta from the survivors (a dead Q x is +-0: no select)
-    xx_lo = xn_lo * xn_lo
-    xx_hi = xn_hi * xn_hi
-    num = _sum2(qn_lo * xn_lo, qn_hi * xn_hi)
-    den = _sum2(tl.where(gdead_lo, 0.0, xx_lo), tl.where(gdead_hi, 0.0, xx_hi))
-    beta = tl.where(den > 0, tl.math.div_rn(num, tl.where(den > 0, den, 1.0)), 1.0)
-    return beta, den, _sum2(xx_lo, xx_hi)
+def _dot2(a_lo, b_lo, a_hi, b_hi):
+    """Per-block sum [BR, NBK] of a * b over both halves [BR, NBK, 16]: a product and a
+    fused multiply-add per pair of elements, then one tree of adds (a statistic's terms
+    need no rounding of their own: the sum rounds, within the same bound)."""
+    return tl.sum(tl.fma(a_lo, b_lo, a_hi * b_hi), axis=2)
 
 
 @triton.jit
-def _error_energies(xn_lo, xn_hi, qn_lo, qn_hi, qsn_lo, qsn_hi, dead_lo, dead_hi, bm1, COUNTERFACTUAL: tl.constexpr):
+def _beta(xn_lo, xn_hi, qn_lo, qn_hi, gdead_lo, gdead_hi):
+    """From x and Q in units of 2**w [BR, NBK, 16] and definition G's deadzone: (beta, the
+    survivors' energy) [BR, NBK], the energy in those units. Both are right in these units
+    for every block (the module doc, "Range")."""
+    # definition G's first pass: beta from the survivors (a dead Q x is +-0: no select)
+    num = _dot2(qn_lo, xn_lo, qn_hi, xn_hi)
+    s_lo = tl.where(gdead_lo, 0.0, xn_lo)
+    s_hi = tl.where(gdead_hi, 0.0, xn_hi)
+    den = _dot2(s_lo, s_lo, s_hi, s_hi)
+    beta = tl.where(den > 0, tl.math.div_rn(num, tl.where(den > 0, den, 1.0)), 1.0)
+    return beta, den
+
+
+@triton.jit
+def _error_energies(xn_lo, xn_hi, qn_lo, qn_hi, qsn_lo, qsn_hi, dead_lo, dead_hi, omb, COUNTERFACTUAL: tl.constexpr):
     """The deadzone, grid, error and (definition C) scale energies [BR, NBK] in units of
     2**(2w), from x, Q and Q* (C only) in units of 2**w [BR, NBK, 16] and the definition's
-    deadzone; ``bm1`` = beta - 1 [BR, NBK, 1]. Definition G's scale energy is not among
+    deadzone; ``omb`` = 1 - beta [BR, NBK, 1]. Definition G's scale energy is not among
     them (0: it is (beta - 1)**2 times the survivors' energy)."""
     d_lo = qn_lo - xn_lo
     d_hi = qn_hi - xn_hi
-    e_error = _sum2(d_lo * d_lo, d_hi * d_hi)
-    e_dead = _sum2(tl.where(dead_lo, xn_lo * xn_lo, 0.0), tl.where(dead_hi, xn_hi * xn_hi, 0.0))  # the signal's squares
+    e_error = _dot2(d_lo, d_lo, d_hi, d_hi)
+    t_lo = tl.where(dead_lo, xn_lo, 0.0)  # the signal on the deadzone
+    t_hi = tl.where(dead_hi, xn_hi, 0.0)
+    e_dead = _dot2(t_lo, t_lo, t_hi, t_hi)
     if COUNTERFACTUAL:
         es_lo = qn_lo - qsn_lo
         es_hi = qn_hi - qsn_hi
-        e_scale = _sum2(es_lo * es_lo, es_hi * es_hi)
+        e_scale = _dot2(es_lo, es_lo, es_hi, es_hi)
         eg_lo = tl.where(dead_lo, 0.0, qsn_lo - xn_lo)
         eg_hi = tl.where(dead_hi, 0.0, qsn_hi - xn_hi)
     else:
         e_scale = tl.zeros(e_error.shape, tl.float32)
-        eg_lo = tl.where(dead_lo, 0.0, d_lo - bm1 * xn_lo)  # Q - beta x as (Q - x) - (beta - 1) x
-        eg_hi = tl.where(dead_hi, 0.0, d_hi - bm1 * xn_hi)
-    return e_scale, e_dead, _sum2(eg_lo * eg_lo, eg_hi * eg_hi), e_error
+        omb = tl.broadcast_to(omb, d_lo.shape)
+        eg_lo = tl.where(dead_lo, 0.0, tl.fma(omb, xn_lo, d_lo))  # Q - beta x as (Q - x) + (1 - beta) x
+        eg_hi = tl.where(dead_hi, 0.0, tl.fma(omb, xn_hi, d_hi))
+    return e_scale, e_dead, _dot2(eg_lo, eg_lo, eg_hi, eg_hi), e_error
 
 
 F64_QNAN = tl.constexpr(0x7FF8000000000000)
@@ -389,7 +400,7 @@ def _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_
 
 @triton.jit
 def _fast_stats(lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, amax, special, w, u,
-                COUNTERFACTUAL: tl.constexpr, N_OUT: tl.constexpr):
+                COUNTERFACTUAL: tl.constexpr, N_OUT: tl.constexpr, FULL: tl.constexpr):
     """The statistics of a chunk (:func:`_chunk`'s values) in units of 2**w: beta, the
     definition's deadzone count, the scale, deadzone, grid, error and signal energies
     [BR, NBK] in units of 2**(2w), and the wide blocks (:func:`_wide`), whose error
@@ -400,12 +411,16 @@ def _fast_stats(lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, d
     qn_lo = as_f32(q_lo) * un
     qn_hi = as_f32(q_hi) * un
     dead_n = _sum2(dead_lo.to(tl.int32), dead_hi.to(tl.int32))
-    beta, den, e_signal = _beta_and_signal(xn_lo, xn_hi, qn_lo, qn_hi, gdead_lo, gdead_hi)
-    bm1 = (beta - 1.0)[:, :, None]
+    beta, den = _beta(xn_lo, xn_hi, qn_lo, qn_hi, gdead_lo, gdead_hi)
     e_scale, e_dead, e_grid, e_error = _error_energies(xn_lo, xn_hi, qn_lo, qn_hi, as_f32(qs_lo) * un,
-                                                       as_f32(qs_hi) * un, dead_lo, dead_hi, bm1, COUNTERFACTUAL)
+                                                       as_f32(qs_hi) * un, dead_lo, dead_hi,
+                                                       (1.0 - beta)[:, :, None], COUNTERFACTUAL)
     if not COUNTERFACTUAL:
         e_scale = (beta - 1.0) * (beta - 1.0) * den  # ||(beta - 1) x||^2 over the survivors, factored
+    if COUNTERFACTUAL or FULL:
+        e_signal = _dot2(xn_lo, xn_lo, xn_hi, xn_hi)
+    else:  # G's deadzone and survivors split the block: one sum fewer (and, statistics only, fewer
+        e_signal = den + e_dead  # registers; with the element tensors triton 3.9 then spills: the sum)
     wide = _wide(dead_n, e_dead, amax, w, special, N_OUT)
     return beta, dead_n, e_scale, e_dead, e_grid, e_error, e_signal, wide
 
@@ -455,7 +470,7 @@ def decompose_kernel(
         # come from the second loop below
         beta, dead_n, e_scale, e_dead, e_grid, e_error, e_signal, wide = _fast_stats(
             lo, hi, q_lo, q_hi, qs_lo, qs_hi, gdead_lo, gdead_hi, dead_lo, dead_hi, amax, special, w, u,
-            COUNTERFACTUAL, N_OUT)
+            COUNTERFACTUAL, N_OUT, FULL)
         x2 = 2 * w
         if FULL:  # (here or before the statistics: whichever the register allocators take best)
             _count_non_finite(bad_ptr, lo, hi, special)

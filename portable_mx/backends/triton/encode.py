@@ -178,20 +178,47 @@ def load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R: tl.const
     """The words [BR, NBK, 16] of chunk ``c``, one 32-block per thread, for kernels with
     no store of the words' shape to lend the load its width (decompose).
 
-    The pointer is built as [16/VEC, BR, NBK, VEC] with VEC words (16 bytes) contiguous
-    last: Triton gives its threads the blocks and rows and lets each thread repeat over
-    the first dimension, so one thread loads its block's 16/VEC pieces with 16-byte loads
-    and the permute + reshape to [BR, NBK, 16] stays in its registers."""
-    QW: tl.constexpr = 16 // VEC
-    piece = tl.arange(0, QW)[:, None, None, None] * VEC
-    inner = c * NBK * 16 + tl.arange(0, NBK)[None, None, :, None] * 16 + piece + tl.arange(0, VEC)[None, None, None, :]
+    Each of the block's 16/VEC pieces of VEC words (16 bytes) is loaded as its own
+    [BR, NBK, VEC] tile, whose only spread dimensions are the rows and blocks, so every
+    Triton release gives a thread the same block in all of them; ``tl.join`` then stacks
+    them in the thread's registers and the permute + reshape to [BR, NBK, 16] puts the
+    words back in column order (stochastic rounding draws by column, so the order
+    matters). One [16/VEC, BR, NBK, VEC] pointer did the same under Triton 3.9, but
+    Triton 3.6 spread its first dimension over 4 lanes (blocks shared by 4 threads: 288
+    shuffles and 203 registers on sm_90 in the statistics-only kernel, against 27 and
+    155 now)."""
+    base = c * NBK * 16 + tl.arange(0, NBK)[None, :, None] * 16 + tl.arange(0, VEC)[None, None, :]
+    w = _load_four_pieces(w_ptr, rows, col0, base, R, KW_IN, stride_w, VEC, SPAN, EVEN)  # piece 2 b + a
+    if VEC == 4:  # [BR, NBK, VEC, a, b]
+        return tl.reshape(tl.permute(w, (0, 1, 4, 3, 2)), (BLOCK_R, NBK, 16))
+    else:  # eight pieces of two: [BR, NBK, VEC, a, b, c], piece 4 c + 2 b + a
+        w = tl.join(w, _load_four_pieces(w_ptr, rows, col0, base + 4 * VEC, R, KW_IN, stride_w, VEC, SPAN, EVEN))
+        return tl.reshape(tl.permute(w, (0, 1, 5, 4, 3, 2)), (BLOCK_R, NBK, 16))
+
+
+@triton.jit
+def _load_four_pieces(w_ptr, rows, col0, base, R, KW_IN, stride_w, VEC: tl.constexpr, SPAN: tl.constexpr,
+                      EVEN: tl.constexpr):
+    """Four consecutive pieces of VEC words from word offsets ``base`` [1, NBK, VEC],
+    stacked in each thread as [BR, NBK, VEC, a, b] (piece 2 b + a)."""
+    p0 = _load_piece(w_ptr, rows, col0, base, R, KW_IN, stride_w, SPAN, EVEN)
+    p1 = _load_piece(w_ptr, rows, col0, base + VEC, R, KW_IN, stride_w, SPAN, EVEN)
+    p2 = _load_piece(w_ptr, rows, col0, base + 2 * VEC, R, KW_IN, stride_w, SPAN, EVEN)
+    p3 = _load_piece(w_ptr, rows, col0, base + 3 * VEC, R, KW_IN, stride_w, SPAN, EVEN)
+    return tl.join(tl.join(p0, p1), tl.join(p2, p3))
+
+
+@triton.jit
+def _load_piece(w_ptr, rows, col0, inner, R, KW_IN, stride_w, SPAN: tl.constexpr, EVEN: tl.constexpr):
+    """The words [BR, NBK, VEC] at word offsets ``inner`` [1, NBK, VEC] of the chunk from
+    element column ``col0`` (masked to the span and the input unless EVEN)."""
     wcol = col0 // 2 + inner
-    ptr = w_ptr + rows[None, :, None, None] * stride_w + wcol
+    ptr = w_ptr + rows[:, None, None] * stride_w + wcol
     if EVEN:
         w = tl.load(ptr)
     else:
-        w = tl.load(ptr, mask=(rows[None, :, None, None] < R) & (inner < SPAN // 2) & (wcol < KW_IN), other=0)
-    return tl.reshape(tl.permute(w, (1, 2, 0, 3)), (BLOCK_R, NBK, 16))
+        w = tl.load(ptr, mask=(rows[:, None, None] < R) & (inner < SPAN // 2) & (wcol < KW_IN), other=0)
+    return w
 
 
 @triton.jit

@@ -207,14 +207,17 @@ class MXTensor:
 
     # ------------------------------------------------------------------- derived data
 
-    def memo(self, key: str, build: Callable[["MXTensor"], Any], copies: bool = False) -> Any:
+    def memo(self, key: str, build: Callable[["MXTensor"], Any], copies: bool = False,
+             valid: Optional[Callable[[Any], bool]] = None) -> Any:
         """``build(self)``, computed once per MXTensor and kept with it: derived views and
         backend-prepared operands (the GEMM's weight side). Never part of equality, copies
         or pickles. The MXTensor's tensors are its identity: a memo of views stays valid
         while they live. ``copies``: the value holds data computed from the codes and
         scales (a backend's swizzled weight, its largest scale byte), so it is built again
         after an in-place write of either (``load_state_dict`` into a module's buffers
-        writes so), found by their version counters (which views share)."""
+        writes so), found by their version counters (which views share). ``valid``: a
+        check of a kept value (e.g. that the parts it copied were not written since); the
+        value is built again when it returns False."""
         if torch.compiler.is_compiling():  # traced: the graph holds the views (torch 2.9's dynamo
             return build(self)  # cannot write a new key into a frozen dataclass's __dict__)
         memo = self.__dict__.get("_memo")
@@ -226,7 +229,7 @@ class MXTensor:
             if value is None or value[0] != vq or value[1] != vs:
                 value = memo[key] = (vq, vs, build(self))
             return value[2]
-        if value is None:
+        if value is None or (valid is not None and not valid(value)):
             value = memo[key] = build(self)
         return value
 

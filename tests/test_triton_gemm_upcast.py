@@ -648,6 +648,35 @@ def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
 
 
 @needs_kernels
+def test_a_strided_weight_written_in_place_is_seen(gemm_kernel, monkeypatch):
+    """A prequantized weight whose codes and scales are not contiguous (column slices of
+    wider buffers) is copied for the kernel and the copy kept with it: an in-place write
+    of the weight after a first GEMM must reach the next one, on the backend's own route
+    (whichever it is here)."""
+    backend, device = gemm_kernel
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    recipe = QR(activations="bf16")
+    x = randn(4, 128, seed=24)
+    dense = pmx.quantize(randn(128, 64, seed=25, scale=0.5).to(device), recipe, axis=0)
+    new = pmx.quantize(randn(128, 64, seed=26, scale=2.0).to(device), recipe, axis=0)
+
+    def wide(t):
+        buf = torch.zeros(t.shape[0], t.shape[1] + 8, dtype=t.dtype, device=t.device)
+        buf[:, :t.shape[1]] = t
+        return buf[:, :t.shape[1]]
+
+    w_mx = pmx.MXTensor(qdata=wide(dense.qdata), scales=wide(dense.scales), shape=dense.shape, dtype=dense.dtype,
+                        axis=0, recipe=recipe)
+    assert not w_mx.qdata.is_contiguous() and not w_mx.scales.is_contiguous()
+    first = pmx.matmul(x.to(device), w_mx, recipe)
+    assert_accumulation_close(first, x.to(torch.bfloat16), ops._mx_rows(dense.to("cpu")), 128)
+    w_mx.qdata.copy_(new.qdata)
+    w_mx.scales.copy_(new.scales)
+    out = pmx.matmul(x.to(device), w_mx, recipe)
+    assert_accumulation_close(out, x.to(torch.bfloat16), ops._mx_rows(new.to("cpu")), 128)
+
+
+@needs_kernels
 def test_public_matmul_sees_an_in_place_write_of_the_weight(gemm_kernel, monkeypatch):
     """A prequantized weight written in place after a first GEMM (as load_state_dict does
     to a module's buffers): on the upcast route the backend keeps the weight's swizzled

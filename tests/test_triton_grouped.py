@@ -362,18 +362,35 @@ def test_route_kernel_for_the_compile_matrix():
             assert len(labels) == 3, (name, target, labels)
 
 
+def strided(mx):
+    """The same MXTensor with its codes and scales as column slices of wider buffers (not
+    contiguous: the GEMM copies them)."""
+    def wide(t):
+        buf = torch.zeros(*t.shape[:-1], t.shape[-1] + 8, dtype=t.dtype, device=t.device)
+        buf[..., :t.shape[-1]] = t
+        return buf[..., :t.shape[-1]]
+
+    return pmx.MXTensor(qdata=wide(mx.qdata), scales=wide(mx.scales), shape=mx.shape, dtype=mx.dtype, axis=mx.axis,
+                        recipe=mx.recipe)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
 @pytest.mark.parametrize("route", ["default", "upcast-hopper"])
-def test_an_in_place_write_of_the_weight_is_seen(gemm_kernel, monkeypatch, route):
+def test_an_in_place_write_of_the_weight_is_seen(gemm_kernel, monkeypatch, route, layout):
     """Expert weights written in place after a first call (load_state_dict copies into a
     frozen MXExperts' buffers so): the next call multiplies the new bytes. The hopper
     route keeps swizzled copies and the largest scale byte with the weight; they must be
-    redone, including a byte raised above 128 (the folded decode would overflow on it)."""
+    redone, including a byte raised above 128 (the folded decode would overflow on it).
+    A weight whose parts are not contiguous is copied for the kernel: the copy too."""
     backend, device = on_route(gemm_kernel, monkeypatch, route)
     e, n, kk, t, k = 4, 64, 96, 3, 2
     ids = ids_of(t, k, e, seed=50)
     weights = torch.softmax(rand(t, k, seed=51), -1)
     x = rand(t, kk, seed=52)
     w_mx = pmx.quantize(rand(e, n, kk, seed=53, scale=0.3), QR(), axis=-1).to(device)
+    if layout == "strided":
+        w_mx = strided(w_mx)
+        assert not w_mx.qdata.is_contiguous() and not w_mx.scales.is_contiguous()
     new = pmx.quantize(rand(e, n, kk, seed=54, scale=3000.0), QR(), axis=-1).to(device)
     r = pmx.route(ids.to(device), weights.to(device), e)
     recipe = QR(activations="bf16")

@@ -149,7 +149,7 @@ def _weight_parts(values, scales, bsmax: Optional[bool] = None):
     from .layouts import largest_scale, prepared
 
     def build(mx: MXTensor):
-        parts = mx.memo("gemm-operand", _Operand).parts
+        parts = _weight_operand(mx).parts
         out = (prepared(parts[0], values), prepared(parts[1], scales), *parts[2:])
         if bsmax is not None:
             out += (largest_scale(parts[1]) if bsmax else parts[1],)
@@ -162,9 +162,12 @@ class _Operand:
     """An MXTensor in the rows layout as the GEMM kernel takes it: its five part pointers
     (codes, scales, macro factors, outlier bits as int16, outlier indices; absent parts
     stood in for by the scales, never read), its kind (format None, macro block,
-    outliers per block), and ``key``: the kind, K, padded K, rows and the alignment."""
+    outliers per block), and ``key``: the kind, K, padded K, rows and the alignment.
+    A part that is not contiguous is copied; ``copied`` keeps each such source with its
+    version counter, so that a kept operand is made again after an in-place write to
+    one (:meth:`fresh`, the weight memo's check)."""
 
-    __slots__ = ("parts", "kind", "key")
+    __slots__ = ("parts", "kind", "key", "copied")
 
     def __init__(self, mx: MXTensor) -> None:
         s = mx.scales.contiguous()
@@ -177,6 +180,18 @@ class _Operand:
                      0 if ov is None else ov.shape[-1])
         aligned = all(p.data_ptr() % 16 == 0 for p in self.parts)
         self.key = (self.kind, mx.shape[1], mx.k_padded, mx.qdata.shape[0], aligned)
+        sources = (mx.qdata, mx.scales, mx.macro_scales, ov, mx.outlier_indices)
+        self.copied = tuple((t, t._version) for t, p in zip(sources, self.parts)
+                            if t is not None and not t.is_contiguous()) or None
+
+    def fresh(self) -> bool:
+        """Whether no part it copied was written in place since."""
+        return self.copied is None or all(t._version == v for t, v in self.copied)
+
+
+def _weight_operand(mx: MXTensor) -> _Operand:
+    """The weight's kept GEMM operand (made again when a copied part was written)."""
+    return mx.memo("gemm-operand", _Operand, valid=_Operand.fresh)
 
 
 class TritonBackend(Backend):
@@ -531,7 +546,7 @@ class TritonBackend(Backend):
         if st.cache_generation != config_cache.generation():  # the tuned configs changed
             st.gemm_plans.clear()
             st.cache_generation = config_cache.generation()
-        w = b.memo("gemm-operand", _Operand)
+        w = _weight_operand(b)
         if isinstance(a, torch.Tensor):
             if not a.is_contiguous() and a.stride(-1) != 1:
                 a = a.contiguous()
@@ -561,7 +576,7 @@ class TritonBackend(Backend):
         from . import grouped_gemm
 
         st = self._devices.get(w.device) or self._device(w.device)
-        wop = w.memo("gemm-operand", _Operand)
+        wop = _weight_operand(w)
         if isinstance(a, torch.Tensor):
             if a.stride(-1) != 1:
                 a = a.contiguous()

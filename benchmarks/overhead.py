@@ -534,6 +534,73 @@ def host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 25) -> list
     return rows[:top]
 
 
+ANATOMY = ("pmx.quantize", "pmx.matmul W4A16")
+
+
+def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int = 200, repeats: int = 5) -> dict:
+    """Where a call's host time goes, in pieces timed alone (host us per call, minimum of
+    ``repeats`` loops): the whole call; its planned launch(es) replayed through
+    ``launch.launch`` with the call's own arguments; the same launch with every tensor
+    argument passed as its address (an int: Triton's launcher then skips its
+    ``data_ptr()`` call and ``cuPointerGetAttribute`` per pointer; direct launches only);
+    one ``torch.empty`` of the output's size; the stream lookup; a bare direct launch of a
+    one-pointer kernel. Issue 12: the calls cost ~2x a bare launch on the H200's host and
+    the CPU mode cannot say why."""
+    import torch
+
+    from portable_mx.backends.triton import launch as L
+
+    def timed(fn):
+        return host_us(fn, loops, repeats, torch.cuda.synchronize)["min"]
+
+    out: dict[str, Any] = {}
+    buf = torch.zeros(16, device=device)
+    empty = _empty_kernel()
+    compiled = empty[(1,)](buf)
+    out["bare JIT launch"] = timed(lambda: empty[(1,)](buf))
+    if L._current_stream is not None and hasattr(compiled, "run"):
+        run, fn_, packed, stream = compiled.run, compiled.function, compiled.packed_metadata, L._current_stream
+        out["bare direct launch (tensor)"] = timed(lambda: run(1, 1, 1, stream(), fn_, packed, None, None, None, buf))
+        ptr = buf.data_ptr()
+        out["bare direct launch (int)"] = timed(lambda: run(1, 1, 1, stream(), fn_, packed, None, None, None, ptr))
+        out["stream lookup"] = timed(stream)
+    out["torch.empty [16, 8192] bf16"] = timed(lambda: torch.empty(16, 8192, dtype=torch.bfloat16, device=device))
+    real = L.launch
+    for name in ANATOMY:
+        seen: list = []
+
+        def spy(plan, args):
+            seen.append((plan, args))
+            return real(plan, args)
+
+        fn = calls[name]
+        fn()
+        fn()
+        L.launch = spy
+        try:
+            fn()
+        finally:
+            L.launch = real
+        row = {"call": timed(fn), "launches": len(seen)}
+        row["launch.launch replayed"] = timed(lambda: [real(plan, args) for plan, args in seen])
+        if seen and all(plan.direct for plan, _ in seen):
+            forms = []
+            for plan, args in seen:
+                run, function, packed, gx, gy, gz, tail = plan.direct
+                ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+                forms.append((run, function, packed, gx, gy, gz, ints + tuple(tail)))
+            stream = L._current_stream
+
+            def by_address():
+                for run, function, packed, gx, gy, gz, rest in forms:
+                    run(gx, gy, gz, stream(), function, packed, None, None, None, *rest)
+
+            row["direct launch, pointers as ints"] = timed(by_address)
+            row["tensor arguments"] = sum(isinstance(a, torch.Tensor) for _, args in seen for a in args)
+        out[name] = row
+    return out
+
+
 def run_gpu_checks(args) -> dict:
     import torch
 
@@ -558,9 +625,13 @@ def run_gpu_checks(args) -> dict:
         except Exception as err:  # noqa: BLE001  (a profile is evidence, not a check)
             profiles[name] = [{"function": f"failed: {type(err).__name__}: {err}"[:300], "calls": 0.0,
                                "own_us": 0.0, "cum_us": 0.0}]
+    try:
+        anatomy = launch_anatomy(calls, device)
+    except Exception as err:  # noqa: BLE001  (evidence, not a check)
+        anatomy = {"error": f"{type(err).__name__}: {err}"[:300]}
     doc = result_header("overhead-gpu-checks", torch.cuda.get_device_name(device))
     doc.update(mode="gpu-checks", seconds=time.perf_counter() - t0, checks=checks, rows=gpu["rows"],
-               host_profile=profiles)
+               host_profile=profiles, launch_anatomy=anatomy)
     doc["passed"] = all(v.get("ok", False) for group in checks.values() for v in group.values())
     return doc
 
@@ -597,6 +668,14 @@ def print_table(doc: dict) -> None:
         print(f"  host profile of {name} (cProfile, per call; its own cost inflates every row alike):")
         for r in rows[:12]:
             print(f"    own {r['own_us']:7.2f} us  cum {r['cum_us']:7.2f} us  calls {r['calls']:4.1f}  {r['function']}")
+    if doc.get("launch_anatomy"):
+        print("  launch anatomy (host us per call, each piece timed alone):")
+        for name, v in doc["launch_anatomy"].items():
+            if isinstance(v, dict):
+                print(f"    {name}: " + ", ".join(f"{k} {x:.2f}" if isinstance(x, float) else f"{k} {x}"
+                                                for k, x in v.items()))
+            else:
+                print(f"    {name}: {v:.2f}" if isinstance(v, float) else f"    {name}: {v}")
     for group, results in doc.get("checks", {}).items():
         for name, r in results.items():
             print(f"  check {group:18s} {name:28s} {'ok' if r.get('ok') else 'FAILED ' + str(r)}")

@@ -27,6 +27,11 @@ from test_triton_gemm import assert_accumulation_close, randn, rows_mx
 
 REF = ReferenceBackend()
 needs_kernels = pytest.mark.skipif(not kernel_backends("matmul"), reason=no_kernels_reason("matmul"))
+
+try:  # a module global, for the jit kernel of the emulation test (a test's local is not seen)
+    from portable_mx.backends.triton import upcast as upcast_kernels
+except ImportError:  # no Triton: the tests that need it skip
+    upcast_kernels = None
 _no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
@@ -90,7 +95,10 @@ def test_hopper_value_layout_roundtrips(rows, k):
 @pytest.mark.triton
 def test_hopper_value_layout_golden_word():
     """The first word of a tile holds rows 0 and 8, columns 0, 1, 8, 9 (thread 0's first
-    k16 wgmma fragment) in the bit positions upcast.py's pair masks read."""
+    k16 wgmma fragment) at the bits upcast.py's decode takes each pair from (pair 0 in
+    place, pair 1 shifted left by 4, pair 2 rotated left by 10, pair 3 shifted left by 6
+    except its two exponent-high bits, shifted right by 2), and that decode gives back the
+    bf16 bits of every code (value * 2**-126: sign 15, exponent 8..7, mantissa 6)."""
     from portable_mx.backends.triton.layouts import HOPPER_VALUES
 
     nib = torch.zeros(64, 64, dtype=torch.uint8)
@@ -99,12 +107,95 @@ def test_hopper_value_layout_golden_word():
     nib[8, 0], nib[8, 1], nib[8, 8], nib[8, 9] = 5, 6, 7, 15
     codes = nib[:, 0::2] | (nib[:, 1::2] << 4)
     word = int(HOPPER_VALUES.swizzle(codes)[:4].view(torch.int32)) & 0xFFFFFFFF
-    want = (1 << 6) | (2 << 22)  # pair 0: code & 7 at 6..8 (+16 for the high half)
-    want |= (3 << 3) | (4 << 19)  # pair 1: 3..5
-    want |= (5 << 0) | (6 << 16)  # pair 2: 0..2
-    want |= (1 << 13) | ((7 >> 1) << 10)  # pair 3, code 7: mantissa 13, exponent 11..10
-    want |= (1 << 30) | (1 << 29) | ((15 >> 1 & 3) << 26)  # code 15: sign 30, mantissa 29, exponent 27..26
+    # bit targets: mantissa 6, exponent 7 (low) and 8 (high), sign 15; +16 in the high half
+    want = (1 << 6) | (1 << 23)  # pair 0, codes 1 (m) and 2 (e0): in place
+    want |= (1 << 2) | (1 << 3) | (1 << 20)  # pair 1, codes 3 (m, e0) and 4 (e1): 4 bits down
+    want |= (1 << 28) | (1 << 30) | (1 << 13) | (1 << 14)  # pair 2, codes 5 (m, e1), 6 (e0, e1): 10 down, wrapped
+    want |= (1 << 0) | (1 << 1) | (1 << 10)  # pair 3, code 7 (m, e0 6 down; e1 2 up)
+    want |= (1 << 16) | (1 << 17) | (1 << 26) | (1 << 25)  # code 15: m, e0, sign 6 down, e1 2 up
     assert word == want
+
+    def rotl(w, r):
+        return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF
+
+    s_mask = 0x81C081C0
+    pairs = [word & s_mask, (word << 4) & s_mask, rotl(word, 10) & s_mask,
+             ((word << 6) & 0x80C080C0) | ((word >> 2) & 0x01000100)]
+
+    def bf16_bits(c):
+        return ((c >> 3) << 15) | ((c & 7) << 6)
+
+    assert pairs == [bf16_bits(lo) | (bf16_bits(hi) << 16) for lo, hi in ((1, 2), (3, 4), (5, 6), (7, 15))]
+
+
+def _emulate_ptx(asm: str, operand: int) -> list[int]:
+    """Run an inline-asm block of 32-bit integer PTX (and, or, shl, shr, shf.l.wrap, mov)
+    on one input register ``$4``; the outputs $0..$3. Enough to hold the sm_90 decode's
+    text to its twin on a CPU (the GPU test runs the real thing)."""
+    regs = {"$4": operand & 0xFFFFFFFF}
+    mask = 0xFFFFFFFF
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0) & mask
+
+    for line in asm.split(";"):
+        line = line.strip()
+        if not line or line.startswith((".reg", "{", "}")):
+            continue
+        op, args = line.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "or.b32":
+            regs[a[0]] = val(a[1]) | val(a[2])
+        elif op == "shl.b32":
+            regs[a[0]] = (val(a[1]) << val(a[2])) & mask
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> val(a[2])
+        elif op == "shf.l.wrap.b32":  # upper 32 bits of {b, a} << (c mod 32)
+            lo, hi, n = val(a[1]), val(a[2]), val(a[3]) % 32
+            regs[a[0]] = (((hi << 32) | lo) << n >> 32) & mask
+        elif op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        else:
+            raise AssertionError(f"no emulation of {op}")
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.triton
+def test_sm90_decode_asm_equals_its_twin_by_emulation(kernel):
+    """The inline PTX of the sm_90 decode (upcast._PAIRS, the integer part of hopper_asm),
+    emulated on the CPU, gives the same four bf16x2 pairs as the pure-Triton twin
+    (upcast._hopper_pair, run by the backend here) for every byte value in every byte
+    position and 4096 random words: the asm cannot drift from the twin the tests hold to
+    the reference (on an sm_90 GPU the compiled asm itself is compared too)."""
+    import triton
+    import triton.language as tl
+
+    backend, device = kernel
+
+    @triton.jit
+    def pairs_kernel(w_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        w = tl.load(w_ptr + i)
+        tl.store(out_ptr + 4 * i, upcast_kernels._hopper_pair(w, 0))
+        tl.store(out_ptr + 4 * i + 1, upcast_kernels._hopper_pair(w, 1))
+        tl.store(out_ptr + 4 * i + 2, upcast_kernels._hopper_pair(w, 2))
+        tl.store(out_ptr + 4 * i + 3, upcast_kernels._hopper_pair(w, 3))
+
+    g = torch.Generator().manual_seed(5)
+    words = [b << (8 * t) for t in range(4) for b in range(256)]
+    words += torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=g).tolist()
+    words += [0xFFFFFFFF] * (8192 - len(words))
+    w = torch.tensor([x - 2**32 if x >= 2**31 else x for x in words], dtype=torch.int32)
+    out = torch.empty(4 * w.numel(), dtype=torch.int32)
+    with backend.running():
+        wd, od = w.to(device), out.to(device)
+        pairs_kernel[(1,)](wd, od, N=w.numel())
+    twin = (od.cpu().to(torch.int64) & 0xFFFFFFFF).view(-1, 4).tolist()
+    for x, want in zip(words, twin):
+        assert _emulate_ptx(upcast_kernels._PAIRS, x) == want, hex(x)
 
 
 @pytest.mark.triton

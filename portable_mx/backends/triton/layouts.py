@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .upcast import PAIR_TARGETS, hopper_source_bit
+
 
 @dataclass(frozen=True)
 class ScaleLayout:
@@ -158,9 +160,13 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack((codes & 15, codes >> 4), dim=-1).reshape(codes.shape[0], -1)
 
 
-# (sign bit, lowest bit of the 3 exponent/mantissa bits) of the low half of pair j of a
-# word, j = 0, 1, 2 (upcast.py); pair 3 splits its bits (sign 14, exponent 11..10, mantissa 13)
-_PAIR_BITS = ((15, 6), (12, 3), (9, 0))
+def _code_bits(pair: int, half: int) -> tuple[int, ...]:
+    """The word bits that hold code bits 0..3 (mantissa, exponent low, exponent high, sign)
+    of half ``half`` of pair ``pair`` in the sm_90 layout: where the decode (upcast.py)
+    takes them from."""
+    return tuple(hopper_source_bit(pair, t + 16 * half) for t in PAIR_TARGETS)
+
+
 # hopper storage order of the 14 size-2 (or tile) axes of the padded codes
 # [AN, n5, n4, n3, n2, n1, n0, AK, k5, k4, k3, k2, k1, k0] (AN, AK: 64-row / 64-column
 # tiles; n*, k*: the bits of the row and column inside them)
@@ -181,9 +187,11 @@ class HopperValues(ValueLayout):
     32-bit word (little-endian), holds the 8 codes (n3, k3, k0 free) of that word: pair
     ``j = 2 n3 + k3`` of the word (upcast.py) is the bf16x2 of the columns k0 = 0, 1. So a
     thread's 16 contiguous bytes are its A fragments of 4 k16 steps, both of its rows,
-    lanes 0-3 read 64 contiguous bytes and a warp 512. Inside a word, pair j's low code has
-    its sign at bit 15 - 3j and its 3 other bits at 6 - 3j .. 8 - 3j (j < 3); pair 3 has the
-    sign at 14, the exponent at 11..10 and the mantissa at 13; high codes 16 bits up."""
+    lanes 0-3 read 64 contiguous bytes and a warp 512. Inside a word, the 4 bits of the code
+    of half h of pair j sit where the decode takes them from (``_code_bits(j, h)``, from
+    upcast.hopper_source_bit: pair 0 in place, pair 1 4 bits down, pair 2 rotated by 10,
+    pair 3 in two pieces), so that one shift or rotate and one AND (two of each for pair 3)
+    make each bf16 pair."""
 
     def swizzle(self, codes: torch.Tensor) -> torch.Tensor:
         rows, kp = codes.shape[0], codes.shape[1] * 2
@@ -196,28 +204,19 @@ class HopperValues(ValueLayout):
         for j in range(4):
             for h in range(2):
                 c = x[:, j, h].to(torch.int64)
-                if j < 3:
-                    sign_bit, low_bit = _PAIR_BITS[j]
-                    bits = ((c >> 3) << sign_bit) | ((c & 7) << low_bit)
-                else:
-                    bits = ((c >> 3) << 14) | (((c >> 1) & 3) << 10) | ((c & 1) << 13)
-                word |= bits << (16 * h)
+                for k, at in enumerate(_code_bits(j, h)):
+                    word |= ((c >> k) & 1) << at
         word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
         return word.view(torch.uint8)
 
     def unswizzle(self, storage: torch.Tensor, rows: int, kp: int) -> torch.Tensor:
         rows_p, k_p = self.padded(rows, kp)
         word = storage.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        codes = torch.empty(word.shape[0], 4, 2, dtype=torch.int64, device=storage.device)
+        codes = torch.zeros(word.shape[0], 4, 2, dtype=torch.int64, device=storage.device)
         for j in range(4):
             for h in range(2):
-                w = word >> (16 * h)
-                if j < 3:
-                    sign_bit, low_bit = _PAIR_BITS[j]
-                    c = (((w >> sign_bit) & 1) << 3) | ((w >> low_bit) & 7)
-                else:
-                    c = (((w >> 14) & 1) << 3) | (((w >> 10) & 3) << 1) | ((w >> 13) & 1)
-                codes[:, j, h] = c
+                for k, at in enumerate(_code_bits(j, h)):
+                    codes[:, j, h] |= ((word >> at) & 1) << k
         sizes = (rows_p // 64, 2, 2, 2, 2, 2, 2, k_p // 64, 2, 2, 2, 2, 2, 2)
         stored = codes.reshape(*(sizes[i] for i in _HOPPER_ORDER))
         inverse = sorted(range(14), key=_HOPPER_ORDER.__getitem__)
@@ -256,11 +255,19 @@ def _hopper_values_kernel(codes_ptr, out_ptr, R, KB, stride_r, TILES_K):
         b = b.to(tl.uint32)
         for h in tl.static_range(2):
             c = (b >> (4 * h)) & 15
-            if j < 3:  # _PAIR_BITS[j] = (15 - 3j, 6 - 3j)
-                bits = ((c >> 3) << (15 - 3 * j)) | ((c & 7) << (6 - 3 * j))
-            else:
-                bits = ((c >> 3) << 14) | (((c >> 1) & 3) << 10) | ((c & 1) << 13)
-            word = word | (bits << (16 * h))
+            for k in tl.static_range(4):  # code bit k to the word bit upcast.hopper_source_bit names
+                t = 6 + k + (k // 3) * 6 + 16 * h  # PAIR_TARGETS[k] + 16 h
+                if j == 0:
+                    src = t
+                elif j == 1:
+                    src = t - 4
+                elif j == 2:
+                    src = (t + 22) % 32
+                elif k == 2:
+                    src = t + 2
+                else:
+                    src = t - 6
+                word = word | (((c >> k) & 1) << src)
     tl.store(out_ptr + pid.to(tl.int64) * 512 + w, word.to(tl.int32, bitcast=True))
 
 

@@ -27,7 +27,7 @@ Two word layouts:
 - :func:`decode_words`: the canonical layout (two codes per byte, the low nibble first):
   a byte's two codes become one bf16 pair (elements 2j, 2j + 1), ~4 integer ops per pair;
 - the sm_90 layout (layouts.HOPPER_VALUES): the 8 codes of a word bit-interleaved so that
-  each bf16 pair is one AND with a shifted copy of the word (10 integer ops per 8 codes).
+  each bf16 pair is one AND with a shifted copy of the word (9 integer ops per 8 codes).
   :func:`hopper_asm` decodes it with one inline-PTX block per word; :func:`hopper_twin` is
   its pure-Triton twin (the interpreter, other targets), equal bit for bit
   (``tests/test_triton_gemm_upcast.py`` holds them to each other on a GPU).
@@ -127,19 +127,45 @@ def decode_words(words, scales, DT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K
 
 # ----------------------------------------------------------------------------- sm_90 words
 #
-# One 32-bit word holds 8 codes as 4 bf16 pairs (low half, high half):
-#   pair j = 0, 1, 2: (word << 3j) & 0x81C081C0
-#   pair 3:           ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+# One 32-bit word holds 8 codes as 4 bf16 pairs (low half, high half); pair j is the word's
+# bits moved to S = 0x81C081C0 (the sign at bit 15, the exponent and mantissa at 8..6 of each
+# half) by one cheap operation each, 9 integer instructions a word:
+#   pair 0: word & S
+#   pair 1: (word << 4) & S
+#   pair 2: rotl(word, 10) & S                                   (a funnel shift)
+#   pair 3: ((word << 6) & 0x80C080C0) | ((word >> 2) & 0x01000100)
 # each the bits of code_value * 2**-126. Pair j is elements 2 (j % 2) and 2 (j % 2) + 1 of
-# output j // 2 (the inline-asm ``pack=4`` order: 4 bytes in, 2 outputs of 4 elements).
+# output j // 2 (the inline-asm ``pack=4`` order: 4 bytes in, 2 outputs of 4 elements). The
+# sources of the four pairs tile the word (no bit read twice): four pairs of one shift and
+# one AND each cannot (no 4 rotations of S tile 32 bits), so one pair takes two pieces.
+
+PAIR_TARGETS = (6, 7, 8, 15)
+"""Bits of a bf16 half that a code's mantissa, two exponent bits and sign go to (+16 for
+the high half): the bits of code_value * 2**-126."""
+
+
+def hopper_source_bit(pair: int, target: int) -> int:
+    """The bit of a word of the sm_90 layout that lands at bit ``target`` (in S) of pair
+    ``pair`` (the decode above; layouts.HopperValues places the codes by it)."""
+    if pair == 0:
+        return target
+    if pair == 1:
+        return target - 4
+    if pair == 2:
+        return (target - 10) % 32
+    return target + 2 if target in (8, 24) else target - 6
 
 
 @triton.jit
 def _hopper_pair(words, J: tl.constexpr):
-    if J == 3:
-        p = ((words << 1) & -0x7FFF8000) | ((words >> 3) & 0x01800180) | ((words >> 7) & 0x00400040)
+    if J == 0:
+        p = words & -0x7E3F7E40  # 0x81C081C0 as an int32
+    elif J == 1:
+        p = (words << 4) & -0x7E3F7E40
+    elif J == 2:
+        p = ((words << 10) | ((words >> 22) & 0x3FF)) & -0x7E3F7E40
     else:
-        p = (words << (3 * J)) & -0x7E3F7E40  # 0x81C081C0 as an int32
+        p = ((words << 6) & -0x7F3F7F40) | ((words >> 2) & 0x01000100)  # 0x80C080C0
     return p
 
 
@@ -161,37 +187,34 @@ def hopper_twin(words, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BIAS:
     return _hopper_output(words, 0, DT, R, C, BIAS), _hopper_output(words, 2, DT, R, C, BIAS)
 
 
-# the sm_90 word decode: pairs 0-2 one AND of a shifted copy each, pair 3 three shifted
-# pieces; with the bias, each pair times 2**126 (bf16 0x7E80)
+# the sm_90 word decode (above): 9 integer instructions on sm_90 (5 LOP3, 2 IMAD.SHL, 2 SHF);
+# with the bias, each pair times 2**126 (bf16 0x7E80)
 _PAIRS = """
         and.b32 $0, $4, 0x81C081C0;
-        shl.b32 t0, $4, 3;
+        shl.b32 t0, $4, 4;
         and.b32 $1, t0, 0x81C081C0;
-        shl.b32 t0, $4, 6;
+        shf.l.wrap.b32 t0, $4, $4, 10;
         and.b32 $2, t0, 0x81C081C0;
-        shl.b32 t1, $4, 1;
-        and.b32 t1, t1, 0x80008000;
-        shr.b32 t2, $4, 3;
-        and.b32 t2, t2, 0x01800180;
-        shr.b32 t3, $4, 7;
-        and.b32 t3, t3, 0x00400040;
-        or.b32 t1, t1, t2;
-        or.b32 $3, t1, t3;"""
+        shl.b32 t1, $4, 6;
+        and.b32 t1, t1, 0x80C080C0;
+        shr.b32 t2, $4, 2;
+        and.b32 t2, t2, 0x01000100;
+        or.b32 $3, t1, t2;"""
 _TIMES_BIAS = """
         mov.b32 bias, 0x7E807E80;
         mul.bf16x2 $0, $0, bias;
         mul.bf16x2 $1, $1, bias;
         mul.bf16x2 $2, $2, bias;
         mul.bf16x2 $3, $3, bias;"""
-_HOPPER_ASM: tl.constexpr = tl.constexpr("{\n        .reg .b32 t0, t1, t2, t3, bias;" + _PAIRS + _TIMES_BIAS + "\n}")
-_HOPPER_ASM_RAW: tl.constexpr = tl.constexpr("{\n        .reg .b32 t0, t1, t2, t3;" + _PAIRS + "\n}")
+_HOPPER_ASM: tl.constexpr = tl.constexpr("{\n        .reg .b32 t0, t1, t2, bias;" + _PAIRS + _TIMES_BIAS + "\n}")
+_HOPPER_ASM_RAW: tl.constexpr = tl.constexpr("{\n        .reg .b32 t0, t1, t2;" + _PAIRS + "\n}")
 
 
 @triton.jit
 def hopper_asm(b, BIAS: tl.constexpr = True):
     """Inline PTX (sm_90): bytes ``b`` uint8 [R, C] of the sm_90 layout -> two bf16 [R, C];
     one instance per 32-bit word (``pack=4``: 4 consecutive bytes of a thread's
-    registers, which the layout makes the 4 bytes of one word), 10 integer ops and, with
+    registers, which the layout makes the 4 bytes of one word), 9 integer ops and, with
     ``BIAS``, 4 ``mul.bf16x2`` per 8 values (without it the values times 2**-126, for a
     :func:`folded_scale` multiply)."""
     if BIAS:

@@ -477,8 +477,8 @@ def measure_shape(
         w_rows = [ops._mx_rows(wi) for wi in w_mx]
         a = ops.left_operand(x, recipe)
         a = a if isinstance(a, torch.Tensor) else ops._mx_rows(a)
-        if variant == "a4w4" and backend.left_values(m, recipe, device):  # decode on upcast targets: the
-            a = backend.quantized_values(x, recipe)[:, :k]  # W4A16 GEMM on the tokens' quantized values
+        if variant == "a4w4" and backend.left_values(m, n, recipe, device):  # upcast targets (decode, wide
+            a = backend.quantized_values(x, recipe)[:, :k]  # outputs): the W4A16 GEMM on the tokens' values
         w64 = pmx.dequantize(w_mx[0], dtype=torch.float64)
         a64 = x.double() if variant == "w4a16" else pmx.dequantize(pmx.quantize(x, recipe), dtype=torch.float64)
         label = f"{shape_name(shape)} {variant}"

@@ -140,7 +140,7 @@ def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype) ->
         return torch.zeros(m, n, dtype=out_dtype, device=b.device)
     b_rows = right_operand(b, recipe)
     backend = _select("matmul", b_rows.device)
-    if isinstance(a, _Tensor) and recipe.activations == "mxfp4" and backend.left_values(m, recipe, a.device):
+    if isinstance(a, _Tensor) and recipe.activations == "mxfp4" and backend.left_values(m, n, recipe, a.device):
         # A4W4 as the W4A16 GEMM on a's quantized values (bf16, exact): the same products
         a_op = backend.quantized_values(a, recipe)
         a_op = a_op if a_op.shape[1] == k else a_op[:, :k]

@@ -83,10 +83,11 @@ class Backend:
         is the exact twin a backend's own one-pass form is held to."""
         return self.dequantize(self.quantize(x, recipe), torch.bfloat16)
 
-    def left_values(self, m: int, recipe: "QuantRecipe", device: torch.device) -> bool:
-        """Whether ``matmul`` of an M-row float left operand quantized with ``recipe`` runs
-        better as the W4A16 GEMM on :meth:`quantized_values` (the same products, so the
-        same result up to accumulation order) than as the A4W4 GEMM. False by default."""
+    def left_values(self, m: int, n: int, recipe: "QuantRecipe", device: torch.device) -> bool:
+        """Whether ``matmul`` of an M-row float left operand quantized with ``recipe`` by an
+        N-column weight runs better as the W4A16 GEMM on :meth:`quantized_values` (the same
+        products, so the same result up to accumulation order) than as the A4W4 GEMM.
+        False by default."""
         return False
 
     def decompose(

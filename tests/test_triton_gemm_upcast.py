@@ -675,11 +675,13 @@ def test_gemm_sweep_cpu_smoke(tmp_path):
 
 @pytest.mark.triton
 def test_left_values_policy():
-    """Backend.left_values: the W4A16 GEMM on the tokens' quantized values at decode sizes
-    (M <= 16) where the A4W4 GEMM decodes its operands (sm_90, gfx942), for recipes whose
-    values are bf16 numbers (no macro blocks, no outliers); never on native targets."""
+    """Backend.left_values: the W4A16 GEMM on the tokens' quantized values where the A4W4
+    GEMM decodes its operands (sm_90, gfx942), at decode sizes (M <= 16) and for wide
+    outputs (N >= VALUES_MIN_N) at any M, for recipes whose values are bf16 numbers (no
+    macro blocks, no outliers); never on native targets."""
     from portable_mx.backends.cuda import CudaBackend
     from portable_mx.backends.rocm import RocmBackend
+    from portable_mx.backends.triton.backend import VALUES_MIN_N
 
     def on(base, name):
         class Simulated(base):
@@ -689,26 +691,36 @@ def test_left_values_policy():
         return Simulated()
 
     cpu = torch.device("cpu")
+    wide = VALUES_MIN_N
     for base, name, upcasts in ((CudaBackend, "sm_90", True), (CudaBackend, "sm_100", False),
                                 (CudaBackend, "sm_120", False), (RocmBackend, "gfx942", True),
                                 (RocmBackend, "gfx950", False)):
         backend = on(base, name)
-        assert backend.left_values(1, QR(), cpu) is upcasts, name
-        assert backend.left_values(16, QR(rounding="stochastic", seed=3), cpu) is upcasts, name
-        assert backend.left_values(17, QR(), cpu) is False
-        assert backend.left_values(1, QR(macro_block=64), cpu) is False
-        assert backend.left_values(1, QR(outliers_per_block=1), cpu) is False
-    assert ReferenceBackend().left_values(1, QR(), cpu) is False
+        assert backend.left_values(1, 64, QR(), cpu) is upcasts, name
+        assert backend.left_values(16, 64, QR(rounding="stochastic", seed=3), cpu) is upcasts, name
+        assert backend.left_values(17, wide - 1, QR(), cpu) is False
+        assert backend.left_values(17, wide, QR(), cpu) is upcasts, name
+        assert backend.left_values(8192, 8192, QR(), cpu) is upcasts, name
+        assert backend.left_values(1, 64, QR(macro_block=64), cpu) is False
+        assert backend.left_values(4096, wide, QR(outliers_per_block=1), cpu) is False
+    assert ReferenceBackend().left_values(1, wide, QR(), cpu) is False
 
 
 @needs_kernels
 def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
-    """With left_values on (as on sm_90 at M <= 16), pmx.matmul A4W4 runs the W4A16 GEMM on
-    the tokens' quantized values: the same products as the A4W4 GEMM, so within the fp32
-    accumulation bound of the exact product of the quantized operands; and bit for bit
-    the W4A16 GEMM of the reference's dequantized tokens (same kernel, same config)."""
+    """With left_values' policy as on sm_90 (the backend's own, its device marked as an
+    upcast target; the wide-output threshold lowered to 64 columns to keep the shapes
+    small), pmx.matmul A4W4 runs the W4A16 GEMM on the tokens' quantized values at M <= 16
+    and at M = 17 with a wide output: the same products as the A4W4 GEMM, so within the
+    fp32 accumulation bound of the exact product of the quantized operands; and bit for
+    bit the W4A16 GEMM of the reference's dequantized tokens (same kernel, same config)."""
+    from portable_mx.backends.triton import backend as triton_backend
+
     backend, device = gemm_kernel
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    monkeypatch.setattr(backend, "_devices", {})
+    backend._device(torch.device(device)).upcasts = True
+    monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
     calls = []
     real = type(backend).quantized_values
 
@@ -716,8 +728,6 @@ def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
         calls.append(tuple(x.shape))
         return real(self, x, recipe)
 
-    monkeypatch.setattr(type(backend), "left_values", lambda self, m, recipe, dev: m <= 16 and not (
-        recipe.macro_block or recipe.outliers_per_block))
     monkeypatch.setattr(type(backend), "quantized_values", spy)
     x, w = randn(1, 5, 100, seed=11, scale=3.0), randn(100, 70, seed=12)
     for recipe in (QR(), QR(scale_rule="rceil", rounding="stochastic", seed=9)):
@@ -733,9 +743,15 @@ def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
         w16 = backend.matmul(values.to(device), w_mx.rows(), torch.float32)  # as the dispatch layer calls it
         assert bitwise_equal(out.reshape(-1, 70), w16)
     calls.clear()
+    x17 = randn(17, 100, seed=13)
+    w_mx = pmx.quantize(w.to(device), axis=0)
+    out = pmx.matmul(x17.to(device), w_mx)  # M > 16, N = 70 >= 64: a wide output
+    assert calls == [(17, 100)]
+    assert_accumulation_close(out, ops._mx_rows(REF.quantize(x17, QR())), ops._mx_rows(w_mx.to("cpu")), 100)
+    calls.clear()
     pmx.matmul(x.to(device), pmx.quantize(w.to(device), QR(macro_block=64), axis=0), QR(macro_block=64))
-    pmx.matmul(randn(17, 100, seed=13).to(device), pmx.quantize(w.to(device), axis=0))
-    assert calls == []  # macro blocks (values not bf16) and M > 16: the A4W4 GEMM
+    pmx.matmul(x17.to(device), pmx.quantize(w[:, :48].to(device), axis=0))
+    assert calls == []  # macro blocks (values not bf16), and M > 16 with N = 48 < 64: the A4W4 GEMM
 
 
 @needs_kernels

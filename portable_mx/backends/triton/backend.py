@@ -158,6 +158,14 @@ def _weight_parts(values, scales, bsmax: Optional[bool] = None):
     return build
 
 
+VALUES_MIN_N = 2048
+"""The output width from which an A4W4 GEMM with more than 16 rows runs as the W4A16 GEMM
+on the tokens' values on upcast targets: its A4W4 kernel decodes each token value once per
+column of tiles (256 columns at prefill: ~5.4 instructions a value each time on sm_90),
+against ~3 more bytes a value moved by the values pass; they break even near N ~ 1400 on
+an H100/H200-class GPU (NOTES-gemm.md, "A4W4 at every size on upcast targets")."""
+
+
 class _Operand:
     """An MXTensor in the rows layout as the GEMM kernel takes it: its five part pointers
     (codes, scales, macro factors, outlier bits as int16, outlier indices; absent parts
@@ -425,13 +433,16 @@ class TritonBackend(Backend):
         self._launch(st, plan.launch, (words, o, o, o, o, o, *plan.ints))
         return out
 
-    def left_values(self, m: int, recipe: QuantRecipe, device: torch.device) -> bool:
-        """:meth:`Backend.left_values`: at decode sizes (M <= 16) on targets whose A4W4 GEMM
-        decodes its operands in registers (the upcast route: sm_90, gfx942), for recipes
-        without macro blocks or outliers. The W4A16 kernel then reads bf16 values the
-        quantize kernel wrote, instead of decoding the tokens' codes in every K step
-        (sm_90 decode tile: 30.8 -> 25.9 instructions per 8 weight values)."""
-        if m > 16 or recipe.macro_block is not None or recipe.outliers_per_block:
+    def left_values(self, m: int, n: int, recipe: QuantRecipe, device: torch.device) -> bool:
+        """:meth:`Backend.left_values`: on targets whose A4W4 GEMM decodes its operands in
+        registers (the upcast route: sm_90, gfx942), for recipes without macro blocks or
+        outliers, at decode sizes (M <= 16) and wherever the output is wide (N >=
+        :data:`VALUES_MIN_N`). The W4A16 kernel then reads bf16 values the quantize
+        kernel wrote, instead of decoding the tokens' codes in every K step of every
+        column of tiles (sm_90, per 8 weight values: 28.8 -> 23.9 instructions on the
+        decode tile, 56.1 -> 34.6 on the prefill tile) at the price of one more pass over
+        the tokens (bf16 written and read: about 3 bytes an element more than the codes)."""
+        if (m > 16 and n < VALUES_MIN_N) or recipe.macro_block is not None or recipe.outliers_per_block:
             return False
         st = self._devices.get(device) or self._device(device)
         if st.upcasts is None:

@@ -584,13 +584,28 @@ VALUE_RECIPES = [QR(), QR(scale_rule="rceil"), QR(scale_rule="even"), QR(scale_r
                  QR(rounding="stochastic", seed=7), QR(rounding="stochastic", seed=2**40 + 3, scale_rule="even")]
 
 
+@pytest.mark.parametrize("tile", ["default", "shared-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("recipe", VALUE_RECIPES, ids=lambda r: r.describe())
-def test_quantized_values_equal_the_reference(kernel, recipe, dtype):
+def test_quantized_values_equal_the_reference(kernel, recipe, dtype, tile, monkeypatch):
     """The quantize kernel's VALUES output (backend.quantized_values: the bf16 values of
     the codes, one launch) against the reference's dequantize(quantize(x)) in bf16, bit
-    for bit: ragged and whole tiles, NaN/Inf blocks, subnormal scales, saturation."""
+    for bit: ragged and whole tiles, NaN/Inf blocks, subnormal scales, saturation; with
+    the default tile (a block for every thread: each thread loads and stores its block's
+    pieces, VALUES = 2) and with a tile whose blocks threads share (VALUES = 1, as AMD's
+    64-wide waves run it)."""
+    from portable_mx.backends.triton import quantize as qk
+    from portable_mx.backends.triton.launch import TileConfig
+
     backend, device = kernel
+    if tile == "shared-blocks":
+        config = TileConfig(4, 256, num_warps=4)
+        assert qk.values_mode(qk.Plan.make(recipe, config), config, 32) == 1
+        monkeypatch.setattr(backend, "_devices", {})
+        monkeypatch.setattr(type(backend), "tile_config", lambda self, kernel, target, recipe: config)
+    else:
+        config = backend.tile_config("quantize", None, recipe)
+        assert qk.values_mode(qk.Plan.make(recipe, config), config, 32) == 2
     for i, shape in enumerate([(1, 1), (3, 31), (33, 300), (64, 512)]):
         x = sample(shape, seed=90 + i).to(dtype)
         got = backend.quantized_values(x.to(device), recipe)

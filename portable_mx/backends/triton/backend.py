@@ -490,8 +490,10 @@ class TritonBackend(Backend):
         else:
             words, src = as_words, x.dtype
         stride_w = (x if words is None else words(x)).stride(0) // 2
+        warp = st.target.warp_size if st.target is not None else 32
         constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[src], "EVEN": plan.even(r, k),
-                      "FMA_DIV": fma_divides(interpreting()), "VALUES": values}
+                      "FMA_DIV": fma_divides(interpreting()),
+                      "VALUES": kernels.values_mode(plan, config, warp) if values else 0}
         launch = Launch("quantize", kernels.quantize_kernel, plan.grid(r, k), constexprs, self.options(config), config)
         out = _QuantizePlan(launch, words, (r, kp // 2), (r, nb), (r, nm) if mb else None,
                             (r, nb, n_out) if n_out else None, (r, (k + 1) // 2, kp // 2, nm, stride_w, recipe.seed))
@@ -757,7 +759,8 @@ class TritonBackend(Backend):
         for dtype, recipe in ((torch.bfloat16, QuantRecipe()), (torch.float32, QuantRecipe()),
                               (torch.bfloat16, QuantRecipe(rounding="stochastic", seed=1))):
             config = self.tile_config("quantize", target, recipe)
-            out.append(quantize.launch_spec(dtype, recipe, config, self.options(config), values=True))
+            out.append(quantize.launch_spec(dtype, recipe, config, self.options(config), values=True,
+                                            warp_size=target.warp_size))
         for has_macro, n_out in ((False, 0), (True, 0), (False, 2), (True, 2)):
             recipe = QuantRecipe(macro_block=128 if has_macro else None, outliers_per_block=n_out)
             config = self.tile_config("dequantize", target, recipe)

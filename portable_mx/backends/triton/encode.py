@@ -197,6 +197,36 @@ def load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R: tl.const
 
 
 @triton.jit
+def store_block_words(ptr, words, rows, col0, c, R, KW, stride, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
+                      SPAN: tl.constexpr, EVEN: tl.constexpr):
+    """Store int32 words [BR, NBK, 16] (one 32-block's 16 words a thread, as
+    :func:`load_block_words` loads them) at word columns ``col0 // 2 + c * NBK * 16 + ...``
+    of rows of ``stride`` words, masked to the span and KW words unless EVEN: the four
+    16-byte pieces of each block split in the thread's registers and stored one by one,
+    so that no store asks for a layout that spreads a block over threads."""
+    w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2))  # [.., v, a, b]: piece 2 b + a
+    x, y = tl.split(w)
+    p0, p1 = tl.split(x)
+    p2, p3 = tl.split(y)
+    base = c * NBK * 16 + tl.arange(0, NBK)[None, :, None] * 16 + tl.arange(0, 4)[None, None, :]
+    _store_piece(ptr, p0, rows, col0, base, R, KW, stride, SPAN, EVEN)
+    _store_piece(ptr, p1, rows, col0, base + 4, R, KW, stride, SPAN, EVEN)
+    _store_piece(ptr, p2, rows, col0, base + 8, R, KW, stride, SPAN, EVEN)
+    _store_piece(ptr, p3, rows, col0, base + 12, R, KW, stride, SPAN, EVEN)
+
+
+@triton.jit
+def _store_piece(ptr, piece, rows, col0, inner, R, KW, stride, SPAN: tl.constexpr, EVEN: tl.constexpr):
+    """Store ``piece`` [BR, NBK, 4] at word offsets ``inner`` [1, NBK, 4] of the chunk."""
+    wcol = col0 // 2 + inner
+    p = ptr + rows[:, None, None] * stride + wcol
+    if EVEN:
+        tl.store(p, piece)
+    else:
+        tl.store(p, piece, mask=(rows[:, None, None] < R) & (inner < SPAN // 2) & (wcol < KW))
+
+
+@triton.jit
 def _load_four_pieces(w_ptr, rows, col0, base, R, KW_IN, stride_w, VEC: tl.constexpr, SPAN: tl.constexpr,
                       EVEN: tl.constexpr):
     """Four consecutive pieces of VEC words from word offsets ``base`` [1, NBK, VEC],

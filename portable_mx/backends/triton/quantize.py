@@ -41,6 +41,8 @@ from .encode import (
     scaled_halves,
     span_macro_factor,
     split_blocks,
+    load_block_words,
+    store_block_words,
     unpack_words,
 )
 from .launch import KernelLaunch, TileConfig
@@ -56,7 +58,7 @@ def quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     MACRO_GROUP: tl.constexpr, IN_KIND: tl.constexpr, RULE: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_MACRO: tl.constexpr, N_OUT: tl.constexpr, EVEN: tl.constexpr, FMA_DIV: tl.constexpr,
-    K_FIRST: tl.constexpr, VALUES: tl.constexpr = False,
+    K_FIRST: tl.constexpr, VALUES: tl.constexpr = 0,
 ):
     """w: the input, bf16 / fp16 / fp32 [R, K], read as words of two elements (int32 for
     16-bit input, int64 for fp32): [R, KW_IN valid words, row stride stride_w words];
@@ -67,7 +69,10 @@ def quantize_kernel(
     tile from encode.program_tile (K_FIRST: their order). VALUES (no macro factors, no
     outliers): instead of the codes and scales, q is int32 words [R, KW], the bf16 values
     of the quantized elements (code * 2**e, exact; NaN in NaN/Inf blocks), two a word in
-    the input's order."""
+    the input's order; VALUES = 2 where the tile has a block for every thread
+    (:func:`values_mode`): each thread loads and stores its whole block (encode's
+    ``load_block_words`` / ``store_block_words``), else (1) a [BR, BW] word tile whose
+    blocks threads share."""
     w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
@@ -82,11 +87,16 @@ def quantize_kernel(
     for c in range(NUM_CHUNKS):
         wcol, lmask, smask = chunk_words(rows, col0, c, R, KW_IN, KW, BW, SPAN)
         bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
-        if EVEN:
-            w = tl.load(w_ptr + rows[:, None] * stride_w + wcol)
+        if VALUES == 2:  # no store of the words' shape lends the load its width: whole blocks a thread
+            w = load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R, NBK, SPAN,
+                                 2 if IN_KIND == 2 else 4, EVEN)
         else:
-            w = tl.load(w_ptr + rows[:, None] * stride_w + wcol, mask=lmask, other=0)
-        lo, hi = unpack_words(blocked(w, BLOCK_R, BW), IN_KIND)
+            if EVEN:
+                w = tl.load(w_ptr + rows[:, None] * stride_w + wcol)
+            else:
+                w = tl.load(w_ptr + rows[:, None] * stride_w + wcol, mask=lmask, other=0)
+            w = blocked(w, BLOCK_R, BW)
+        lo, hi = unpack_words(w, IN_KIND)
         rlo, rhi, amax, special, idx1, ob1, idx2, ob2 = split_blocks(lo, hi, IN_KIND, N_OUT)
 
         m = tl.full([BLOCK_R, NBK], 1.0, tl.float32)
@@ -111,7 +121,8 @@ def quantize_kernel(
             code_lo, _ = encode_half(slo, inv, rlo, False)
             code_hi, _ = encode_half(shi, inv, rhi, False)
         if VALUES:
-            _store_values(q_ptr, rows, wcol, smask, code_lo, code_hi, e, special, KW, BLOCK_R, BW, EVEN)
+            _store_values(q_ptr, rows, col0, c, R, wcol, smask, code_lo, code_hi, e, special, KW, BLOCK_R, NBK,
+                          SPAN, EVEN, VALUES == 2)
         else:
             _store_codes(q_ptr, s_ptr, ov_ptr, oi_ptr, rows, wcol, smask, bidx, bmask, NB, KW, code_lo, code_hi, e,
                          special, idx1, ob1, idx2, ob2, N_OUT, BLOCK_R, BW, EVEN)
@@ -144,21 +155,33 @@ def _store_codes(q_ptr, s_ptr, ov_ptr, oi_ptr, rows, wcol, smask, bidx, bmask, N
 
 
 @triton.jit
-def _store_values(q_ptr, rows, wcol, smask, code_lo, code_hi, e, special, KW, BLOCK_R: tl.constexpr,
-                  BW: tl.constexpr, EVEN: tl.constexpr):
+def _store_values(q_ptr, rows, col0, c, R, wcol, smask, code_lo, code_hi, e, special, KW, BLOCK_R: tl.constexpr,
+                  NBK: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr):
     """quantize_kernel's VALUES output: the bf16 bits of code * 2**e, two a word (the
     fp32 product is exact and has at most two significant bits, so its top half is the
     bf16 value, subnormals included; it overflows to inf where the reference's fp32
-    dequantization does), NaN in special blocks."""
+    dequantization does), NaN in special blocks; with WHOLE a block's 16 words stored by
+    the thread that holds it (encode.store_block_words), else as a [BR, BW] tile."""
     f = exp2i(e)[:, :, None]
     lo = (decode_bits(code_lo, f) >> 16) & 0xFFFF
     hi = decode_bits(code_hi, f) >> 16
     word = tl.where(special[:, :, None], 0x7FC07FC0, lo | (hi << 16))
-    word = flat(word, BLOCK_R, BW)
-    if EVEN:
-        tl.store(q_ptr + rows[:, None] * KW + wcol, word)
+    if WHOLE:
+        store_block_words(q_ptr, word, rows, col0, c, R, KW, KW, BLOCK_R, NBK, SPAN, EVEN)
     else:
-        tl.store(q_ptr + rows[:, None] * KW + wcol, word, mask=smask)
+        word = flat(word, BLOCK_R, NBK * 16)
+        if EVEN:
+            tl.store(q_ptr + rows[:, None] * KW + wcol, word)
+        else:
+            tl.store(q_ptr + rows[:, None] * KW + wcol, word, mask=smask)
+
+
+def values_mode(plan: "Plan", config: TileConfig, warp_size: int) -> int:
+    """quantize_kernel's VALUES constexpr for a ``quantized_values`` launch: 2 (whole
+    blocks a thread, no shuffles) where the tile has a block for every thread, else 1
+    (AMD's 64-wide waves on the tiles of rocm.py: blocks shared by threads, as the codes
+    path lays them out there)."""
+    return 2 if plan.block_r * plan.block_k // 32 >= warp_size * config.num_warps else 1
 
 
 @dataclass(frozen=True)
@@ -213,7 +236,7 @@ _INT_ARGS = ("R", "KW_IN", "KW", "NM", "stride_w")
 
 
 def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, options: dict,
-                even: bool = True, values: bool = False) -> KernelLaunch:
+                even: bool = True, values: bool = False, warp_size: int = 32) -> KernelLaunch:
     """The launch :func:`quantize` makes for inputs of ``dtype`` (``even``: whole tiles),
     as data (for AOT); ``values``: the backend's ``quantized_values`` launch instead (bf16
     values out, as int32 words in every output pointer). The masked variant is compiled as
@@ -221,7 +244,8 @@ def launch_spec(dtype: torch.dtype, recipe: QuantRecipe, config: TileConfig, opt
     (Triton then lays the loads out otherwise; a decompose layout of that case reduced
     across rows on an H200)."""
     plan = Plan.make(recipe, config)
-    constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "FMA_DIV": True, "VALUES": values}
+    constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[dtype], "EVEN": even, "FMA_DIV": True,
+                  "VALUES": values_mode(plan, config, warp_size) if values else 0}
     # unused outputs are passed the scales tensor (see quantize), hence "*u8"
     out = "*i32" if values else "*u8"
     signature = {"w_ptr": IN_POINTERS[dtype], "q_ptr": out, "s_ptr": out,

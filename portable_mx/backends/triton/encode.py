@@ -176,7 +176,8 @@ def chunk_blocks(rows, col0, c, R, NB, NBK: tl.constexpr, SPAN: tl.constexpr):
 def load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
                      SPAN: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
     """The words [BR, NBK, 16] of chunk ``c``, one 32-block per thread, for kernels with
-    no store of the words' shape to lend the load its width (decompose).
+    no store of the words' shape to lend the load its width (decompose; quantize's values
+    output).
 
     Each of the block's 16/VEC pieces of VEC words (16 bytes) is loaded as its own
     [BR, NBK, VEC] tile, whose only spread dimensions are the rows and blocks, so every

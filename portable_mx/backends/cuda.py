@@ -39,7 +39,10 @@ TILES = {
 # weight is wgmma's register operand, the tokens its N (16 at decode). Prefill 128 tokens
 # x 256 weight rows x 128 K on 8 warps, 3 stages (triton_kernels' Hopper choice, 246
 # registers, 147 KB of shared memory; no split-K: the combine would spill), M <= 128
-# 64 x 256 x 128 with split-K (M = 128: 64 tiles x 2 splits); decode 16 x 128 x 128 on 4
+# 64 x 256 x 128 with split-K (M = 128: 64 tiles x 2 splits) for A4W4 and 128 x 128 x 128
+# (one token tile, the weight decoded once; split-K 2 at M = 128) for W4A16: 40.8 us
+# against 46.9 us at M = 128 x 8192^2 on an H200 (benchmarks/results/nvidia-h200-2026-11-26/
+# gemm_sweep.json, the same run and weights); decode 16 x 128 x 128 on 4
 # warps, 4 stages, a tile shape whose wgmma chain ptxas (CUDA 12.8, the one Triton 3.6
 # ships) does not serialize (C7515 in `ptxas -v`; benchmarks/NOTES-gemm.md). "-heavy"
 # (MBS, OF) tiles are the largest that spill no registers with outliers and macro factors on
@@ -74,7 +77,7 @@ GEMM_TILES = {
         "a4w4-small": GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=0),
         "a4w4-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=0),
         "w4a16": GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
-        "w4a16-mid": GemmConfig(64, 256, 128, num_warps=8, num_stages=3, split_k=0),
+        "w4a16-mid": GemmConfig(128, 128, 128, num_warps=8, num_stages=3, split_k=0),
         "w4a16-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=3),
         "w4a16-small": GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=0),
         "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=0),

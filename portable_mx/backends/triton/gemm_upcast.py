@@ -44,7 +44,7 @@ from . import splitk
 from .gemm import FORMATS, Operand, _parts, macro_factors, outlier_tile
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, largest_scale, prepared
-from .upcast import decode_words, e8m0_scale, folded_scale, hopper_asm, hopper_twin
+from .upcast import decode_words, e8m0_scale, folded_scale, folded_scales_of_words, hopper_asm, hopper_twin
 
 
 @triton.jit
@@ -92,9 +92,10 @@ def _row_scales(s_ptr, rows, row_in, k0, NB, stride, WORDS: tl.constexpr, EVEN_K
 def _hopper_values(raw, s, BIAS: tl.constexpr, ASM: tl.constexpr, DT: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The hopper-layout tile [BLOCK_N, BLOCK_K] in DT from its storage ``raw`` (bytes for
-    ASM, else int32 words) times its scales ``s`` [BLOCK_N, BLOCK_K/32]: with BIAS, the code
-    bits times 2**126 and times 2**(s - 127) (every scale byte); without, times
-    :func:`folded_scale` (one multiply: scale bytes <= 128 only)."""
+    ASM, else int32 words) times its scales ``s`` [BLOCK_N, BLOCK_K/32]: with BIAS, ``s``
+    the E8M0 bytes, the code bits times 2**126 and times 2**(s - 127) (every scale byte);
+    without, ``s`` the folded scales in DT (:func:`upcast.folded_scale`, one multiply:
+    scale bytes <= 128 only)."""
     if ASM:
         r0, r1 = hopper_asm(raw, BIAS)
     else:
@@ -106,7 +107,7 @@ def _hopper_values(raw, s, BIAS: tl.constexpr, ASM: tl.constexpr, DT: tl.constex
     if BIAS:
         v = v * e8m0_scale(s, DT)[:, :, None]
     else:
-        v = v * folded_scale(s, DT)[:, :, None]
+        v = v * s[:, :, None]  # the folded scales themselves (upcast.folded_scales_of_words)
     return tl.reshape(v, (BLOCK_N, BLOCK_K))
 
 
@@ -138,7 +139,10 @@ def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
         scol = (k0 // 256) * 128 + (k0 % 256) // 64  # in 32-bit words
         s = tl.load(ws_ptr.to(tl.pointer_type(tl.int32)) + (blk * (stride_ws // 4) + (rr % 32) * 4)[:, None]
                     + (scol + sw)[None, :])
-        s = _bytes_of(s, BLOCK_N // 2, BLOCK_K // 16)
+        if BIAS:
+            s = _bytes_of(s, BLOCK_N // 2, BLOCK_K // 16)
+        else:  # the folded decode's one factor per block, two scales a shift-and-add
+            s = folded_scales_of_words(s, DT, BLOCK_N // 2, BLOCK_K // 16)
         s = tl.reshape(s, (BLOCK_N // 64, 2, 2, 2, 2, 2, BLOCK_K // 32, 2))
         s = tl.reshape(tl.permute(s, (0, 1, 2, 7, 3, 4, 5, 6)), (BLOCK_N, BLOCK_K // 32))
         w = _hopper_values(raw, s, BIAS, ASM, DT, BLOCK_N, BLOCK_K)

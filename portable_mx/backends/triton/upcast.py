@@ -78,6 +78,31 @@ def folded_scale(s, DT: tl.constexpr):
 
 
 @triton.jit
+def _folded_half(t, H: tl.constexpr, DT: tl.constexpr):
+    """Half H of int32 ``t`` (16-bit bf16 bits each) as a value in DT (bf16 or fp32)."""
+    bits = (t >> (16 * H)) & 0xFFFF
+    if DT == tl.float32:
+        out = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return out
+
+
+@triton.jit
+def folded_scales_of_words(words, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """:func:`folded_scale` of the 4 E8M0 bytes of each int32 word [R, C // 4] (bytes <=
+    128), two at a time: bytes 0 and 2 (then 1 and 3) masked into the halves of a word and
+    turned into (s + 126) << 7 by one shift and one add for both (on sm_90: 3 instructions
+    for two scales, against a byte extract and a shift-add for each); -> [R, C] in DT, the
+    bytes in little-endian order (as gemm_upcast's byte split)."""
+    t = ((words & 0x00FF00FF) << 7) + 0x3F003F00
+    u = (((words >> 8) & 0x00FF00FF) << 7) + 0x3F003F00
+    f = tl.join(tl.join(_folded_half(t, 0, DT), _folded_half(t, 1, DT)),
+                tl.join(_folded_half(u, 0, DT), _folded_half(u, 1, DT)))
+    return tl.reshape(f, (R, C))
+
+
+@triton.jit
 def _halves(pair, DT: tl.constexpr, BIAS: tl.constexpr = True):
     """int32 bf16x2 bits (value * 2**-126 in each half) -> (low, high) values in DT (still
     times 2**-126 without ``BIAS``: bf16 and fp32 only)."""

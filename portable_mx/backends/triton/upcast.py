@@ -54,11 +54,17 @@ def e8m0_scale(s, DT: tl.constexpr):
         bits = tl.where(b > 142, 0x7C00, tl.where(b >= 113, normal, tl.where(b >= 103, sub, 0)))
         out = tl.where(b == 255, 0x7E00, bits).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        bits = tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7))
-        if DT == tl.float32:
-            out = (bits << 16).to(tl.float32, bitcast=True)
-        else:
-            out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        out = _bf16_bits_as(tl.where(b == 0, 0x0040, tl.where(b == 255, 0x7FC0, b << 7)), DT)
+    return out
+
+
+@triton.jit
+def _bf16_bits_as(bits, DT: tl.constexpr):
+    """bf16 bits (int32, the low 16 bits) as the value in DT: bf16, or fp32 (exact)."""
+    if DT == tl.float32:
+        out = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return out
 
 
@@ -69,23 +75,7 @@ def folded_scale(s, DT: tl.constexpr):
     scale in one factor, so that one multiply decodes (``hopper_asm(b, BIAS=False)``).
     Exact and normal for every byte 0..128; larger bytes overflow the format, and a
     weight with any of them takes the unfolded decode (gemm_upcast.py)."""
-    bits = (s.to(tl.int32) + 126) << 7
-    if DT == tl.float32:
-        out = (bits << 16).to(tl.float32, bitcast=True)
-    else:
-        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return out
-
-
-@triton.jit
-def _folded_half(t, H: tl.constexpr, DT: tl.constexpr):
-    """Half H of int32 ``t`` (16-bit bf16 bits each) as a value in DT (bf16 or fp32)."""
-    bits = (t >> (16 * H)) & 0xFFFF
-    if DT == tl.float32:
-        out = (bits << 16).to(tl.float32, bitcast=True)
-    else:
-        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return out
+    return _bf16_bits_as((s.to(tl.int32) + 126) << 7, DT)
 
 
 @triton.jit
@@ -97,8 +87,8 @@ def folded_scales_of_words(words, DT: tl.constexpr, R: tl.constexpr, C: tl.const
     bytes in little-endian order (as gemm_upcast's byte split)."""
     t = ((words & 0x00FF00FF) << 7) + 0x3F003F00
     u = (((words >> 8) & 0x00FF00FF) << 7) + 0x3F003F00
-    f = tl.join(tl.join(_folded_half(t, 0, DT), _folded_half(t, 1, DT)),
-                tl.join(_folded_half(u, 0, DT), _folded_half(u, 1, DT)))
+    f = tl.join(tl.join(_bf16_bits_as(t & 0xFFFF, DT), _bf16_bits_as((t >> 16) & 0xFFFF, DT)),
+                tl.join(_bf16_bits_as(u & 0xFFFF, DT), _bf16_bits_as((u >> 16) & 0xFFFF, DT)))
     return tl.reshape(f, (R, C))
 
 

@@ -128,11 +128,12 @@ def test_hopper_value_layout_golden_word():
     assert pairs == [bf16_bits(lo) | (bf16_bits(hi) << 16) for lo, hi in ((1, 2), (3, 4), (5, 6), (7, 15))]
 
 
-def _emulate_ptx(asm: str, operand: int) -> list[int]:
-    """Run an inline-asm block of 32-bit integer PTX (and, or, shl, shr, shf.l.wrap, mov)
-    on one input register ``$4``; the outputs $0..$3. Enough to hold the sm_90 decode's
-    text to its twin on a CPU (the GPU test runs the real thing)."""
-    regs = {"$4": operand & 0xFFFFFFFF}
+def _emulate_ptx(asm: str, operand: int, outputs: int = 4) -> list[int]:
+    """Run an inline-asm block of 32-bit integer PTX (and, or, shl, shr, shf.l.wrap, prmt,
+    mad.lo, mov) on one input register ``$<outputs>``; the outputs $0..$<outputs - 1>.
+    Enough to hold the sm_90 decode's texts to their twins on a CPU (the GPU tests run the
+    real thing)."""
+    regs = {f"${outputs}": operand & 0xFFFFFFFF}
     mask = 0xFFFFFFFF
 
     def val(tok):
@@ -158,9 +159,57 @@ def _emulate_ptx(asm: str, operand: int) -> list[int]:
             regs[a[0]] = (((hi << 32) | lo) << n >> 32) & mask
         elif op == "mov.b32":
             regs[a[0]] = val(a[1])
+        elif op == "mad.lo.u32":
+            regs[a[0]] = (val(a[1]) * val(a[2]) + val(a[3])) & mask
+        elif op == "prmt.b32":  # default mode: byte i of d is byte sel_i & 7 of {b, a}, sel_i & 8 its sign
+            src, sel, out = (val(a[2]) << 32) | val(a[1]), val(a[3]), 0
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 15
+                byte = (src >> (8 * (nib & 7))) & 0xFF
+                out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
+            regs[a[0]] = out
         else:
             raise AssertionError(f"no emulation of {op}")
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outputs)]
+
+
+@pytest.mark.triton
+def test_folded_scale_asm_equals_its_twin_by_emulation(kernel):
+    """The inline PTX that makes the folded decode's per-block factors from a scale word
+    (upcast._SCALE_PAIRS: a mask, a byte permute and two multiply-adds), emulated on the
+    CPU, gives the factors of the pure-Triton twin (upcast.folded_scales_of_words, run by
+    the backend here, fp32) for every byte value in every byte position and 2048 random
+    words; and, for bytes <= 128, 2**(s - 1) (the folded scale's definition)."""
+    import triton
+    import triton.language as tl
+
+    backend, device = kernel
+
+    @triton.jit
+    def scales_kernel(w_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        w = tl.load(w_ptr + i)[:, None]
+        f = upcast_kernels.folded_scales_of_words(w, tl.float32, N, 4)
+        tl.store(out_ptr + 4 * i[:, None] + tl.arange(0, 4)[None, :], f)
+
+    g = torch.Generator().manual_seed(6)
+    words = [b << (8 * t) for t in range(4) for b in range(256)]
+    words += torch.randint(0, 2**32, (2048,), dtype=torch.int64, generator=g).tolist()
+    words += [0x80808080] * (4096 - len(words))
+    w = torch.tensor([x - 2**32 if x >= 2**31 else x for x in words], dtype=torch.int32)
+    out = torch.empty(4 * w.numel(), dtype=torch.float32)
+    with backend.running():
+        wd, od = w.to(device), out.to(device)
+        scales_kernel[(1,)](wd, od, N=w.numel())
+    twin = od.cpu().view(torch.int32).to(torch.int64).view(-1, 4).tolist()
+    for x, want in zip(words, twin):
+        t, u = _emulate_ptx(upcast_kernels._SCALE_PAIRS.value, x, outputs=2)
+        got = [(t & 0xFFFF) << 16, (u & 0xFFFF) << 16, (t >> 16) << 16, (u >> 16) << 16]  # bytes 0, 1, 2, 3
+        assert [v - 2**32 if v >= 2**31 else v for v in got] == want, hex(x)
+        for k in range(4):
+            b = (x >> (8 * k)) & 0xFF
+            if b <= 128:
+                assert torch.tensor(got[k]).to(torch.int32).view(torch.float32).item() == 2.0 ** (b - 1)
 
 
 @pytest.mark.triton
@@ -606,7 +655,8 @@ _SM90_PROBE = textwrap.dedent("""
         k = triton.compile(ASTSource(launch.fn, dict(launch.signature), constexprs=dict(launch.constexprs),
                                      attrs=launch.attrs()), target=target.gpu_target(), options=dict(launch.options))
         ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
-        asm_line = next(line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line)
+        # the decode's asm (on the code bytes; the folded scales' asm works on int32 words)
+        asm_line = next(line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line and "xi8" in line)
         layout = re.search(r"tensor<\\d+x\\d+xi8, (#\\w+)>", asm_line).group(1)
         regs = re.search(re.escape(layout) + r" = #ttg.linear<\\{register = (\\[\\[.*?\\]\\])", ttgir).group(1)
         wgmma = re.search(r"wgmma\\.mma_async\\S* \\{[^}]*\\}, (\\{|%rd)", ptx)

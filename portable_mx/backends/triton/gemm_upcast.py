@@ -142,7 +142,7 @@ def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
         if BIAS:
             s = _bytes_of(s, BLOCK_N // 2, BLOCK_K // 16)
         else:  # the folded decode's one factor per block, two scales a shift-and-add
-            s = folded_scales_of_words(s, DT, BLOCK_N // 2, BLOCK_K // 16)
+            s = folded_scales_of_words(s, DT, BLOCK_N // 2, BLOCK_K // 16, ASM)
         s = tl.reshape(s, (BLOCK_N // 64, 2, 2, 2, 2, 2, BLOCK_K // 32, 2))
         s = tl.reshape(tl.permute(s, (0, 1, 2, 7, 3, 4, 5, 6)), (BLOCK_N, BLOCK_K // 32))
         w = _hopper_values(raw, s, BIAS, ASM, DT, BLOCK_N, BLOCK_K)

@@ -78,15 +78,33 @@ def folded_scale(s, DT: tl.constexpr):
     return _bf16_bits_as((s.to(tl.int32) + 126) << 7, DT)
 
 
+# bytes 0 and 2 of a scale word into the halves of $0, bytes 1 and 3 into those of $1 (a
+# byte permute with zeros), each half then (s + 126) << 7 by one multiply-add: 4 instructions
+# on sm_90 (LOP3, PRMT, 2 IMAD) for 4 folded scales
+_SCALE_PAIRS: tl.constexpr = tl.constexpr("""{
+        .reg .b32 t0, t1, z;
+        mov.b32 z, 0;
+        and.b32 t0, $2, 0x00FF00FF;
+        mad.lo.u32 $0, t0, 128, 0x3F003F00;
+        prmt.b32 t1, $2, z, 0x4341;
+        mad.lo.u32 $1, t1, 128, 0x3F003F00;
+}""")
+
+
 @triton.jit
-def folded_scales_of_words(words, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+def folded_scales_of_words(words, DT: tl.constexpr, R: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr = False):
     """:func:`folded_scale` of the 4 E8M0 bytes of each int32 word [R, C // 4] (bytes <=
-    128), two at a time: bytes 0 and 2 (then 1 and 3) masked into the halves of a word and
-    turned into (s + 126) << 7 by one shift and one add for both (on sm_90: 3 instructions
-    for two scales, against a byte extract and a shift-add for each); -> [R, C] in DT, the
-    bytes in little-endian order (as gemm_upcast's byte split)."""
-    t = ((words & 0x00FF00FF) << 7) + 0x3F003F00
-    u = (((words >> 8) & 0x00FF00FF) << 7) + 0x3F003F00
+    128), two at a time: bytes 0 and 2 (then 1 and 3) moved into the halves of a word and
+    turned into (s + 126) << 7 by one multiply-add for both. ASM (sm_90, bf16): the inline
+    PTX :data:`_SCALE_PAIRS` (4 instructions for 4 scales; the pure-Triton form below, its
+    twin, compiles to 6: ptxas turns the mask-then-shift into shift-then-mask); -> [R, C]
+    in DT, the bytes in little-endian order (as gemm_upcast's byte split)."""
+    if ASM:
+        t, u = tl.inline_asm_elementwise(asm=_SCALE_PAIRS, constraints="=r,=r,r", args=[words],
+                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        t = ((words & 0x00FF00FF) << 7) + 0x3F003F00
+        u = (((words >> 8) & 0x00FF00FF) << 7) + 0x3F003F00
     f = tl.join(tl.join(_bf16_bits_as(t & 0xFFFF, DT), _bf16_bits_as((t >> 16) & 0xFFFF, DT)),
                 tl.join(_bf16_bits_as(u & 0xFFFF, DT), _bf16_bits_as((u >> 16) & 0xFFFF, DT)))
     return tl.reshape(f, (R, C))

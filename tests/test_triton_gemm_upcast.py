@@ -128,6 +128,26 @@ def test_hopper_value_layout_golden_word():
     assert pairs == [bf16_bits(lo) | (bf16_bits(hi) << 16) for lo, hi in ((1, 2), (3, 4), (5, 6), (7, 15))]
 
 
+def _probe_words(n_random: int, total: int, fill: int, seed: int) -> list[int]:
+    """32-bit words (as unsigned ints): every byte value in every byte position, then
+    ``n_random`` random words, padded with ``fill`` to ``total`` (a power of two)."""
+    g = torch.Generator().manual_seed(seed)
+    words = [b << (8 * t) for t in range(4) for b in range(256)]
+    words += torch.randint(0, 2**32, (n_random,), dtype=torch.int64, generator=g).tolist()
+    return words + [fill] * (total - len(words))
+
+
+def _run_on_words(backend, device, kernel_fn, words: list[int], out_dtype: torch.dtype) -> list[list[int]]:
+    """``kernel_fn[(1,)](words, out, N)`` writing 4 values a word; the outputs' 32-bit
+    patterns as signed ints, 4 a word."""
+    w = torch.tensor([x - 2**32 if x >= 2**31 else x for x in words], dtype=torch.int32)
+    out = torch.empty(4 * w.numel(), dtype=out_dtype)
+    with backend.running():
+        wd, od = w.to(device), out.to(device)
+        kernel_fn[(1,)](wd, od, N=w.numel())
+    return od.cpu().view(torch.int32).to(torch.int64).view(-1, 4).tolist()
+
+
 def _emulate_ptx(asm: str, operand: int, outputs: int = 4) -> list[int]:
     """Run an inline-asm block of 32-bit integer PTX (and, or, shl, shr, shf.l.wrap, prmt,
     mad.lo, mov) on one input register ``$<outputs>``; the outputs $0..$<outputs - 1>.
@@ -192,16 +212,8 @@ def test_folded_scale_asm_equals_its_twin_by_emulation(kernel):
         f = upcast_kernels.folded_scales_of_words(w, tl.float32, N, 4)
         tl.store(out_ptr + 4 * i[:, None] + tl.arange(0, 4)[None, :], f)
 
-    g = torch.Generator().manual_seed(6)
-    words = [b << (8 * t) for t in range(4) for b in range(256)]
-    words += torch.randint(0, 2**32, (2048,), dtype=torch.int64, generator=g).tolist()
-    words += [0x80808080] * (4096 - len(words))
-    w = torch.tensor([x - 2**32 if x >= 2**31 else x for x in words], dtype=torch.int32)
-    out = torch.empty(4 * w.numel(), dtype=torch.float32)
-    with backend.running():
-        wd, od = w.to(device), out.to(device)
-        scales_kernel[(1,)](wd, od, N=w.numel())
-    twin = od.cpu().view(torch.int32).to(torch.int64).view(-1, 4).tolist()
+    words = _probe_words(2048, 4096, 0x80808080, seed=6)
+    twin = _run_on_words(backend, device, scales_kernel, words, torch.float32)
     for x, want in zip(words, twin):
         t, u = _emulate_ptx(upcast_kernels._SCALE_PAIRS.value, x, outputs=2)
         got = [(t & 0xFFFF) << 16, (u & 0xFFFF) << 16, (t >> 16) << 16, (u >> 16) << 16]  # bytes 0, 1, 2, 3
@@ -233,16 +245,8 @@ def test_sm90_decode_asm_equals_its_twin_by_emulation(kernel):
         tl.store(out_ptr + 4 * i + 2, upcast_kernels._hopper_pair(w, 2))
         tl.store(out_ptr + 4 * i + 3, upcast_kernels._hopper_pair(w, 3))
 
-    g = torch.Generator().manual_seed(5)
-    words = [b << (8 * t) for t in range(4) for b in range(256)]
-    words += torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=g).tolist()
-    words += [0xFFFFFFFF] * (8192 - len(words))
-    w = torch.tensor([x - 2**32 if x >= 2**31 else x for x in words], dtype=torch.int32)
-    out = torch.empty(4 * w.numel(), dtype=torch.int32)
-    with backend.running():
-        wd, od = w.to(device), out.to(device)
-        pairs_kernel[(1,)](wd, od, N=w.numel())
-    twin = (od.cpu().to(torch.int64) & 0xFFFFFFFF).view(-1, 4).tolist()
+    words = _probe_words(4096, 8192, 0xFFFFFFFF, seed=5)
+    twin = [[v & 0xFFFFFFFF for v in row] for row in _run_on_words(backend, device, pairs_kernel, words, torch.int32)]
     for x, want in zip(words, twin):
         assert _emulate_ptx(upcast_kernels._PAIRS, x) == want, hex(x)
 

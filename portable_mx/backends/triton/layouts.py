@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .upcast import PAIR_TARGETS, hopper_source_bit
+from .upcast import hopper_code_bit
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,8 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _code_bits(pair: int, half: int) -> tuple[int, ...]:
     """The word bits that hold code bits 0..3 (mantissa, exponent low, exponent high, sign)
-    of half ``half`` of pair ``pair`` in the sm_90 layout: where the decode (upcast.py)
-    takes them from."""
-    return tuple(hopper_source_bit(pair, t + 16 * half) for t in PAIR_TARGETS)
+    of half ``half`` of pair ``pair`` in the sm_90 layout (upcast.hopper_code_bit)."""
+    return tuple(int(hopper_code_bit(pair, half, k)) for k in range(4))
 
 
 # hopper storage order of the 14 size-2 (or tile) axes of the padded codes
@@ -189,7 +188,7 @@ class HopperValues(ValueLayout):
     thread's 16 contiguous bytes are its A fragments of 4 k16 steps, both of its rows,
     lanes 0-3 read 64 contiguous bytes and a warp 512. Inside a word, the 4 bits of the code
     of half h of pair j sit where the decode takes them from (``_code_bits(j, h)``, from
-    upcast.hopper_source_bit: pair 0 in place, pair 1 4 bits down, pair 2 rotated by 10,
+    upcast.hopper_code_bit: pair 0 in place, pair 1 4 bits down, pair 2 rotated by 10,
     pair 3 in two pieces), so that one shift or rotate and one AND (two of each for pair 3)
     make each bf16 pair."""
 
@@ -255,19 +254,8 @@ def _hopper_values_kernel(codes_ptr, out_ptr, R, KB, stride_r, TILES_K):
         b = b.to(tl.uint32)
         for h in tl.static_range(2):
             c = (b >> (4 * h)) & 15
-            for k in tl.static_range(4):  # code bit k to the word bit upcast.hopper_source_bit names
-                t = 6 + k + (k // 3) * 6 + 16 * h  # PAIR_TARGETS[k] + 16 h
-                if j == 0:
-                    src = t
-                elif j == 1:
-                    src = t - 4
-                elif j == 2:
-                    src = (t + 22) % 32
-                elif k == 2:
-                    src = t + 2
-                else:
-                    src = t - 6
-                word = word | (((c >> k) & 1) << src)
+            for k in tl.static_range(4):  # code bit k to the word bit the decode reads it from
+                word = word | (((c >> k) & 1) << hopper_code_bit(j, h, k))
     tl.store(out_ptr + pid.to(tl.int64) * 512 + w, word.to(tl.int32, bitcast=True))
 
 

@@ -177,7 +177,8 @@ PAIR_TARGETS = (6, 7, 8, 15)
 the high half): the bits of code_value * 2**-126."""
 
 
-def hopper_source_bit(pair: int, target: int) -> int:
+@triton.constexpr_function
+def hopper_source_bit(pair, target):
     """The bit of a word of the sm_90 layout that lands at bit ``target`` (in S) of pair
     ``pair`` (the decode above; layouts.HopperValues places the codes by it)."""
     if pair == 0:
@@ -187,6 +188,15 @@ def hopper_source_bit(pair: int, target: int) -> int:
     if pair == 2:
         return (target - 10) % 32
     return target + 2 if target in (8, 24) else target - 6
+
+
+@triton.constexpr_function
+def hopper_code_bit(pair, half, bit):
+    """The word bit of the sm_90 layout that holds bit ``bit`` (0 mantissa, 1 and 2 the
+    exponent, 3 the sign) of the code in half ``half`` of pair ``pair``: where the decode
+    takes it from. A constexpr function: the swizzle kernel evaluates it while compiling,
+    layouts.HopperValues on the host."""
+    return hopper_source_bit(pair, PAIR_TARGETS[bit] + 16 * half)
 
 
 @triton.jit

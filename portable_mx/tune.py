@@ -201,6 +201,13 @@ def _us(seconds: float) -> str:
     return "-" if seconds != seconds or seconds == float("inf") else f"{seconds * 1e6:.1f}"
 
 
+def launched_note(requested: Any, launched: Any, where: str) -> str:
+    """The line that says a requested problem is tuned as the one the dispatch launches."""
+    return (f"note: A4W4 {requested.shape} runs on {where} as the W4A16 GEMM on the activations' quantized values "
+            f"(the same products; portable_mx.matmul reads the W4A16 entry): its W4A16 kernel is tuned, key "
+            f"{launched.key()}")
+
+
 def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
     import dataclasses
 
@@ -226,7 +233,6 @@ def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
     any_survivor = False
     for m, n, k in shapes:
         problem = search.Problem(m, n, k, recipe)
-        a, b = problem.operands()
         bar = _Bar(0, f"static {target.name}", "compile")
         done = [0]
 
@@ -241,7 +247,10 @@ def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
         finally:
             bar.close()
         seconds = time.perf_counter() - start
-        space = p.space
+        if p.problem != problem:
+            print(launched_note(problem, p.problem, target.name))
+        problem, space = p.problem, p.space
+        a, b = problem.operands()
         report_unique: dict[str, tuple] = {}
         for c in p.candidates:
             v = p.verdicts[c]
@@ -355,6 +364,9 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
         results.append(result)
     rows, doc = [], {"recipe": recipe.describe(), "strategy": "exhaustive" if args.exhaustive else strategy,
                      "results": []}
+    for r in results:
+        if r.requested is not None:
+            print(launched_note(r.requested, r.problem, str(device)))
     recordings = []
     for r in results:
         rows.append((r.problem.shape, f"{r.key.split('|')[1]}", _config(r.best), _ms(r.best_ms), _config(r.default),
@@ -365,7 +377,8 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
                  "speedup": r.speedup, "trials": r.trials, "candidates": r.candidates, "survivors": r.survivors,
                  "static_pruned": r.static_pruned, "stop": r.stop_reason,
                  "history": [[c.label(), ms] for _, c, ms in r.history],
-                 "cache": None if r.cache_path is None else str(r.cache_path)}
+                 "cache": None if r.cache_path is None else str(r.cache_path),
+                 "requested": None if r.requested is None else r.requested.key()}
         if r.recording is not None:
             entry["recording"] = r.recording
             recordings.append(r.recording)

@@ -422,6 +422,35 @@ def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
     assert "ranked-tpe" in out and "goal (" in out
 
 
+def test_tune_sweep_studies_a_launch_once(tmp_path, monkeypatch, capsys):
+    """Where A4W4 runs as the W4A16 GEMM on the activations' values (the interpreter's
+    backend made to route so, as sm_90 does, from 64 columns), the sweep's A4W4 problem
+    of a W4A16 problem's shape is that problem's launch: studied once, the second entry
+    naming the first."""
+    import torch
+
+    from portable_mx import registry
+    from portable_mx.backends.triton import backend as triton_backend
+
+    interpret = registry.get("triton-interpret")
+    why = interpret.op_problem("matmul") or interpret.unavailable_reason(torch.device("cpu"))
+    if why:
+        pytest.skip(f"the Triton interpreter does not run the GEMM here: {why}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PORTABLE_MX_BACKEND", "triton-interpret")
+    monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
+    monkeypatch.setattr(type(interpret), "_a4w4_upcasts", lambda self, target: True)
+    monkeypatch.setattr(interpret, "_devices", {})
+    sweep = _sweep()
+    assert sweep.main(["--cpu-smoke", "--problems", "w4a16:16x64x128,a4w4:16x64x128", "--out", str(tmp_path)]) == 0
+    first, second = json.loads((tmp_path / "tune_sweep.json").read_text())["problems"]
+    assert first["measured"] == first["survivors"] > 0 and "replay" in first
+    assert second == {"kind": "w4a16", "shape": "16x64x128", "key": second["key"], "same_as": "w4a16 16x64x128"}
+    assert second["key"] != first["key"]  # the A4W4 key, not studied
+    assert "the same launch as w4a16 16x64x128" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- no GPU
 
 

@@ -418,6 +418,96 @@ def test_a_second_process_launches_the_gemm_with_the_cached_config(tmp_path):
     assert got["max_err"] < 1e-3
 
 
+# ----------------------------------------------------------------------------- what is tuned
+
+
+def _on(base, name):
+    """A backend of class ``base`` whose every device is target ``name`` (no GPU)."""
+
+    class Simulated(base):
+        def target(self, device):
+            return TARGETS[name]
+
+    return Simulated()
+
+
+@pytest.mark.triton
+def test_a_problem_is_tuned_as_the_launch_the_dispatch_makes():
+    """An A4W4 GEMM that a backend runs as the W4A16 GEMM on the activations' quantized
+    values (Backend.left_values: upcast targets, decode sizes, wide outputs) is tuned as
+    that W4A16 problem: its kernel timed, the entry the call reads written. Checked against
+    the dispatch's own policy on every target, shapes on both sides of its thresholds."""
+    from portable_mx.backends.cuda import CudaBackend
+    from portable_mx.backends.rocm import RocmBackend
+    from portable_mx.backends.triton.backend import VALUES_MIN_N
+    from portable_mx.recipe import QuantRecipe as QR
+
+    w4a16 = QR(activations="bf16")
+    mapped = 0
+    for base, name in ((CudaBackend, "sm_90"), (CudaBackend, "sm_100"), (CudaBackend, "sm_120"),
+                       (RocmBackend, "gfx942"), (RocmBackend, "gfx950")):
+        backend = _on(base, name)
+        for recipe in (QR(), QR(scale_rule="rceil", rounding="stochastic", seed=3), QR(macro_block=64),
+                       QR(outliers_per_block=1), w4a16):
+            for m, n in ((1, 64), (16, 512), (17, VALUES_MIN_N - 1), (17, VALUES_MIN_N), (4096, 4096)):
+                problem = search.Problem(m, n, 4096, recipe)
+                got = problem.launched(backend, TARGETS[name])
+                values = recipe.quantizes_activations and backend.left_values(m, n, recipe, CPU)
+                assert got == (search.Problem(m, n, 4096, w4a16) if values else problem), (name, recipe, m, n)
+                mapped += values
+                p, q = (search.plan(x, backend, TARGETS[name], static_target=None) for x in (problem, got))
+                assert p.problem == q.problem == got  # planned as the launched problem
+                assert (p.space.name, p.candidates, p.default) == (q.space.name, q.candidates, q.default)
+    assert mapped == 2 * 2 * 4  # sm_90 and gfx942, two recipes, four shapes
+    problem = search.Problem(1, 4096, 4096)
+    assert problem.launched(INTERPRET, None) is problem
+    assert problem.launched(ReferenceBackend(), TARGETS["sm_90"]) is problem
+
+
+@interpreted
+def test_the_tuned_entry_is_the_one_an_a4w4_call_through_values_reads(tmp_path, monkeypatch, capsys):
+    """With the interpreter's backend made to route A4W4 through the activations' values
+    (as sm_90 does; the wide-output threshold lowered to 64 columns), tuning the A4W4
+    problem times the W4A16 kernel and writes the W4A16 entry, and pmx.matmul A4W4 of that
+    shape then launches the tuned config."""
+    import portable_mx as pmx
+    from portable_mx.backends.triton import backend as triton_backend
+    from portable_mx.backends.triton import launch
+
+    monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
+    monkeypatch.setattr(type(INTERPRET), "_a4w4_upcasts", lambda self, target: True)
+    monkeypatch.setattr(INTERPRET, "_devices", {})
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    r = _tune(tmp_path, out=None)
+    launched = search.Problem(32, 64, 128, pmx.QuantRecipe(activations="bf16"))
+    assert r.requested == PROBLEM and r.problem == launched and r.key == launched.key() != PROBLEM.key()
+    assert r.best != r.default
+    entries = json.loads(r.cache_path.read_text())["entries"]
+    assert set(entries) == {launched.key()}
+    configs = []
+    real = launch.launch
+
+    def spy(plan, args):
+        if isinstance(plan.config, GemmConfig):
+            configs.append(plan.config)
+        return real(plan, args)
+
+    monkeypatch.setattr(launch, "launch", spy)
+    x, w = torch.randn(32, 128), torch.randn(128, 64)
+    out = pmx.matmul(x, pmx.quantize(w, axis=0))
+    assert configs == [r.best]
+    exact = pmx.dequantize(pmx.quantize(x)).double() @ pmx.dequantize(pmx.quantize(w, axis=0)).double()
+    assert float((out.double() - exact).abs().max()) < 1e-3
+    # the command says so, and its JSON keeps the problem asked for
+    monkeypatch.setattr(search, "host_timer", lambda fn, config=None: fake_ms(config))
+    argv = ["tune", "--device", "cpu", "--shapes", "32x64x128", "--trials", "2", "--study-dir", str(tmp_path / "cli"),
+            "--out", str(tmp_path / "cli-out"), "--json", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 0
+    assert "A4W4 32x64x128 runs on cpu as the W4A16 GEMM" in capsys.readouterr().out
+    (entry,) = json.loads((tmp_path / "t.json").read_text())["results"]
+    assert (entry["key"], entry["requested"]) == (launched.key(), PROBLEM.key())
+
+
 # ----------------------------------------------------------------------------- macro blocks
 
 

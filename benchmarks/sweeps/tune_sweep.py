@@ -7,7 +7,10 @@ at most 20%).
     python benchmarks/sweeps/tune_sweep.py --static-only --target sm_90 [--study-dir DIR]   # no GPU
     python benchmarks/sweeps/tune_sweep.py --cpu-smoke --out DIR                             # interpreter
 
-Per problem (default: W4A16 16x8192x8192, W4A16 4096x4096x4096, A4W4 4096x4096x4096):
+Per problem (default: W4A16 16x8192x8192, W4A16 4096x4096x4096, A4W4 4096x4096x4096; a
+problem is studied as the launch the dispatch makes for it, :meth:`Problem.launched`: on
+upcast targets A4W4 4096^3 runs as the W4A16 GEMM on the activations' values, the second
+problem's launch, so it is studied once there):
 
 1. static stage: every candidate of the curated space compiled ahead of time for the
    device's target in ``--jobs`` processes (verdicts kept in ``--study-dir``: a second run,
@@ -174,9 +177,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 1. static stage, every problem
     plans = []
     t0 = time.perf_counter()
-    for kind, problem in _problems(args):
-        p = search.plan(problem, backend, target, jobs=args.jobs, directory=args.study_dir, props=props)
-        plans.append((kind, problem, p))
+    studied: dict[str, str] = {}
+    for kind, asked in _problems(args):
+        p = search.plan(asked, backend, target, jobs=args.jobs, directory=args.study_dir, props=props)
+        problem = p.problem  # what the dispatch launches for it (A4W4 as W4A16 on upcast targets)
+        if problem != asked:
+            print(f"{kind} {asked.shape}: runs on {target.name if target else 'the interpreter'} as the W4A16 GEMM "
+                  "on the activations' values",
+                  flush=True)
+            kind = "w4a16"
+        if problem.key() in studied:
+            plans.append((kind, asked, p, studied[problem.key()]))
+            print(f"{kind} {asked.shape}: the same launch as {studied[problem.key()]}: studied once", flush=True)
+            continue
+        studied[problem.key()] = f"{kind} {problem.shape}"
+        plans.append((kind, problem, p, None))
         print(f"static {kind} {problem.shape}: {len(p.candidates)} candidates, {len(p.survivors)} survive; "
               f"{p.compiled} compiled now, {p.reused} verdicts reused ({time.perf_counter() - t0:.0f} s so far)",
               flush=True)
@@ -185,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 2. warm-up: every survivor compiled by the JIT in parallel (GPU only)
     t0 = time.perf_counter()
     if device.type == "cuda" and args.jobs > 0:
-        tasks = [(problem, c) for _, problem, p in plans for c in p.survivors]
+        tasks = [(problem, c) for _, problem, p, same in plans if same is None for c in p.survivors]
         report = warm.warm(tasks, backend.name, str(device), jobs=args.jobs, seed=args.seed)
         print(f"warm-up: {report.launched} launches, {report.failed} failed, {report.seconds:.0f} s", flush=True)
     doc["phases"]["warm_s"] = time.perf_counter() - t0
@@ -193,7 +208,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # 3. exhaustive studies; 4. replays
     t0 = time.perf_counter()
     recordings, rows = [], []
-    for kind, problem, p in plans:
+    for kind, problem, p, same in plans:
+        if same is not None:
+            doc["problems"].append({"kind": kind, "shape": problem.shape, "key": problem.key(), "same_as": same})
+            continue
         elapsed = time.perf_counter() - t_start
         need = len(p.survivors) * SECONDS_PER_CONFIG
         entry: dict[str, Any] = {"kind": kind, "shape": problem.shape, "key": problem.key(),
@@ -242,6 +260,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{'kind':<6}{'shape':<16}{'surv':>5}{'best ms':>10}{'default':>10}{'speedup':>8}  "
           + "".join(f"{s:>14}" for s in strategy.STRATEGIES) + f"{'random':>10}  best config")
     for e in doc["problems"]:
+        if "same_as" in e:
+            print(f"{e['kind']:<6}{e['shape']:<16}    -  the same launch as {e['same_as']}")
+            continue
         if "replay" not in e:
             print(f"{e['kind']:<6}{e['shape']:<16}{e['survivors']:>5}  skipped")
             continue

@@ -6,6 +6,7 @@ else of each other."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -48,6 +49,20 @@ class Problem:
         if r.quantizes_activations:
             return b, b
         return Operand(torch.bfloat16 if r.activations == "bf16" else torch.float16, None, 0), b
+
+    def launched(self, backend: Any, target: Optional["Target"]) -> "Problem":
+        """The problem the dispatch launches for this one on ``target``: an A4W4 matmul
+        that ``backend`` runs as the W4A16 GEMM on the activations' quantized values
+        (``left_values_on``: upcast targets, at decode sizes and wide outputs; the same
+        products) is that W4A16 problem, whose cache entry the call reads; any other
+        problem is itself. Tuning the A4W4 kernel there would time a kernel no call
+        launches and write an entry no call reads."""
+        if self.op != "matmul" or not self.recipe.quantizes_activations:
+            return self
+        on = getattr(backend, "left_values_on", None)
+        if on is None or not on(target, self.m, self.n, self.recipe):
+            return self
+        return dataclasses.replace(self, recipe=QuantRecipe(activations="bf16"))
 
     def key(self) -> str:
         """The config-cache key (``cache.entry_key``)."""

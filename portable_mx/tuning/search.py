@@ -266,6 +266,9 @@ class TuneResult:
     stop_reason: str = ""
     strategy: str = DEFAULT_STRATEGY
     recording: Optional[dict] = None
+    requested: Optional[Problem] = None
+    """The problem asked for, where the dispatch launches another for it (``problem``:
+    an A4W4 GEMM run as the W4A16 GEMM on the activations' values)."""
 
     @property
     def speedup(self) -> Optional[float]:
@@ -387,10 +390,12 @@ def plan(
     props: Optional[cost.DeviceProps] = None,
     on_result: Optional[Callable[[Any], None]] = None,
 ) -> Plan:
-    """The space, static verdicts and cost-model inputs of ``problem`` on ``target`` (the
-    static stage runs here: verdicts are read from, and new ones written to, the study
+    """The space, static verdicts and cost-model inputs of ``problem`` on ``target`` (of
+    the problem the dispatch launches for it there, :meth:`Problem.launched`; the static
+    stage runs here: verdicts are read from, and new ones written to, the study
     directory's store). ``static_target``: the target compiled for (default ``target``;
     None skips the stage)."""
+    problem = problem.launched(backend, target)
     a_op, b_op = problem.operands()
     default = backend.default_gemm_config(target, problem.m, a_op.format, a_op.heavy or b_op.heavy)
     if getattr(default, "split_k", 1) == 0 and hasattr(backend, "resolve_split_k"):
@@ -671,6 +676,9 @@ def tune(
     warm_jobs: int = 0,
 ) -> TuneResult:
     """Run (or continue) the study of ``problem`` on ``device`` and cache its best config.
+    The study is of the launch the dispatch makes for ``problem`` (:meth:`Problem.launched`:
+    an A4W4 GEMM that runs as the W4A16 GEMM on the activations' values is tuned as that
+    W4A16 problem, ``TuneResult.requested`` keeping the one asked for).
 
     ``trials``: new configs to measure in this run (the study stops earlier when every
     surviving candidate is measured). ``strategy``: what is measured next (:mod:`.strategy`;
@@ -699,8 +707,10 @@ def tune(
     static = target if static_target is _UNSET else static_target
     if props is None:
         props = cost.device_props(static or target, device if device.type == "cuda" else None)
+    requested = problem
     p = plan(problem, backend, target, full=full, space=space, static_target=static, compile_fn=compile_fn,
              jobs=jobs, directory=directory, props=props)
+    problem = p.problem  # the problem launched for the one requested
     directory = study_dir(directory)
     name = study_name(p, arch, device_name)
     timer = timer or default_timer(device)
@@ -743,7 +753,7 @@ def tune(
         o = outcome(study, p)
     result = TuneResult(problem, problem.key(), name, p.space, len(p.candidates), len(p.survivors), len(p.pruned),
                         p.default, o.default_ms, o.best, o.best_ms, len(o.timed) + len(o.failed), new, len(o.failed),
-                        None, o.history, stop, strategy)
+                        None, o.history, stop, strategy, requested=None if requested == problem else requested)
     if exhaustive:
         result.recording = recording(p, o, study_name=name, arch=arch, device_name=device_name, seed=seed,
                                      strategy=strategy)

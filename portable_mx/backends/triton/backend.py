@@ -166,6 +166,13 @@ against ~3 more bytes a value moved by the values pass; they break even near N ~
 an H100/H200-class GPU (NOTES-gemm.md, "A4W4 at every size on upcast targets")."""
 
 
+def _values_shape(m: int, n: int, recipe: QuantRecipe) -> bool:
+    """The shapes and recipes :meth:`TritonBackend.left_values` serves on upcast targets:
+    no macro blocks or outliers (their values are not bf16 numbers), and M <= 16 or N >=
+    :data:`VALUES_MIN_N`."""
+    return (m <= 16 or n >= VALUES_MIN_N) and recipe.macro_block is None and not recipe.outliers_per_block
+
+
 class _Operand:
     """An MXTensor in the rows layout as the GEMM kernel takes it: its five part pointers
     (codes, scales, macro factors, outlier bits as int16, outlier indices; absent parts
@@ -442,15 +449,24 @@ class TritonBackend(Backend):
         column of tiles (sm_90, per 8 weight values: 28.8 -> 23.9 instructions on the
         decode tile, 56.1 -> 34.6 on the prefill tile) at the price of one more pass over
         the tokens (bf16 written and read: about 3 bytes an element more than the codes)."""
-        if (m > 16 and n < VALUES_MIN_N) or recipe.macro_block is not None or recipe.outliers_per_block:
+        if not _values_shape(m, n, recipe):
             return False
         st = self._devices.get(device) or self._device(device)
         if st.upcasts is None:
-            from .gemm import Operand
-
-            mx = Operand(None, None, 0)
-            st.upcasts = st.target is not None and self.gemm_route(st.target, mx, mx).kernel == "upcast"
+            st.upcasts = self._a4w4_upcasts(st.target)
         return st.upcasts
+
+    def left_values_on(self, target: Optional[Target], m: int, n: int, recipe: QuantRecipe) -> bool:
+        """:meth:`left_values` for ``target`` (None: the interpreter) without a device:
+        what the tuner asks to tune the kernel the dispatch launches."""
+        return _values_shape(m, n, recipe) and self._a4w4_upcasts(target)
+
+    def _a4w4_upcasts(self, target: Optional[Target]) -> bool:
+        """Whether the A4W4 GEMM on ``target`` decodes both operands in registers."""
+        from .gemm import Operand
+
+        mx = Operand(None, None, 0)
+        return target is not None and self.gemm_route(target, mx, mx).kernel == "upcast"
 
     def _plan_quantize(self, st: _Device, key: tuple, x: torch.Tensor, recipe: QuantRecipe) -> _QuantizePlan:
         """The launch ``quantize.quantize`` makes, decided once per recipe value (a new

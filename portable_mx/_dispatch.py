@@ -140,13 +140,19 @@ def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype) ->
         return torch.zeros(m, n, dtype=out_dtype, device=b.device)
     b_rows = right_operand(b, recipe)
     backend = _select("matmul", b_rows.device)
+    return backend.matmul(backend_left_operand(backend, a, recipe, m, n), b_rows, out_dtype)
+
+
+def backend_left_operand(backend, a: Operand, recipe: QuantRecipe, m: int, n: int) -> Operand:
+    """The left operand a [X, K] as ``backend``'s GEMM takes it (:func:`left_operand`),
+    or, where the backend runs an A4W4 GEMM of M (mean) rows by an N-column weight as the
+    W4A16 GEMM on a's quantized values (:meth:`Backend.left_values`), those values: bf16
+    [X, K], the same products."""
     if isinstance(a, _Tensor) and recipe.activations == "mxfp4" and backend.left_values(m, n, recipe, a.device):
-        # A4W4 as the W4A16 GEMM on a's quantized values (bf16, exact): the same products
-        a_op = backend.quantized_values(a, recipe)
-        a_op = a_op if a_op.shape[1] == k else a_op[:, :k]
-    else:
-        a_op = left_operand(a, recipe)
-    return backend.matmul(a_op, b_rows, out_dtype)
+        k = a.shape[1]
+        values = backend.quantized_values(a, recipe)
+        return values if values.shape[1] == k else values[:, :k]
+    return left_operand(a, recipe)
 
 
 def flatten_batch(a: Operand) -> Operand:

@@ -111,6 +111,55 @@ def check_forward(gemm_kernel, monkeypatch, route, case, w_scale=0.3):
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+def test_a4w4_through_the_tokens_quantized_values(gemm_kernel, monkeypatch):
+    """With left_values' policy as on sm_90 (the backend's own, its device marked as an
+    upcast target; the wide-output threshold lowered to 64 columns), an A4W4 grouped GEMM
+    whose experts average at most 16 rows, or whose output is wide, runs the grouped W4A16
+    GEMM on the tokens' quantized values (one pass over the T tokens, not the T*k rows):
+    within the bound of the exact product of the quantized operands, and bit for bit the
+    grouped W4A16 GEMM of the reference's dequantized tokens. Narrow outputs with more
+    rows, and macro blocks, keep the A4W4 GEMM."""
+    from portable_mx.backends.triton import backend as triton_backend
+    from test_moe import dq
+
+    backend, device = on_route(gemm_kernel, monkeypatch, "default")
+    backend._device(torch.device(device)).upcasts = True
+    monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    calls = []
+    real = type(backend).quantized_values
+
+    def spy(self, x, recipe):
+        calls.append(tuple(x.shape))
+        return real(self, x, recipe)
+
+    monkeypatch.setattr(type(backend), "quantized_values", spy)
+    e, kk = 6, 100  # K off the 32-block: the values are [T, 128], the GEMM reads [T, :100]
+    for t, k, n, recipe, values in ((9, 4, 128, QR(), True),  # 6 rows an expert, wide output
+                                    (9, 4, 32, QR(rounding="stochastic", seed=5), True),  # 6 rows an expert
+                                    (40, 4, 32, QR(), False),  # 27 rows an expert, narrow
+                                    (40, 4, 128, QR(scale_rule="rceil"), True),  # wide
+                                    (9, 4, 128, QR(macro_block=64), False)):
+        ids = ids_of(t, k, e, seed=t + n)
+        weights = torch.softmax(rand(t, k, seed=51), -1)
+        pr = py_routing(ids, e)
+        x = rand(t, kk, seed=52)
+        w_mx = pmx.quantize(rand(e, n, kk, seed=53), recipe, axis=-1)
+        r = pmx.route(ids.to(device), weights.to(device), e)
+        calls.clear()
+        out = pmx.grouped_matmul(x.to(device), w_mx.to(device), routing=r, gather=True, scatter=True,
+                                 activation="swiglu_oai", recipe=recipe)
+        assert calls == ([(t, kk)] if values else []), (t, n, recipe)
+        aq = dq(x, recipe)
+        exact, bound = grouped_oracle(aq[pr["gather"]], pmx.dequantize(w_mx, dtype=torch.float32),
+                                      pr["expert_of_row"], None, "swiglu_oai", pr["scatter"], weights, k)
+        assert_within(out.cpu(), exact, bound)
+        if values:
+            w16 = pmx.grouped_matmul(aq.to(device), w_mx.to(device), routing=r, gather=True,  # bf16 numbers
+                                     scatter=True, activation="swiglu_oai", recipe=QR(activations="bf16"))
+            assert torch.equal(out, w16)
+
+
 @pytest.mark.parametrize("route", ["default", "upcast-hopper"])
 def test_offsets_split_k_and_counters(gemm_kernel, monkeypatch, route):
     """Rows already sorted (offsets, experts 1 and 3 empty), forced split-K: within the
@@ -155,13 +204,26 @@ def test_combine_equals_the_reference_bit_for_bit(gemm_kernel, k, wdtype, out_dt
 
 
 @pytest.mark.parametrize("recipe, act", [(QR(macro_block=64), "swiglu_oai"),
-                                         (QR(activations="bf16", outliers_per_block=1), "swiglu")],
+                                         (QR(activations="bf16", outliers_per_block=1), "swiglu"),
+                                         (QR(), "swiglu_oai")],
                          ids=lambda v: v.describe() if isinstance(v, QR) else v)
 def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
     """One projection end to end (gather, bias, activation, weighted scatter) with every
     gradient (x, w, bias, router weights): the kernel backend's equal the reference
-    backend's up to fp32 accumulation order."""
+    backend's up to fp32 accumulation order. Plain A4W4 runs with the backend's device
+    marked as an upcast target (from 64 columns): its forward and dX GEMMs on the
+    quantized values of their left operands."""
     backend, device = gemm_kernel
+    values = recipe == QR()
+    if values:
+        from portable_mx.backends.triton import backend as triton_backend
+
+        backend._device(torch.device(device)).upcasts = True
+        monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
+        calls = []
+        real = type(backend).quantized_values
+        monkeypatch.setattr(type(backend), "quantized_values",
+                            lambda self, x, r: calls.append(tuple(x.shape)) or real(self, x, r))
     e, n, kk, t, k = 4, 64, 64, 6, 2
     ids = ids_of(t, k, e, seed=50, skew=True)
     base = dict(x=rand(t, kk, seed=51), w=rand(e, n, kk, seed=52, scale=0.3), b=rand(e, n, seed=53),
@@ -181,6 +243,10 @@ def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
     for key in base:
         want = grads["reference"][key]
         torch.testing.assert_close(grads[backend.name][key], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    if values:
+        # the forward's tokens (the backward runs the forward again for the activation's
+        # input) and dX's left operand, dH [R, N]
+        assert set(calls) == {(t, kk), (t * k, n)} and calls[-1] == (t * k, n), calls
 
 
 def test_grouped_launches_for_the_compile_matrix():

@@ -4,7 +4,10 @@ grouped op; nothing here checks arguments again).
 
 The left operand becomes what a backend takes (:func:`portable_mx._dispatch.left_operand`:
 an MXTensor in the rows layout, quantized along K with the recipe when it is a float
-tensor, or rounded to 16 bits for W4A16), the expert weights their rows view (E*N, K)
+tensor, or rounded to 16 bits for W4A16; on upcast targets an A4W4 call at decode sizes
+or with a wide output gets its quantized values instead, as the dense GEMM does:
+:func:`portable_mx._dispatch.backend_left_operand`, with the mean rows per expert as M),
+the expert weights their rows view (E*N, K)
 (quantized along K first when they are a float tensor [E, N, K]), and a scattering call
 adds the backend's deterministic k-way combine after the GEMM, whose rows it keeps in
 fp32 so that the result is rounded once.
@@ -46,9 +49,11 @@ def grouped(x: Operand, w: Operand, recipe: QuantRecipe, offsets: torch.Tensor, 
     output is then [T, N'] (the weighted k-way sum), else [R, N']. R, K, N > 0.
     """
     num_experts = offsets.shape[0]
-    a = _dispatch.left_operand(x, recipe)
     wr = weight_rows(w, recipe)
     backend = registry.select("grouped_matmul", wr.device)
+    sorted_rows = x.shape[0] if gather is None else gather.shape[0]
+    a = _dispatch.backend_left_operand(backend, x, recipe, -(-sorted_rows // num_experts),
+                                       wr.shape[0] // num_experts)
     rows = backend.grouped_matmul(a, wr, num_experts, offsets, gather, bias, activation,
                                   torch.float32 if scatter is not None else out_dtype, schedule)
     if scatter is None:

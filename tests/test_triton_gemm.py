@@ -97,6 +97,46 @@ def test_w4a16_equals_dequantized_product(gemm_kernel, dtype, rb):
         assert_accumulation_close(backend.matmul(a.to(device), b.to(device)), a, b, k)
 
 
+# bf16 magnitudes outside fp16's normal range (the Triton interpreter's tl.dot_scaled once
+# widened a bf16 operand through fp16: inf from 65520 up, zero below 2**-24)
+BF16_MAGNITUDES = (65536.0, 2.0**20, 3.0e30, 2.0**-20, 1.0e-30)
+
+
+@pytest.mark.parametrize("rb", [QR(), QR(outliers_per_block=1, macro_block=64)], ids=lambda r: r.describe())
+def test_w4a16_tokens_beyond_the_fp16_range(gemm_kernel, rb):
+    """bf16 tokens of every magnitude bf16 holds (rows of 2**16 .. 3e30 and of 1e-30 ..
+    2**-20 beside ordinary ones): the GEMM multiplies the bf16 values, within the fp32
+    accumulation bound of their exact product."""
+    backend, device = gemm_kernel
+    m, n, k = 6, 40, 96
+    a = randn(m, k, seed=61)
+    for i, big in enumerate(BF16_MAGNITUDES):
+        a[i, 5 + 7 * i] = big  # one value of that magnitude in row i
+    a[5] = randn(k, seed=62) * 1.0e-30  # a whole row of tiny values
+    a = a.to(torch.bfloat16)
+    b = rows_mx(randn(n, k, seed=63), rb)
+    out = backend.matmul(a.to(device), b.to(device))
+    assert out.isfinite().all()
+    assert_accumulation_close(out, a, b, k)
+
+
+def test_a4w4_outliers_beyond_the_fp16_range(gemm_kernel):
+    """OF keeps a block's largest values in bf16 beside the codes: outliers of 2**20 and
+    1e30 (the correction GEMM's bf16 operand) within the accumulation bound."""
+    backend, device = gemm_kernel
+    m, n, k = 4, 24, 64
+    x = randn(m, k, seed=64)
+    x[0, 3], x[1, 40], x[2, 9] = 2.0**20, -1.0e30, 70000.0
+    w = randn(n, k, seed=65)
+    w[7, 12] = 3.0e20
+    for ra, rb in ((QR(outliers_per_block=1), QR()), (QR(), QR(outliers_per_block=2)),
+                   (QR(outliers_per_block=2), QR(outliers_per_block=1))):
+        a, b = rows_mx(x, ra), rows_mx(w, rb)
+        out = backend.matmul(a.to(device), b.to(device))
+        assert out.isfinite().all()
+        assert_accumulation_close(out, a, b, k)
+
+
 def test_w4a16_strided_left_operand(gemm_kernel):
     """A column slice of a wider activation (row stride > K) is read in place."""
     backend, device = gemm_kernel

@@ -5,7 +5,8 @@ reference backend. Numerics caveats of the interpreter: numerics.md section 5.""
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -50,7 +51,45 @@ class InterpretBackend(TritonBackend):
 
     def running(self):
         """numpy runs the kernels: its overflow/invalid warnings on inf/NaN lanes (which
-        the kernels mask out) are noise, so they are silenced during launches."""
+        the kernels mask out) are noise, so they are silenced during launches; and the
+        interpreter's ``tl.dot_scaled`` reads a bf16 operand exactly (:func:`_exact_bf16_operands`)."""
         import numpy as np
 
-        return np.errstate(all="ignore")
+        stack = contextlib.ExitStack()
+        stack.enter_context(np.errstate(all="ignore"))
+        stack.enter_context(_exact_bf16_operands())
+        return stack
+
+
+@contextlib.contextmanager
+def _exact_bf16_operands() -> Iterator[None]:
+    """While the kernels run, the Triton interpreter's ``tl.dot_scaled`` widens a bf16
+    operand (the W4A16 GEMM's tokens) to fp32 exactly, by its bits. Its own conversion
+    (``_mxfp_value_handle_to_float32``, written for fp8 operands, triton 3.8 and 3.9) goes
+    through fp16: a bf16 value of magnitude 65520 or more became inf (and NaN in the sums),
+    one below 2**-24 zero, one below 2**-14 lost bits, where the GPU's MMA multiplies the
+    bf16 value (numerics.md section 5). Other operands keep the interpreter's conversion; an
+    interpreter without that function is left as it is (tests/test_triton_gemm.py holds
+    the GEMM to the reference at those magnitudes)."""
+    try:
+        from triton.runtime import interpreter
+        import triton.language as tl
+    except ImportError:  # no interpreter: nothing to mend
+        yield
+        return
+    own = getattr(interpreter, "_mxfp_value_handle_to_float32", None)
+    if own is None:
+        yield
+        return
+    import numpy as np
+
+    def widen(value_handle):
+        if value_handle.dtype == tl.bfloat16:  # stored as uint16 bits
+            return (value_handle.data.astype(np.uint32) << 16).view(np.float32)
+        return own(value_handle)
+
+    interpreter._mxfp_value_handle_to_float32 = widen
+    try:
+        yield
+    finally:
+        interpreter._mxfp_value_handle_to_float32 = own

@@ -170,7 +170,11 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     format instead (W4A16). Returns ``[..., M, N]`` in a's (original) dtype.
 
     Exact up to accumulation order: the result is the fp32-accumulated product of the
-    dequantized operands, rounded once to a's dtype. Under autograd the backward GEMMs
+    dequantized operands, rounded once to a's dtype. One exception: W4A16 with fp16
+    activations on the upcast targets (sm_90, gfx942) decodes the weight to fp16 for the
+    MMA, exact for block scales 2**-23 .. 2**13 (a block's largest |w| from about 5e-7 to
+    6e4); a block below loses its smallest values, one above overflows (inf/NaN). bf16
+    activations, A4W4 and the native targets have no such limit. Under autograd the backward GEMMs
     follow ``recipe.grad_input`` / ``recipe.grad_weight`` (see :mod:`portable_mx._custom_ops`).
     """
     compiling = _is_compiling()

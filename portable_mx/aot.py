@@ -432,10 +432,12 @@ class _KernelRef:
 _started = None  # the worker's end of the "started task i" channel
 
 
-def _worker_init(started) -> None:
+def _worker_init(started, cache_dir: Optional[str] = None) -> None:
     global _started
     _started = started
     os.environ.pop("TRITON_INTERPRET", None)
+    if cache_dir is not None:  # before this fresh process's first compile reads it
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
 
 
 def _worker_compile(index: int, launch: KernelLaunch, target: Target) -> CompileResult:
@@ -463,9 +465,12 @@ def compile_all(
     items: Sequence[tuple[KernelLaunch, Target]],
     jobs: Optional[int] = None,
     on_result: Optional[Callable[[CompileResult], None]] = None,
+    cache_dir: Optional[str] = None,
 ) -> list[CompileResult]:
     """Compile every (launch, target) in ``jobs`` spawned worker processes (default: CPU
-    count) and return the results in the order of ``items``.
+    count) and return the results in the order of ``items``. ``cache_dir``: the Triton
+    cache the workers write their binaries to (default: Triton's own, TRITON_CACHE_DIR or
+    ~/.triton/cache).
 
     ``on_result`` is called in this process as each result arrives (progress display). A
     worker killed mid-compile (a compiler crash) is replaced: the launches that were being
@@ -492,7 +497,8 @@ def compile_all(
         started_q = ctx.SimpleQueue()
         started: set[int] = set()
         with _without_interpreter():
-            pool = ProcessPoolExecutor(width, mp_context=ctx, initializer=_worker_init, initargs=(started_q,))
+            pool = ProcessPoolExecutor(width, mp_context=ctx, initializer=_worker_init,
+                                       initargs=(started_q, cache_dir))
             futures = {pool.submit(_worker_compile, i, *tasks[i]): i for i in indices}
         broken = False
         try:

@@ -272,6 +272,27 @@ def stub_registered():
         registry.unregister("stub")
 
 
+def test_the_matrix_leaves_no_binaries_in_the_triton_cache(stub_registered, tmp_path, monkeypatch):
+    """The matrix compiles for targets this machine does not run: its binaries go to a
+    temporary folder removed afterwards, not to Triton's default cache (where every run
+    after a kernel change once left about a gigabyte); a cache the user names with
+    TRITON_CACHE_DIR is used as named."""
+    import tempfile
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("TRITON_HOME", str(home))  # Triton's default cache: home/.triton/cache
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert cli.main(["compile-matrix", "--kernels", "scale_probe", "--jobs", "1"]) == 0
+    assert not (home / ".triton").exists()
+    assert list((tmp_path / "tmp").iterdir()) == []  # the temporary folder is gone
+    named = tmp_path / "named"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(named))
+    assert cli.main(["compile-matrix", "--kernels", "scale_probe", "--jobs", "1"]) == 0
+    assert named.exists() and any(named.iterdir())
+
+
 def test_cli_table_json_and_exit_status(stub_registered, tmp_path, capsys):
     path = tmp_path / "out" / "matrix.json"
     status = cli.main(["compile-matrix", "--json", str(path), "--kernels", "scale_probe,fp16_dot_probe",

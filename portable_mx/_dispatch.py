@@ -135,12 +135,15 @@ def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype) ->
     """``a @ b`` in ``out_dtype``: a [M, K] (float, or an MXTensor along axis 1), b [K, N]
     (float, or an MXTensor along axis 0), quantized per ``recipe`` (see
     :func:`portable_mx.matmul`); the fp32 accumulation rounded once to ``out_dtype``."""
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    m, k = a.shape
+    n = b.shape[1]
     if m == 0 or k == 0 or n == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=b.device)
     b_rows = right_operand(b, recipe)
     backend = _select("matmul", b_rows.device)
-    return backend.matmul(backend_left_operand(backend, a, recipe, m, n), b_rows, out_dtype)
+    if recipe.activations == "mxfp4":
+        return backend.matmul(backend_left_operand(backend, a, recipe, m, n), b_rows, out_dtype)
+    return backend.matmul(left_operand(a, recipe), b_rows, out_dtype)
 
 
 def backend_left_operand(backend, a: Operand, recipe: QuantRecipe, m: int, n: int) -> Operand:

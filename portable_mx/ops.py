@@ -154,12 +154,6 @@ def decompose(
     return _dispatch.decompose(x, recipe, axis, definition, full)
 
 
-def _operand_info(t: Any, name: str) -> tuple[torch.dtype, torch.device, torch.Size]:
-    """dtype, device and shape of a float tensor operand (checked)."""
-    t = _check_float_tensor(t, name)
-    return t.dtype, t.device, t.shape
-
-
 def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torch.Tensor:
     """``a @ b`` on MXFP4 operands with fp32 accumulation.
 
@@ -186,8 +180,12 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     elif id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
         recipe = _recipe(recipe)
     a_mx, b_mx = isinstance(a, MXTensor), isinstance(b, MXTensor)
-    a_dtype, a_dev, a_shape = (a.dtype, a.device, a.shape) if a_mx else _operand_info(a, "a")
-    b_dtype, b_dev, b_shape = (b.dtype, b.device, b.shape) if b_mx else _operand_info(b, "b")
+    if not a_mx:
+        _check_float_tensor(a, "a")
+    if not b_mx:
+        _check_float_tensor(b, "b")
+    a_dtype, a_dev, a_shape = a.dtype, a.device, a.shape
+    b_dtype, b_dev, b_shape = b.dtype, b.device, b.shape
     if len(a_shape) < 2:
         raise ValueError(f"a must have at least 2 dims [..., M, K]; got shape {tuple(a_shape)}")
     if len(b_shape) != 2:

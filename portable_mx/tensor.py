@@ -14,6 +14,8 @@ from ._transforms import refuse_func_transforms
 from .format import BLOCK_SIZE
 from .recipe import QuantRecipe, validated
 
+_is_compiling = torch.compiler.is_compiling
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes portable_mx quantizes from and dequantizes to."""
 
@@ -218,7 +220,7 @@ class MXTensor:
         writes so), found by their version counters (which views share). ``valid``: a
         check of a kept value (e.g. that the parts it copied were not written since); the
         value is built again when it returns False."""
-        if torch.compiler.is_compiling():  # traced: the graph holds the views (torch 2.9's dynamo
+        if _is_compiling():  # traced: the graph holds the views (torch 2.9's dynamo
             return build(self)  # cannot write a new key into a frozen dataclass's __dict__)
         memo = self.__dict__.get("_memo")
         if memo is None:

@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from .. import registry
+
 TILE_M_CHOICES = (16, 32, 64, 128)
 """Tile heights (rows per tile) a schedule is built for by default (:func:`default_tile_m`)."""
 
@@ -152,8 +154,6 @@ def _backend_route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
     the CPU route() checked them before), or None: the torch form (while tracing, too)."""
     if torch.compiler.is_compiling() or topk_ids.device.type == "meta":
         return None
-    from .. import registry
-
     try:
         backend = registry.select("grouped_matmul", topk_ids.device)
     except registry.BackendUnavailableError:

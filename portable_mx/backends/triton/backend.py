@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -164,6 +165,14 @@ on the tokens' values on upcast targets: its A4W4 kernel decodes each token valu
 column of tiles (256 columns at prefill: ~5.4 instructions a value each time on sm_90),
 against ~3 more bytes a value moved by the values pass; they break even near N ~ 1400 on
 an H100/H200-class GPU (NOTES-gemm.md, "A4W4 at every size on upcast targets")."""
+
+
+@functools.cache
+def _module(name: str):
+    """A module of this package (relative ``name``), imported on its first use (the kernel
+    modules need triton, which this one does not) and then found by a dict lookup, not the
+    import machinery (~0.4 us a ``from . import`` on the grouped GEMM's hot path)."""
+    return importlib.import_module(name, __package__)
 
 
 def _values_shape(m: int, n: int, recipe: QuantRecipe) -> bool:
@@ -602,8 +611,7 @@ class TritonBackend(Backend):
     def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):
         """:meth:`Backend.grouped_matmul` with the grouped kernels (grouped_gemm.py), on
         the dense GEMM's route for the target; one launch, no host sync."""
-        from . import grouped_gemm
-
+        grouped_gemm = _module(".grouped_gemm")
         st = self._devices.get(w.device) or self._device(w.device)
         wop = _weight_operand(w)
         if isinstance(a, torch.Tensor):
@@ -622,9 +630,7 @@ class TritonBackend(Backend):
     def route(self, topk_ids, weights, num_experts, tile_m):
         """:meth:`Backend.route` in one launch (routing.route_kernel) where it fits
         (routing.fits: decode sizes), else None (the torch form)."""
-        from ...moe.routing import max_tiles
-        from . import routing
-
+        routing = _module(".routing")
         rows = topk_ids.numel()
         if not routing.fits(rows, num_experts):
             return None
@@ -638,15 +644,14 @@ class TritonBackend(Backend):
             if len(st.grouped_plans) >= 4096:
                 st.grouped_plans.clear()
             plan = st.grouped_plans[key] = routing.make_plan(rows, num_experts, tile_m)
-        return routing.route_tensors(topk_ids, weights, num_experts, tile_m, max_tiles(rows, num_experts, tile_m),
+        slots = _module("...moe.routing").max_tiles(rows, num_experts, tile_m)
+        return routing.route_tensors(topk_ids, weights, num_experts, tile_m, slots,
                                      lambda _, args: self._launch(st, plan, args))
 
     def combine(self, rows, index, weights, k, out_dtype):
         """:meth:`Backend.combine` with grouped_gemm.combine_kernel (one launch)."""
-        from . import grouped_gemm
-
         st = self._devices.get(rows.device) or self._device(rows.device)
-        return grouped_gemm.run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)
+        return _module(".grouped_gemm").run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)
 
     def _plan_gemm(self, st: _Device, key: tuple, a, w: _Operand, m: int, stride_am: int,
                    out_dtype: torch.dtype) -> _GemmPlan:

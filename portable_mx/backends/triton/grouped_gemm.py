@@ -42,7 +42,7 @@ import triton.language as tl
 from . import splitk
 from .gemm import FORMATS, Operand, Plan, macro_factors, scaled_k_loop
 from .gemm_upcast import after_k_loop, block_k_of, constexprs as upcast_constexprs, folded_decode, upcast_k_loop
-from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
+from .launch import POINTER_TYPES, GemmConfig, KernelLaunch, Launch, TileConfig
 
 ACTIVATION_IDS = {None: "", "swiglu_oai": "swiglu_oai", "swiglu": "swiglu"}
 
@@ -410,7 +410,6 @@ def plan(backend, st, key, a, wop, num_experts: int, rows: int, xr: int, stride_
          out_dtype: torch.dtype, store_dtypes) -> GroupedPlan:
     """The launch of :func:`run` for its key (the config of
     ``backend.grouped_config``, the kernel of ``backend.gemm_route``)."""
-    from .launch import Launch
     from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES
 
     oa = Operand(a.dtype, None, 0) if isinstance(a, torch.Tensor) else Operand.of(a)
@@ -502,8 +501,6 @@ def run(backend, st, a, a_parts: tuple, a_key: tuple, xr: int, stride_am: int, w
 def run_combine(backend, st, rows: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], k: int,
                 out_dtype: torch.dtype, store_dtypes) -> torch.Tensor:
     """:meth:`Backend.combine` with :func:`combine_kernel` (one launch)."""
-    from .launch import Launch, TileConfig
-
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if weights is not None and not weights.is_contiguous():

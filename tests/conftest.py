@@ -107,3 +107,23 @@ def gemm_kernel(request):
     """(backend, device) of each backend that runs the GEMM Triton kernels here."""
     name, device = request.param
     return registry.get(name), device
+
+
+def values_route_spy(backend, device, monkeypatch, min_n: int = 64) -> list:
+    """Make ``backend`` (a Triton backend) take the W4A16-on-values route for A4W4 as on
+    sm_90: its ``device`` marked as an upcast target, the wide-output threshold lowered to
+    ``min_n`` columns. Returns the list the spied ``quantized_values`` appends each call's
+    input shape to."""
+    from portable_mx.backends.triton import backend as triton_backend
+
+    backend._device(torch.device(device)).upcasts = True
+    monkeypatch.setattr(triton_backend, "VALUES_MIN_N", min_n)
+    calls: list = []
+    real = type(backend).quantized_values
+
+    def spy(self, x, recipe):
+        calls.append(tuple(x.shape))
+        return real(self, x, recipe)
+
+    monkeypatch.setattr(type(backend), "quantized_values", spy)
+    return calls

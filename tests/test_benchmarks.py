@@ -391,9 +391,10 @@ def test_tune_sweep_args():
         sweep.parse_args(["--static-only"])  # needs --target
 
 
-def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
-    """The sweep on the interpreter: exhaustive study, recording, replay of every strategy,
-    the config cache and the JSON (times are host-clock noise; nothing about them is asserted)."""
+@pytest.fixture
+def interpreted_sweep(tmp_path, monkeypatch):
+    """(tune_sweep module, the interpreter's backend), the interpreter forced and a user
+    cache dir of the test's own; skips where the interpreter does not run the GEMM."""
     import torch
 
     from portable_mx import registry
@@ -405,7 +406,13 @@ def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PORTABLE_MX_BACKEND", "triton-interpret")
     monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path / "user-cache"))
-    sweep = _sweep()
+    return _sweep(), interpret
+
+
+def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, interpreted_sweep, capsys):
+    """The sweep on the interpreter: exhaustive study, recording, replay of every strategy,
+    the config cache and the JSON (times are host-clock noise; nothing about them is asserted)."""
+    sweep, _ = interpreted_sweep
     assert sweep.main(["--cpu-smoke", "--problems", "w4a16:16x64x128", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "tune_sweep.json").read_text())
     (entry,) = doc["problems"]
@@ -422,27 +429,17 @@ def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
     assert "ranked-tpe" in out and "goal (" in out
 
 
-def test_tune_sweep_studies_a_launch_once(tmp_path, monkeypatch, capsys):
+def test_tune_sweep_studies_a_launch_once(tmp_path, interpreted_sweep, monkeypatch, capsys):
     """Where A4W4 runs as the W4A16 GEMM on the activations' values (the interpreter's
     backend made to route so, as sm_90 does, from 64 columns), the sweep's A4W4 problem
     of a W4A16 problem's shape is that problem's launch: studied once, the second entry
     naming the first."""
-    import torch
-
-    from portable_mx import registry
     from portable_mx.backends.triton import backend as triton_backend
 
-    interpret = registry.get("triton-interpret")
-    why = interpret.op_problem("matmul") or interpret.unavailable_reason(torch.device("cpu"))
-    if why:
-        pytest.skip(f"the Triton interpreter does not run the GEMM here: {why}")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PORTABLE_MX_BACKEND", "triton-interpret")
-    monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path / "user-cache"))
+    sweep, interpret = interpreted_sweep
     monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
     monkeypatch.setattr(type(interpret), "_a4w4_upcasts", lambda self, target: True)
     monkeypatch.setattr(interpret, "_devices", {})
-    sweep = _sweep()
     assert sweep.main(["--cpu-smoke", "--problems", "w4a16:16x64x128,a4w4:16x64x128", "--out", str(tmp_path)]) == 0
     first, second = json.loads((tmp_path / "tune_sweep.json").read_text())["problems"]
     assert first["measured"] == first["survivors"] > 0 and "replay" in first

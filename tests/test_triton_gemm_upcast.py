@@ -22,7 +22,7 @@ from portable_mx.backends.targets import TARGETS
 from portable_mx.recipe import QuantRecipe as QR
 from portable_mx.tensor import MXTensor
 
-from conftest import kernel_backends, no_kernels_reason
+from conftest import kernel_backends, no_kernels_reason, values_route_spy
 from test_triton_gemm import assert_accumulation_close, randn, rows_mx
 
 REF = ReferenceBackend()
@@ -768,21 +768,10 @@ def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
     and at M = 17 with a wide output: the same products as the A4W4 GEMM, so within the
     fp32 accumulation bound of the exact product of the quantized operands; and bit for
     bit the W4A16 GEMM of the reference's dequantized tokens (same kernel, same config)."""
-    from portable_mx.backends.triton import backend as triton_backend
-
     backend, device = gemm_kernel
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
     monkeypatch.setattr(backend, "_devices", {})
-    backend._device(torch.device(device)).upcasts = True
-    monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
-    calls = []
-    real = type(backend).quantized_values
-
-    def spy(self, x, recipe):
-        calls.append(tuple(x.shape))
-        return real(self, x, recipe)
-
-    monkeypatch.setattr(type(backend), "quantized_values", spy)
+    calls = values_route_spy(backend, device, monkeypatch)
     x, w = randn(1, 5, 100, seed=11, scale=3.0), randn(100, 70, seed=12)
     for recipe in (QR(), QR(scale_rule="rceil", rounding="stochastic", seed=9)):
         w_mx = pmx.quantize(w.to(device), recipe, axis=0)

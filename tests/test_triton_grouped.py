@@ -18,7 +18,7 @@ import torch
 import portable_mx as pmx
 from portable_mx import registry
 
-from conftest import kernel_backends, no_kernels_reason
+from conftest import kernel_backends, no_kernels_reason, values_route_spy
 from moe_oracle import assert_within, grouped_oracle, py_routing
 from test_moe import ids_of, left_values, rand
 
@@ -119,21 +119,11 @@ def test_a4w4_through_the_tokens_quantized_values(gemm_kernel, monkeypatch):
     within the bound of the exact product of the quantized operands, and bit for bit the
     grouped W4A16 GEMM of the reference's dequantized tokens. Narrow outputs with more
     rows, and macro blocks, keep the A4W4 GEMM."""
-    from portable_mx.backends.triton import backend as triton_backend
     from test_moe import dq
 
     backend, device = on_route(gemm_kernel, monkeypatch, "default")
-    backend._device(torch.device(device)).upcasts = True
-    monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
+    calls = values_route_spy(backend, device, monkeypatch)
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
-    calls = []
-    real = type(backend).quantized_values
-
-    def spy(self, x, recipe):
-        calls.append(tuple(x.shape))
-        return real(self, x, recipe)
-
-    monkeypatch.setattr(type(backend), "quantized_values", spy)
     e, kk = 6, 100  # K off the 32-block: the values are [T, 128], the GEMM reads [T, :100]
     for t, k, n, recipe, values in ((9, 4, 128, QR(), True),  # 6 rows an expert, wide output
                                     (9, 4, 32, QR(rounding="stochastic", seed=5), True),  # 6 rows an expert
@@ -216,14 +206,7 @@ def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
     backend, device = gemm_kernel
     values = recipe == QR()
     if values:
-        from portable_mx.backends.triton import backend as triton_backend
-
-        backend._device(torch.device(device)).upcasts = True
-        monkeypatch.setattr(triton_backend, "VALUES_MIN_N", 64)
-        calls = []
-        real = type(backend).quantized_values
-        monkeypatch.setattr(type(backend), "quantized_values",
-                            lambda self, x, r: calls.append(tuple(x.shape)) or real(self, x, r))
+        calls = values_route_spy(backend, device, monkeypatch)
     e, n, kk, t, k = 4, 64, 64, 6, 2
     ids = ids_of(t, k, e, seed=50, skew=True)
     base = dict(x=rand(t, kk, seed=51), w=rand(e, n, kk, seed=52, scale=0.3), b=rand(e, n, seed=53),

@@ -294,6 +294,41 @@ def test_gradients_without_activation_follow_the_recipe(recipe):
     assert not torch.allclose(x.grad, g.view(t, k, n).new_zeros(t, kk))
 
 
+def test_bf16_expert_weight_gradient_rounds_once(monkeypatch):
+    """bf16 expert weights, an MXFP4 weight-gradient recipe without macro blocks: dW's
+    quantized operands are bf16 numbers, so the ragged product runs in bf16 (the only
+    grouped_mm CUDA has) and rounds the fp32 sums once to bf16: within the accumulation
+    bound plus one bf16 rounding (2**-8 relative) of the float64 product, empty experts zero."""
+    e, n, kk, t, k = 5, 32, 64, 9, 2
+    ids = ids_of(t, k, e, seed=20, skew=True)  # experts 1, 3 and 4 empty
+    r, pr = pmx.route(ids, None, e), py_routing(ids, e)
+    assert 0 in pr["counts"]
+    x = rand(t, kk, seed=21, dtype=torch.bfloat16).requires_grad_()
+    w = rand(e, n, kk, seed=22, dtype=torch.bfloat16).requires_grad_()
+    g = rand(t * k, n, seed=23, dtype=torch.bfloat16)
+    seen = []
+    real = F.grouped_mm
+
+    def spy(a, b, **kw):
+        seen.append((a.dtype, b.dtype))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(F, "grouped_mm", spy)
+    pmx.grouped_matmul(x, w, routing=r, gather=True, recipe=QR()).backward(g)
+    assert (torch.bfloat16, torch.bfloat16) in seen and w.grad.dtype == torch.bfloat16
+    xs = x.detach()[torch.tensor(pr["gather"])]
+    start = 0
+    for i, c in enumerate(pr["counts"]):
+        if c == 0:
+            assert not w.grad[i].any()
+            continue
+        gs, xe = dq(g[start:start + c].float(), QR(), axis=0), dq(xs[start:start + c].float(), QR(), axis=0)
+        exact = gs.double().T @ xe.double()
+        bound = c * 2.0**-24 * (gs.double().abs().T @ xe.double().abs()) + 2.0**-8 * exact.abs() + 1e-30
+        assert_within(w.grad[i], exact, bound)
+        start += c
+
+
 @pytest.mark.parametrize("act", ["swiglu_oai", "swiglu"])
 def test_gradients_through_activation_and_scatter_match_float64_autograd(act):
     """One projection end to end (gather, bias, activation, weighted scatter) with

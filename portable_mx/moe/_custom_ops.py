@@ -250,11 +250,14 @@ def _grad_w(dh, x, x_op, r: QuantRecipe, offsets, gather_index, gather, dtype) -
         pos, poffs, prows = _ragged.pad_experts(offsets, rows, block)
         ap = _ragged.scatter_rows(a.to(torch.float32) if a.dtype != torch.float64 else a, pos, prows)
         gp = _ragged.scatter_rows(dh, pos, prows)
-        aq = _dispatch.dequantize(_dispatch.quantize(ap, r, 0), torch.float32)
-        gq = _dispatch.dequantize(_dispatch.quantize(gp, r, 0), torch.float32)
-        dw = _ragged.k_product(gq, aq, poffs)
+        # without macro factors every dequantized value is a bf16 number: bf16 operands
+        # where the gradient is bf16 (k_product then rounds the fp32 sums once)
+        vdtype = torch.bfloat16 if dtype is torch.bfloat16 and r.macro_block is None else torch.float32
+        aq = _dispatch.dequantize(_dispatch.quantize(ap, r, 0), vdtype)
+        gq = _dispatch.dequantize(_dispatch.quantize(gp, r, 0), vdtype)
+        dw = _ragged.k_product(gq, aq, poffs, dtype)
     else:
-        dw = _ragged.k_product(dh, a, offsets)
+        dw = _ragged.k_product(dh, a, offsets, dtype)
     return dw.to(dtype)
 
 

@@ -14,6 +14,8 @@ host sync where torch allows it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .._precision import HighestPrecision
@@ -63,17 +65,26 @@ def rows_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> tor
     return out
 
 
-def k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+              out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """[E, P, Q]: ``a_e^T @ b_e`` over the rows of each expert e (zero for an empty one);
-    a [R, P], b [R, Q] (expert-sorted rows), offsets int32 [E], in high precision."""
+    a [R, P], b [R, Q] (expert-sorted rows), offsets int32 [E], in high precision.
+
+    With bf16 ``a`` and ``b`` and ``out_dtype`` bf16 the products are exact in fp32 and the
+    result is rounded once to bf16 in any case, so bf16's grouped_mm serves (fp32
+    accumulation, one rounding; CUDA's grouped_mm takes bf16 only and returns the input's
+    dtype, where fp32 operands fall back to a loop over the experts that reads the
+    offsets on the host)."""
+    if out_dtype is torch.bfloat16 and a.dtype is torch.bfloat16 and b.dtype is torch.bfloat16:
+        out = _grouped_mm(a.T.contiguous(), b.contiguous(), offsets)
+        if out is not None and out.shape == (offsets.shape[0], a.shape[1], b.shape[1]):
+            return torch.where(_empty(offsets)[:, None, None], 0.0, out)
     dtype = _dtype(a, b)
     a, b = a.to(dtype), b.to(dtype).contiguous()
     with HighestPrecision():
         out = _grouped_mm(a.T.contiguous(), b, offsets)
         if out is not None and out.shape == (offsets.shape[0], a.shape[1], b.shape[1]):
-            # grouped_mm leaves empty groups as they come: zero them
-            empty = (offsets - torch.cat([offsets.new_zeros(1), offsets[:-1]])) == 0
-            return torch.where(empty[:, None, None], 0.0, out)
+            return torch.where(_empty(offsets)[:, None, None], 0.0, out)
         out = a.new_zeros(offsets.shape[0], a.shape[1], b.shape[1])
         start = 0
         for e, end in enumerate(offsets.tolist()):
@@ -81,6 +92,11 @@ def k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.
                 out[e] = a[start:end].T @ b[start:end]
             start = end
     return out
+
+
+def _empty(offsets: torch.Tensor) -> torch.Tensor:
+    """bool [E]: the experts without rows (grouped_mm leaves their outputs as they come)."""
+    return (offsets - torch.cat([offsets.new_zeros(1), offsets[:-1]])) == 0
 
 
 def pad_experts(offsets: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:

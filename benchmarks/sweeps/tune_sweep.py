@@ -147,6 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from common import no_gpu, result_header
     from portable_mx import registry
+    from portable_mx.tune import launched_note
     from portable_mx.tuning import cache, replay, search, strategy, warm
 
     t_start = time.perf_counter()
@@ -182,9 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p = search.plan(asked, backend, target, jobs=args.jobs, directory=args.study_dir, props=props)
         problem = p.problem  # what the dispatch launches for it (A4W4 as W4A16 on upcast targets)
         if problem != asked:
-            print(f"{kind} {asked.shape}: runs on {target.name if target else 'the interpreter'} as the W4A16 GEMM "
-                  "on the activations' values",
-                  flush=True)
+            print(launched_note(asked, problem, target.name if target else "the interpreter"), flush=True)
             kind = "w4a16"
         if problem.key() in studied:
             plans.append((kind, asked, p, studied[problem.key()]))

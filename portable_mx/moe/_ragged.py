@@ -76,15 +76,15 @@ def k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     dtype, where fp32 operands fall back to a loop over the experts that reads the
     offsets on the host)."""
     if out_dtype is torch.bfloat16 and a.dtype is torch.bfloat16 and b.dtype is torch.bfloat16:
-        out = _grouped_mm(a.T.contiguous(), b.contiguous(), offsets)
-        if out is not None and out.shape == (offsets.shape[0], a.shape[1], b.shape[1]):
-            return torch.where(_empty(offsets)[:, None, None], 0.0, out)
+        out = _k_grouped(a, b, offsets)
+        if out is not None:
+            return out
     dtype = _dtype(a, b)
     a, b = a.to(dtype), b.to(dtype).contiguous()
     with HighestPrecision():
-        out = _grouped_mm(a.T.contiguous(), b, offsets)
-        if out is not None and out.shape == (offsets.shape[0], a.shape[1], b.shape[1]):
-            return torch.where(_empty(offsets)[:, None, None], 0.0, out)
+        out = _k_grouped(a, b, offsets)
+        if out is not None:
+            return out
         out = a.new_zeros(offsets.shape[0], a.shape[1], b.shape[1])
         start = 0
         for e, end in enumerate(offsets.tolist()):
@@ -94,9 +94,14 @@ def k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
     return out
 
 
-def _empty(offsets: torch.Tensor) -> torch.Tensor:
-    """bool [E]: the experts without rows (grouped_mm leaves their outputs as they come)."""
-    return (offsets - torch.cat([offsets.new_zeros(1), offsets[:-1]])) == 0
+def _k_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor):
+    """:func:`k_product` by grouped_mm in a's dtype, its empty experts zeroed (grouped_mm
+    leaves their outputs as they come), or None where grouped_mm refuses the operands."""
+    out = _grouped_mm(a.T.contiguous(), b.contiguous(), offsets)
+    if out is None or out.shape != (offsets.shape[0], a.shape[1], b.shape[1]):
+        return None
+    empty = (offsets - torch.cat([offsets.new_zeros(1), offsets[:-1]])) == 0
+    return torch.where(empty[:, None, None], 0.0, out)
 
 
 def pad_experts(offsets: torch.Tensor, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -35,10 +35,11 @@ def rows_mx(x, recipe):
 
 
 def dequantized(op, k):
-    """float64 values of a GEMM operand (an MXTensor in the rows layout or a 16-bit tensor)."""
+    """float64 values on the CPU of a GEMM operand (an MXTensor in the rows layout or a
+    16-bit tensor, on any device)."""
     if isinstance(op, torch.Tensor):
-        return op.double()
-    return REF.dequantize(op)[:, :k].double()
+        return op.double().cpu()
+    return REF.dequantize(op.to("cpu"))[:, :k].double()
 
 
 def assert_accumulation_close(got, a, b, k):

@@ -645,9 +645,9 @@ _SM90_PROBE = textwrap.dedent("""
     def loops(ptx):  # the PTX from each label to the last branch back to it
         lines = ptx.splitlines()
         for i, line in enumerate(lines):
-            label = re.match(r"(\$L__\w+):", line.strip())
+            label = re.match(r"(\\$L__\\w+):", line.strip())
             if label:
-                back = [j for j in range(i + 1, len(lines)) if re.search(r"bra(\.uni)?\s+" + re.escape(label.group(1)) + ";", lines[j])]
+                back = [j for j in range(i + 1, len(lines)) if re.search(r"bra(\\.uni)?\\s+" + re.escape(label.group(1)) + ";", lines[j])]
                 if back:
                     yield "\\n".join(lines[i:back[-1] + 1])
 

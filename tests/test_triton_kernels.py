@@ -572,6 +572,76 @@ def test_both_program_orders_cover_every_tile(kernel, order, split, monkeypatch)
     assert int(got.non_finite) == int((~torch.isfinite(big[:40])).sum()) > 0
 
 
+def _target_tiles():
+    """(backend name, target, recipe) for every element-wise quantize tile a compiled
+    backend gives one of its targets: plain, macro-block and heavy recipes."""
+    from portable_mx import registry as reg
+
+    recipes = (QR(), QR(scale_rule="rceil"), QR(macro_block=128), QR(rounding="stochastic", seed=3),
+               QR(outliers_per_block=2, macro_block=64))
+    out = []
+    for name in ("cuda", "rocm"):
+        backend = reg.get(name)
+        for target in backend.targets:
+            out += [(name, target, r) for r in recipes]
+    return out
+
+
+@pytest.mark.parametrize("name, target, recipe", _target_tiles(),
+                         ids=lambda v: v.describe() if isinstance(v, QR) else str(v))
+def test_every_targets_quantize_tile_is_exact(kernel, name, target, recipe, monkeypatch):
+    """The quantize kernel at the tile each GPU backend gives each target for the recipe
+    (backend.tile_config: sm_90's plain quantize takes two 32-blocks a thread, MBS its
+    own key) equals the reference bit for bit, on whole and ragged tiles; the values
+    output too where the recipe has one (at the interpreter's warp size)."""
+    from portable_mx import registry as reg
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton import quantize as qk
+
+    backend, device = kernel
+    gpu = reg.get(name)
+    config = gpu.tile_config("quantize", TARGETS[target], recipe)
+    options = backend.options(config)
+    for i, shape in enumerate([(70, 300), (64, 512)]):
+        x = sample(shape, seed=110 + i)
+        with backend.running():
+            q, s, m, ov, oi = qk.quantize(x.to(device), recipe, config, options)
+        want = REF.quantize(x, recipe)
+        assert torch.equal(q.cpu(), want.qdata) and torch.equal(s.cpu(), want.scales), config.label()
+        if m is not None:
+            assert torch.equal(m.cpu(), want.macro_scales)
+        if oi is not None:  # NaN outliers compared by their bits
+            assert torch.equal(oi.cpu(), want.outlier_indices)
+            assert torch.equal(ov.cpu().view(torch.int16), want.outlier_values.view(torch.int16))
+    if recipe.macro_block is None and not recipe.outliers_per_block:  # the values output (A4W4's left operand)
+        monkeypatch.setattr(backend, "_devices", {})
+        monkeypatch.setattr(type(backend), "tile_config", lambda self, kernel, target, recipe: config)
+        x = sample((70, 300), seed=112)
+        got = backend.quantized_values(x.to(device), recipe)
+        want = REF.dequantize(REF.quantize(x, recipe), torch.bfloat16)
+        assert torch.equal(got.cpu().nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+
+
+def test_tile_config_keys_and_fallback():
+    """backend.tile_config's keys: the heavy recipes (stochastic rounding, outliers) take
+    "quantize-heavy" before macro blocks take "quantize-macro"; a target or backend
+    without "quantize-macro" falls back to its "quantize"; a target's own tiles first."""
+    from portable_mx import registry as reg
+    from portable_mx.backends import cuda, rocm
+    from portable_mx.backends.targets import TARGETS
+
+    c, r = reg.get("cuda"), reg.get("rocm")
+    sm90, sm100, gfx942 = TARGETS["sm_90"], TARGETS["sm_100"], TARGETS["gfx942"]
+    assert c.tile_config("quantize", sm90, QR()) == cuda.TARGET_TILES["sm_90"]["quantize"] != cuda.TILES["quantize"]
+    assert c.tile_config("quantize", sm90, QR(macro_block=128)) == cuda.TARGET_TILES["sm_90"]["quantize-macro"]
+    assert c.tile_config("quantize", sm90, QR(macro_block=128, rounding="stochastic")) == cuda.TILES["quantize-heavy"]
+    assert c.tile_config("quantize", sm100, QR(macro_block=128)) == cuda.TILES["quantize"]  # the fallback
+    assert r.tile_config("quantize", gfx942, QR(macro_block=64)) == rocm.TILES["quantize"]
+    assert r.tile_config("decompose", gfx942, None) == rocm.TARGET_TILES["gfx942"]["decompose"]
+    with pytest.raises(KeyError, match="no tile config"):
+        c.tile_config("transpose", sm90, None)
+
+
 def test_tile_config_order_is_checked():
     from portable_mx.backends.triton.launch import TileConfig
 

@@ -28,6 +28,18 @@ TILES = {
     "decompose-full": TileConfig(8, 256, num_warps=8),
 }
 
+# sm_90, measured (benchmarks/results/nvidia-h200-2026-11-26b/, element-wise sweep, H200,
+# 8192 x 8192 bf16 against a device copy): the plain quantize at two 32-blocks a thread
+# moves its bytes faster, 0.77 of copy at 32 x 256 on 4 warps against 0.70 at 16 x 256
+# (16 x 256 on 2 warps 0.75, 64 x 256 on 8 warps 0.75: the same two blocks a thread); MBS
+# at two blocks a thread is slower (0.47 and 0.33 against 0.51), so it keeps one.
+TARGET_TILES = {
+    "sm_90": {
+        "quantize": TileConfig(32, 256, num_warps=4),
+        "quantize-macro": TileConfig(16, 256, num_warps=4),
+    },
+}
+
 # GEMM defaults per target until a tuned config is found (issue 5); block_m counts tokens
 # (the left operand's rows), block_n weight rows. sm_100's native block-scaled MMA
 # (tcgen05 ... block_scale) needs an M tile of at least 128 and 4 or 8 warps; sm_120's
@@ -89,6 +101,7 @@ class CudaBackend(CompiledTritonBackend):
     name = "cuda"
     priority = 100
     tiles = TILES
+    target_tiles = TARGET_TILES
     gemm_tiles = GEMM_TILES
     scale_layouts = {"sm_100": "blackwell"}
     upcast_layouts = {"sm_90": "hopper"}

@@ -235,18 +235,27 @@ class TritonBackend(Backend):
 
     tiles: dict[str, TileConfig] = {}
     """Default tile config per kernel: "quantize", "quantize-heavy" (stochastic rounding or
-    outliers), "dequantize", "decompose" (statistics only), "decompose-full" (with the
-    element tensors)."""
+    outliers), "quantize-macro" (macro blocks, not heavy; "quantize" where absent),
+    "dequantize", "decompose" (statistics only), "decompose-full" (with the element
+    tensors)."""
 
     target_tiles: dict[str, dict[str, TileConfig]] = {}
     """Per target name, tile configs that replace those of ``tiles`` there."""
 
     def tile_config(self, op: str, target: Optional[Target], recipe: Optional[QuantRecipe]) -> TileConfig:
         """The tile config and launch options of ``op`` on ``target`` for ``recipe``."""
-        heavy = recipe is not None and (recipe.rounding == "stochastic" or recipe.outliers_per_block > 0)
-        key = "quantize-heavy" if op == "quantize" and heavy else op
+        key = op
+        if op == "quantize" and recipe is not None:
+            if recipe.rounding == "stochastic" or recipe.outliers_per_block > 0:
+                key = "quantize-heavy"
+            elif recipe.macro_block is not None:
+                key = "quantize-macro"
         own = self.target_tiles.get(target.name, {}) if target is not None else {}
-        return own.get(key, self.tiles[key])
+        for k in (key, "quantize") if key == "quantize-macro" else (key,):
+            config = own.get(k) or self.tiles.get(k)
+            if config is not None:
+                return config
+        raise KeyError(f"{self.name}: no tile config for {key!r}")
 
     gemm_tiles: dict[str, dict[str, GemmConfig]] = {}
     """GEMM configs per target name ("interpret" for the interpreter), keyed "a4w4" or

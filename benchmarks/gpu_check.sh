@@ -12,9 +12,14 @@
 #             on the same GPU (ci/gpu_parity.sh).
 #   --sweeps  portable-mx info; the tuning sweeps (benchmarks/sweeps/*.py: candidate tile
 #             configs per kernel, exhaustive GEMM tuning studies, static verdicts read from
-#             $GPU_CHECK_STUDIES when set); the GPU tests.
+#             $GPU_CHECK_STUDIES when set); the GPU tests in what is left of the budget.
+#   --tune    portable-mx info; the exhaustive GEMM tuning studies alone, with the time the
+#             element-wise and GEMM sweeps took in --sweeps, starting from the static
+#             verdicts committed in benchmarks/sweeps/studies/ (compiled on an H200 for
+#             sm_90, triton 3.6; verdicts of another kernel hash or triton are compiled
+#             again); the GPU tests whole.
 #
-#   benchmarks/gpu_check.sh [OUT_DIR] [--sweeps] [--plan]
+#   benchmarks/gpu_check.sh [OUT_DIR] [--sweeps | --tune] [--plan]
 #
 #   OUT_DIR   where the logs and JSON go (default: gpu-check-<date>); the summary is
 #             OUT_DIR/summary.txt, and OUT_DIR.tar.gz (or $GPU_CHECK_ARCHIVE) holds the
@@ -44,13 +49,14 @@ plan=0
 for arg in "$@"; do
   case "$arg" in
     --sweeps) sweeps=1 ;;
+    --tune) sweeps=2 ;;
     --plan) plan=1 ;;
     --quick) ;;
     -h|--help) sed -n '2,/^set /{/^set /!p}' "$0"; exit 0 ;;
     *) out=$arg ;;
   esac
 done
-mode=$([ $sweeps -eq 1 ] && echo sweeps || echo default)
+mode=$(case $sweeps in 1) echo sweeps ;; 2) echo tune ;; *) echo default ;; esac)
 
 # ----------------------------------------------------------------------------- the steps
 # step NAME LIMIT COMMAND...        run with a time limit, log to NAME.log, record the result
@@ -87,7 +93,19 @@ steps_sweeps() {
   if [ -n "${GPU_CHECK_STUDIES:-}" ]; then studies=(--study-dir "$GPU_CHECK_STUDIES"); fi
   bench sweep-tune 130 benchmarks/sweeps/tune_sweep.py --out "$out/results/tune" "${studies[@]}" \
     --jobs "$(nproc)" --budget-s 105
-  gpu_tests 60
+  step_rest tests-gpu 150 "$PY" -m pytest -m gpu -q -ra --tb=short "${xdist[@]}" -p no:cacheprovider \
+    --junitxml="$out/tests-gpu.xml" tests
+}
+
+steps_tune() {
+  # a copy of the committed verdicts: the study directory also receives the Optuna journal
+  local studies=${GPU_CHECK_STUDIES:-$out/results/tune/studies}
+  if [ -z "${GPU_CHECK_STUDIES:-}" ] && [ $plan -eq 0 ]; then
+    mkdir -p "$studies" && cp benchmarks/sweeps/studies/static-verdicts.json "$studies/"
+  fi
+  bench sweep-tune 300 benchmarks/sweeps/tune_sweep.py --out "$out/results/tune" --study-dir "$studies" \
+    --jobs "$(nproc)" --budget-s 270
+  gpu_tests 190
 }
 
 steps_setup() {

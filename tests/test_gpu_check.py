@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 BUDGET_S = 540
-MODES = {"default": [], "sweeps": ["--sweeps"]}
+MODES = {"default": [], "sweeps": ["--sweeps"], "tune": ["--tune"]}
 SETUP = ("wheels", "info")
 CALL = re.compile(r"^\s*(step|bench|step_rest)\s+([\w-]+)\s+(\d+)\s", re.M)
 

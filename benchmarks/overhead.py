@@ -540,9 +540,10 @@ ANATOMY = ("pmx.quantize", "pmx.matmul W4A16")
 def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int = 200, repeats: int = 5) -> dict:
     """Where a call's host time goes, in pieces timed alone (host us per call, minimum of
     ``repeats`` loops): the whole call; its planned launch(es) replayed through
-    ``launch.launch`` with the call's own arguments; the same launch with every tensor
-    argument passed as its address (an int: Triton's launcher then skips its
-    ``data_ptr()`` call and ``cuPointerGetAttribute`` per pointer; direct launches only);
+    ``launch.launch`` with the call's own arguments (it passes each tensor as its
+    address); the launcher alone with the addresses made beforehand, and with the tensors
+    themselves (Triton's launcher then makes a ``data_ptr()`` call and a
+    ``cuPointerGetAttribute`` per pointer; direct launches only);
     one ``torch.empty`` of the output's size; the stream lookup; a bare direct launch of a
     one-pointer kernel. Issue 12: the calls cost ~2x a bare launch on the H200's host and
     the CPU mode cannot say why."""
@@ -584,18 +585,26 @@ def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int 
         row = {"call": timed(fn), "launches": len(seen)}
         row["launch.launch replayed"] = timed(lambda: [real(plan, args) for plan, args in seen])
         if seen and all(plan.direct for plan, _ in seen):
-            forms = []
-            for plan, args in seen:
-                run, function, packed, gx, gy, gz, tail = plan.direct
-                ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-                forms.append((run, function, packed, gx, gy, gz, ints + tuple(tail)))
             stream = L._current_stream
 
-            def by_address():
-                for run, function, packed, gx, gy, gz, rest in forms:
-                    run(gx, gy, gz, stream(), function, packed, None, None, None, *rest)
+            def replay(as_address: bool):
+                forms = []
+                for plan, args in seen:
+                    run, function, packed, gx, gy, gz, tail = plan.direct[:7]
+                    if as_address:
+                        args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+                    forms.append((run, function, packed, gx, gy, gz, tuple(args) + tuple(tail)))
 
-            row["direct launch, pointers as ints"] = timed(by_address)
+                def go():
+                    for run, function, packed, gx, gy, gz, rest in forms:
+                        run(gx, gy, gz, stream(), function, packed, None, None, None, *rest)
+                return go
+
+            # launch.launch passes addresses (its data_ptr() calls counted); these two
+            # time the launcher alone, with the addresses made beforehand and with the
+            # tensors themselves (the launcher's data_ptr() and cuPointerGetAttribute)
+            row["direct launch, pointers as ints"] = timed(replay(True))
+            row["direct launch, tensors"] = timed(replay(False))
             row["tensor arguments"] = sum(isinstance(a, torch.Tensor) for _, args in seen for a in args)
         out[name] = row
     return out

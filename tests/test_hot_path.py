@@ -467,6 +467,21 @@ def test_direct_launch_passes_what_the_jit_passes(monkeypatch):
     L.launch(wrong, args)  # constexprs that are not the trailing parameters: JIT launches only
     assert wrong.direct is False
 
+    # tensor arguments: the JIT gets the tensors, the direct launcher their addresses (the
+    # tensors of each call, not of the first)
+    hooks["idle"] = True
+    launched.clear()
+    jit_calls.clear()
+    with_tensors = L.Launch("quantize", JitStandIn(), (3, 2), constexprs, {"num_warps": 4})
+    first = [torch.zeros(4), torch.zeros(2, dtype=torch.uint8)]
+    second = [torch.ones(8)[2:], torch.zeros(3, dtype=torch.uint8)]
+    L.launch(with_tensors, (first[0], first[1], *args[2:]))
+    assert jit_calls[0][1][:2] == tuple(first)
+    L.launch(with_tensors, (second[0], second[1], *args[2:]))
+    want = (second[0].data_ptr(), second[1].data_ptr(), *args[2:])
+    assert launched == [(3, 2, 1, "STREAM", "FN", "META", None, None, None, *want, *tail)]
+    assert second[0].data_ptr() == second[0].untyped_storage().data_ptr() + 8  # the view's own address
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dequantize_in_the_requested_dtype_equals_the_fp32_values_rounded_once(mx_backend, dtype):

@@ -157,18 +157,27 @@ def launch(plan: Launch, args: tuple) -> None:
     launch it directly on the current stream (no re-specialisation, no cache-key
     building: what ``JITFunction.run`` spends ~11 us of host time on), unless Triton's
     launch hooks are set (a profiler listens: the JIT path calls them) or
-    :func:`direct_launches` turned it off. The backend guarantees that a plan is only
-    run with arguments that specialise like the first ones (same dtypes, same integer
-    values, every pointer 16-byte aligned or not as then), so the kept kernel is the one
-    the JIT would pick."""
+    :func:`direct_launches` turned it off. The direct form passes each tensor argument
+    as its address (``data_ptr()``, an int): Triton's launcher then skips its own
+    ``data_ptr()`` call and the ``cuPointerGetAttribute`` driver query per pointer, whose
+    only job is to refuse a pointer the device cannot read; the public layer has already
+    refused operands on another device (H200: a one-pointer launch 9.9 us with a tensor,
+    6.1 us with its address; benchmarks/NOTES-overhead.md). The backend guarantees that
+    a plan is only run with arguments that specialise like the first ones (same dtypes,
+    tensors where tensors were, same integer values, every pointer 16-byte aligned or not
+    as then), so the kept kernel is the one the JIT would pick."""
     direct = plan.direct
     if direct and _direct_enabled and _hooks_idle():
-        run, function, packed, gx, gy, gz, tail = direct
+        run, function, packed, gx, gy, gz, tail, pointers = direct
+        if pointers:
+            args = list(args)
+            for i in pointers:
+                args[i] = args[i].data_ptr()
         run(gx, gy, gz, _current_stream(), function, packed, None, None, None, *args, *tail)
         return
     compiled = plan.fn[plan.grid](*args, **plan.constexprs, **plan.options)
     if direct is None and _direct_enabled:
-        plan.direct = _direct_form(plan, compiled, len(args))
+        plan.direct = _direct_form(plan, compiled, args)
 
 
 class direct_launches:
@@ -191,9 +200,12 @@ _current_stream: Any = None
 _hooks_idle: Any = None
 
 
-def _direct_form(plan: Launch, compiled: Any, n_args: int) -> Any:
-    """The direct-launch form of ``plan`` from the kernel the JIT returned, or False
-    where there is none (interpreter, another Triton release, an unexpected signature)."""
+def _direct_form(plan: Launch, compiled: Any, args: tuple) -> Any:
+    """The direct-launch form of ``plan`` from the kernel the JIT returned for ``args``,
+    or False where there is none (interpreter, another Triton release, an unexpected
+    signature): the launcher and its metadata, the grid padded to 3, the constexprs in
+    parameter order, and the positions of the tensor arguments (passed as addresses)."""
+    n_args = len(args)
     global _current_stream, _hooks_idle
     try:
         import triton
@@ -217,7 +229,8 @@ def _direct_form(plan: Launch, compiled: Any, n_args: int) -> Any:
         _hooks_idle = _make_hooks_idle()
     grid = plan.grid + (1,) * (3 - len(plan.grid))
     tail = tuple(plan.constexprs[name] for name in names[n_args:])
-    return (compiled.run, compiled.function, compiled.packed_metadata, *grid, tail)
+    pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    return (compiled.run, compiled.function, compiled.packed_metadata, *grid, tail, pointers)
 
 
 def _make_hooks_idle():

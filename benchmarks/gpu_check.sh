@@ -13,11 +13,11 @@
 #   --sweeps  portable-mx info; the tuning sweeps (benchmarks/sweeps/*.py: candidate tile
 #             configs per kernel, exhaustive GEMM tuning studies, static verdicts read from
 #             $GPU_CHECK_STUDIES when set); the GPU tests in what is left of the budget.
-#   --tune    portable-mx info; the exhaustive GEMM tuning studies alone, with the time the
-#             element-wise and GEMM sweeps took in --sweeps, starting from the static
-#             verdicts committed in benchmarks/sweeps/studies/ (compiled on an H200 for
-#             sm_90, triton 3.6; verdicts of another kernel hash or triton are compiled
-#             again); the GPU tests whole.
+#   --tune    portable-mx info; the exhaustive GEMM tuning studies, starting from the
+#             static verdicts committed in benchmarks/sweeps/studies/ (sm_90, triton 3.6;
+#             verdicts of another kernel hash or triton are compiled again); the grouped
+#             (MoE) GEMM's tile sweep (benchmarks/sweeps/grouped_sweep.py); the GPU tests
+#             whole.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR] [--sweeps | --tune] [--plan]
 #
@@ -103,9 +103,10 @@ steps_tune() {
   if [ -z "${GPU_CHECK_STUDIES:-}" ] && [ $plan -eq 0 ]; then
     mkdir -p "$studies" && cp benchmarks/sweeps/studies/static-verdicts.json "$studies/"
   fi
-  bench sweep-tune 300 benchmarks/sweeps/tune_sweep.py --out "$out/results/tune" --study-dir "$studies" \
-    --jobs "$(nproc)" --budget-s 270
-  gpu_tests 190
+  bench sweep-tune 180 benchmarks/sweeps/tune_sweep.py --out "$out/results/tune" --study-dir "$studies" \
+    --jobs "$(nproc)" --budget-s 155
+  bench sweep-grouped 140 benchmarks/sweeps/grouped_sweep.py --out "$out/results" --budget 110
+  gpu_tests 170
 }
 
 steps_setup() {

@@ -524,6 +524,57 @@ def test_elementwise_sweep_cpu_smoke(tmp_path):
     assert set(result["best"]) == {"quantize floor", "dequantize bf16", "decompose stats"}
 
 
+def _grouped_sweep(monkeypatch):
+    """The grouped sweep module, its environment changes undone after the test."""
+    sys.path.insert(0, os.path.join(BENCH, "sweeps"))
+    import grouped_sweep
+    from portable_mx import registry
+
+    if registry.get("triton-interpret").unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter does not serve this process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    return grouped_sweep
+
+
+def test_grouped_sweep_cpu_smoke(tmp_path, monkeypatch):
+    """--cpu-smoke: per problem and projection the default and the forced tiles, each
+    checked against the reference backend and timed; the forced config is the one the
+    kernel launched (its plan), and the backend's own grouped_config is back afterwards."""
+    sweep = _grouped_sweep(monkeypatch)
+    from portable_mx import registry
+
+    backend = registry.get("triton-interpret")
+    launched = []
+    real = backend.grouped_matmul
+
+    def spy(*args, **kwargs):
+        launched.append(backend.grouped_config(None, 1, 1, torch.bfloat16, False).label())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "grouped_matmul", spy)
+    assert sweep.main(["--cpu-smoke", "--problems", "tiny-qwen3:5", "--samples", "1", "--repeats", "1",
+                       "--out", str(tmp_path)]) == 0
+    assert "grouped_config" not in backend.__dict__
+    rows = json.loads((tmp_path / "grouped_sweep.json").read_text())["rows"]
+    assert [(r["proj"], r["block"]) for r in rows] == [(p, b and list(b)) for p in ("up", "down")
+                                                       for b in sweep.candidates(8, True)]
+    assert all(r["rel_err"] <= sweep.CHECK_REL and r["us"] > 0 and "error" not in r for r in rows), rows
+    for b in sweep.SMOKE:  # each forced tile was the config in force when the kernel ran
+        assert any(f"m{b[0]}xn{b[1]}xk{b[2]} " in name and f" w{b[3]} s{b[4]}" in name for name in launched), launched
+
+
+def test_grouped_sweep_records_a_candidate_that_fails_its_check(tmp_path, monkeypatch):
+    """A candidate whose output is not the reference's (here: every one, the limit made
+    negative) is recorded with the error and not timed; the sweep goes on."""
+    sweep = _grouped_sweep(monkeypatch)
+    monkeypatch.setattr(sweep, "CHECK_REL", -1.0)
+    assert sweep.main(["--cpu-smoke", "--problems", "tiny-gpt-oss:1", "--samples", "1", "--repeats", "1",
+                       "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "grouped_sweep.json").read_text())["rows"]
+    assert rows and all("relative error" in r["error"] and "us" not in r for r in rows), rows
+
+
 # ----------------------------------------------------------------------------- moe.py
 
 

@@ -11,9 +11,10 @@ a weight w ``[K, N]`` bf16, the weight quantized once beforehand as a model does
 - **kernel-only**: ``triton.testing.do_bench`` (median; it flushes the L2 before every
   run, and the host's launch overlaps that flush) around the GEMM alone on prequantized
   operands in the backend's rows layout: ``backend.matmul(a, w_rows)``, with ``a`` the
-  bf16 x (W4A16) or ``quantize(x)`` (A4W4; at decode sizes on sm_90 and gfx942 the bf16
-  values of ``quantize(x)``, which that backend multiplies there: ``Backend.left_values``,
-  so the quantize kernel is not in the figure). torch: ``torch.matmul(x, w)``; gemlite: its
+  bf16 x (W4A16) or ``quantize(x)`` (A4W4; on sm_90 and gfx942 where ``Backend.left_values``
+  says so, the bf16 values of ``quantize(x)``, which that backend multiplies there, the
+  quantize kernel not in the figure; at decode sizes, where the upcast kernel quantizes
+  the tokens itself (``token_quant_rule``), x and that one kernel). torch: ``torch.matmul(x, w)``; gemlite: its
   layer's forward (A4W4: gemlite quantizes x inside, as its API does). The host time of
   one call is recorded (``host_us``): where it exceeds the flush, the kernel time
   includes host time and the row says so;
@@ -477,13 +478,17 @@ def measure_shape(
         w_rows = [ops._mx_rows(wi) for wi in w_mx]
         a = ops.left_operand(x, recipe)
         a = a if isinstance(a, torch.Tensor) else ops._mx_rows(a)
+        quant = None  # the tokens quantized by the GEMM kernel itself (upcast targets at decode)
         if variant == "a4w4" and backend.left_values(m, n, recipe, device):  # upcast targets (decode, wide
-            a = backend.quantized_values(x, recipe)[:, :k]  # outputs): the W4A16 GEMM on the tokens' values
+            quant = getattr(backend, "token_quant_rule", lambda *_: None)(x, recipe, w_rows[0])
+            # outputs): the W4A16 GEMM on the tokens' values, or on the tokens it quantizes
+            a = x if quant is not None else backend.quantized_values(x, recipe)[:, :k]
         w64 = pmx.dequantize(w_mx[0], dtype=torch.float64)
         a64 = x.double() if variant == "w4a16" else pmx.dequantize(pmx.quantize(x, recipe), dtype=torch.float64)
         label = f"{shape_name(shape)} {variant}"
         try:
-            checks[variant] = {"kernel": spot_check(backend.matmul(a, w_rows[0]), a64, w64, bf16_output=False),
+            kernel_out = backend.matmul(a, w_rows[0]) if quant is None else backend.matmul(a, w_rows[0], quant=quant)
+            checks[variant] = {"kernel": spot_check(kernel_out, a64, w64, bf16_output=False),
                                "eager": spot_check(pmx.matmul(x, w_mx[0], recipe), a64, w64)}
         except CheckFailed as err:
             raise CheckFailed(f"{label}: {err}") from None
@@ -491,7 +496,10 @@ def measure_shape(
         for part, c in checks[variant].items():
             log(f"check {label + ' ' + part:<31} max rel err {c['max_rel_err']:.2e}  "
                 f"({c['max_err_over_bound']:.2f} of the bound, {c['rows_checked']} rows)  ok")
-        kernel_fns[variant] = _cycling(lambda wi, a=a: backend.matmul(a, wi), w_rows, prime)
+        if quant is None:
+            kernel_fns[variant] = _cycling(lambda wi, a=a: backend.matmul(a, wi), w_rows, prime)
+        else:
+            kernel_fns[variant] = _cycling(lambda wi, a=a, q=quant: backend.matmul(a, wi, quant=q), w_rows, prime)
         eager_fns[variant] = _cycling(lambda wi, r=recipe: pmx.matmul(x, wi, r), w_mx, prime)
         del w64, a64
         if peer is not None:

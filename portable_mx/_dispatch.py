@@ -141,8 +141,8 @@ def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype) ->
         return torch.zeros(m, n, dtype=out_dtype, device=b.device)
     b_rows = right_operand(b, recipe)
     backend = _select("matmul", b_rows.device)
-    if recipe.activations == "mxfp4":
-        return backend.matmul(backend_left_operand(backend, a, recipe, m, n), b_rows, out_dtype)
+    if recipe.activations == "mxfp4" and isinstance(a, _Tensor) and backend.left_values(m, n, recipe, a.device):
+        return backend.matmul_on_values(a, recipe, b_rows, out_dtype)  # (the W4A16 GEMM on a's values)
     return backend.matmul(left_operand(a, recipe), b_rows, out_dtype)
 
 

@@ -83,6 +83,15 @@ class Backend:
         is the exact twin a backend's own one-pass form is held to."""
         return self.dequantize(self.quantize(x, recipe), torch.bfloat16)
 
+    def matmul_on_values(self, a: torch.Tensor, recipe: "QuantRecipe", b: "MXTensor",
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``matmul`` of float tokens a [M, K] quantized with ``recipe`` (one that
+        :meth:`left_values` accepted) by b: the W4A16 GEMM on :meth:`quantized_values`.
+        This default is the exact twin a backend's own form (one launch) is held to."""
+        values = self.quantized_values(a, recipe)
+        k = a.shape[1]
+        return self.matmul(values if values.shape[1] == k else values[:, :k], b, out_dtype)
+
     def left_values(self, m: int, n: int, recipe: "QuantRecipe", device: torch.device) -> bool:
         """Whether ``matmul`` of an M-row float left operand quantized with ``recipe`` by an
         N-column weight runs better as the W4A16 GEMM on :meth:`quantized_values` (the same

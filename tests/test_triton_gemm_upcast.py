@@ -8,6 +8,7 @@ fp32: numerics.md section 5); with one, compiled, and the GPU-only tests hold th
 inline-PTX decode to its pure-Triton twin.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -795,6 +796,106 @@ def test_a4w4_at_decode_through_quantized_values(gemm_kernel, monkeypatch):
     pmx.matmul(x.to(device), pmx.quantize(w.to(device), QR(macro_block=64), axis=0), QR(macro_block=64))
     pmx.matmul(x17.to(device), pmx.quantize(w[:, :48].to(device), axis=0))
     assert calls == []  # macro blocks (values not bf16), and M > 16 with N = 48 < 64: the A4W4 GEMM
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["plain", "hopper"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tokens_quantized_by_the_gemm_equal_the_two_launch_route(gemm_kernel, layout, dtype):
+    """The upcast kernel quantizing its 16-bit tokens itself (``quant``: A4W4 at decode in
+    one launch) equals the W4A16 kernel on the reference's quantized values of the same
+    tokens, bit for bit: every scale rule, ragged K (zero padding), split-K, tokens over
+    ~40 binades with NaN, +-Inf, -0, subnormals and the largest values (NaN blocks,
+    saturation, overflow to inf); and differs from the W4A16 product of the raw tokens
+    (the quantization happened)."""
+    from portable_mx.backends.triton.launch import GemmConfig
+    from portable_mx.backends.triton.numerics import RULE_IDS
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_triton_kernels import sample
+
+    backend, device = gemm_kernel
+    route = _routes()[layout]
+    for i, (m, k, n, split) in enumerate([(1, 64, 64, 1), (3, 100, 64, 2), (16, 256, 128, 3)]):
+        x = sample((m, k), seed=130 + i).to(dtype)
+        b = rows_mx(randn(n, k, seed=140 + i, scale=2.0), QR())
+        config = GemmConfig(16, 64, 64, split_k=split)
+        for rule in ("floor", "rceil", "even", "ceil"):
+            recipe = QR(scale_rule=rule)
+            values = REF.quantized_values(x, recipe)[:, :k].contiguous()
+            want = upcast(gemm_kernel, values, b, config, route)
+            got = upcast(gemm_kernel, x, b, config, route, quant=RULE_IDS[recipe.scale_rule])
+            assert bitwise_equal(got, want), (m, k, rule)
+        finite = randn(m, k, seed=135 + i, scale=3.0).to(dtype)  # (NaN rows are NaN either way)
+        raw = upcast(gemm_kernel, finite, b, config, route)
+        assert not bitwise_equal(upcast(gemm_kernel, finite, b, config, route, quant=0), raw)
+
+
+def test_tokens_quantized_by_the_gemm_refuse_what_they_cannot_be():
+    """Only 16-bit tokens without macro blocks or outliers, with an even K, are quantized
+    by the kernel (the constexprs refuse the rest)."""
+    from portable_mx.backends.triton import gemm_upcast
+    from portable_mx.backends.triton.gemm import Operand
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    config, mx = GemmConfig(16, 64, 64), Operand(None, None, 0)
+    ok = gemm_upcast.constexprs(Operand(torch.bfloat16, None, 0, 1), mx, 64, 64, config, _routes()["plain"], False)
+    assert ok["A_QUANT"] == 1 and ok["DOT"] == "bf16" and ok["SPARSE_M"] == 0
+    assert gemm_upcast.constexprs(Operand(torch.float16, None, 0, 0), mx, 64, 64, config, _routes()["plain"],
+                                  False)["DOT"] == "bf16"  # the values are bf16 numbers
+    for a, k in ((Operand(None, None, 0, 0), 64), (Operand(torch.bfloat16, 64, 0, 0), 64),
+                 (Operand(torch.bfloat16, None, 1, 0), 64), (Operand(torch.bfloat16, None, 0, 0), 63)):
+        with pytest.raises(ValueError, match="quantized in the kernel"):
+            gemm_upcast.constexprs(a, mx, k, 64, config, _routes()["plain"], False)
+
+
+@needs_kernels
+def test_a4w4_at_decode_in_one_launch(gemm_kernel, monkeypatch):
+    """pmx.matmul A4W4 on an upcast route (the backend's device marked as one, as sm_90 and
+    gfx942 are): at M <= 16 with bf16/fp16 tokens and nearest rounding the GEMM kernel
+    quantizes the tokens itself (no quantized_values launch), bit for bit the two-launch
+    route's result (the W4A16 GEMM on the reference's values); stochastic rounding, fp32
+    tokens, an odd K, an odd row stride or M = 17 take the two launches; without the
+    upcast route (the interpreter's own tl.dot_scaled route) nothing is fused."""
+    backend, device = gemm_kernel
+    monkeypatch.setattr(backend, "_devices", {})
+    calls = values_route_spy(backend, device, monkeypatch)
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    w = randn(100, 70, seed=150)
+
+    def run(x, recipe, w=w):
+        calls.clear()
+        w_mx = pmx.quantize(w.to(x.dtype).to(device), recipe, axis=0)
+        out = pmx.matmul(x.to(device), w_mx, recipe)
+        with monkeypatch.context() as ref:
+            ref.setenv(registry.ENV_BACKEND, "reference")
+            values = REF.quantized_values(x.reshape(-1, x.shape[-1]).cpu(), recipe)[:, :x.shape[-1]]
+        want = backend.matmul(values.to(device), w_mx.rows(), out.dtype)
+        assert bitwise_equal(out.reshape(-1, out.shape[-1]), want)
+        return list(calls)
+
+    with monkeypatch.context() as mp:  # the interpreter's own route: tl.dot_scaled, nothing fused
+        backend._device(torch.device(device)).upcasts = True
+        assert run(randn(5, 100, seed=151).to(torch.bfloat16), QR()) == [(5, 100)]
+    monkeypatch.setattr(backend, "gemm_route", lambda target, a, b: _upcast_route())
+    monkeypatch.setattr(backend, "_devices", {})
+    backend._device(torch.device(device)).upcasts = True
+    for dtype in (torch.bfloat16, torch.float16):
+        for recipe in (QR(), QR(scale_rule="rceil"), QR(scale_rule="even")):
+            assert run(randn(1, 5, 100, seed=152, scale=3.0).to(dtype), recipe) == []
+    assert run(randn(16, 100, seed=153).to(torch.bfloat16), QR()) == []
+    assert run(randn(5, 100, seed=154).to(torch.bfloat16), QR(rounding="stochastic", seed=3)) == [(5, 100)]
+    assert run(randn(5, 100, seed=155), QR()) == [(5, 100)]  # fp32 tokens
+    assert run(randn(5, 99, seed=156).to(torch.bfloat16), QR(), w=randn(99, 70, seed=157)) == [(5, 99)]
+    odd = randn(5, 101, seed=158).to(torch.bfloat16)[:, :100]  # row stride 101
+    assert run(odd, QR()) == [(5, 100)]
+    assert run(randn(17, 100, seed=159).to(torch.bfloat16), QR()) == [(17, 100)]  # N = 70 >= 64: wide
+
+
+def _upcast_route():
+    from portable_mx.backends.triton.backend import GemmRoute
+
+    return GemmRoute("upcast", upcast=_routes()["hopper"])
 
 
 @needs_kernels

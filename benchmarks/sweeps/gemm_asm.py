@@ -10,8 +10,9 @@ loads (``cp.async.cg.shared.global`` 16-byte copies, ``ld.shared.v4``), whether 
 serialized the wgmma chain (its C7515 note), and the SASS of the K loop (the folded
 decode's, where the kernel carries both) per 8
 weight values (all instructions; HMUL2; integer ops: LOP3, SHF, IMAD.SHL, PRMT, ISETP,
-SEL). CONFIG (optional) is ``kind:M:bm,bn,bk,warps,stages,split`` (kind w4a16 or a4w4) for
-extra launches; by default the backend's defaults at M = 1, 128 and 4096.
+SEL). CONFIG (optional) is ``kind:M:bm,bn,bk,warps,stages,split`` (kind w4a16, a4w4 or
+a4w4-tokens: bf16 tokens the kernel quantizes) for extra launches; by default the
+backend's defaults at M = 1, 128 and 4096 (a4w4-tokens: M = 1).
 """
 
 from __future__ import annotations
@@ -113,10 +114,11 @@ def main(argv=None) -> int:
     from portable_mx.backends.triton.launch import GemmConfig
 
     target, cuda = TARGETS["sm_90"], registry.get("cuda")
-    ops = {"w4a16": Operand(torch.bfloat16, None, 0), "a4w4": Operand(None, None, 0)}
+    ops = {"w4a16": Operand(torch.bfloat16, None, 0), "a4w4": Operand(None, None, 0),
+           "a4w4-tokens": Operand(torch.bfloat16, None, 0, 0)}  # bf16 tokens the kernel quantizes (decode)
     launches = []
     for kind, a in ops.items():
-        for m in (1, 128, 4096):
+        for m in (1, 128, 4096) if a.quant is None else (1,):
             config = cuda.default_gemm_config(target, m, a.format, False)
             launches.append(cuda.gemm_launch_spec(target, a, Operand(None, None, 0), config, m=m,
                                                   out_dtype=torch.bfloat16))

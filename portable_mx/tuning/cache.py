@@ -86,7 +86,8 @@ SHIPPED_DIR = Path(__file__).with_name("configs")
 KERNEL_ENTRY_POINTS = ("gemm.py", "gemm_upcast.py")
 """The modules of ``backends/triton`` that define the GEMM kernels a config is tuned for
 (``tl.dot_scaled`` and the upcast kernel)."""
-KERNEL_SOURCES = ("gemm.py", "gemm_upcast.py", "layouts.py", "launch.py", "splitk.py", "upcast.py")
+KERNEL_SOURCES = ("encode.py", "gemm.py", "gemm_upcast.py", "layouts.py", "launch.py", "numerics.py", "quantize.py",
+                  "splitk.py", "upcast.py")
 """Those modules and every module of ``backends/triton`` they import (the tests check the
 list against the imports): a change to any of them is a new kernel hash."""
 

@@ -85,6 +85,9 @@ class GemmRoute:
     upcast: Any = None
 
 
+_WORD_DTYPES = (torch.bfloat16, torch.float16)
+"""Token dtypes the upcast kernel quantizes itself (read as words of two elements)."""
+
 STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Output dtypes the GEMM kernel stores itself (any other is stored fp32, then cast)."""
 _MAX_PLANS = 4096  # per device and op: past it the plans are dropped and rebuilt on demand
@@ -98,7 +101,7 @@ class _Device:
     shapes)."""
 
     __slots__ = ("device", "target", "layout", "cast_output", "running", "quantize_plans", "quantize_by_value",
-                 "dequantize_plans", "gemm_plans", "grouped_plans", "cache_generation", "upcasts")
+                 "dequantize_plans", "gemm_plans", "grouped_plans", "cache_generation", "upcasts", "token_quant")
 
     def __init__(self, backend: "TritonBackend", device: torch.device) -> None:
         self.device = device
@@ -114,6 +117,7 @@ class _Device:
         self.grouped_plans: dict[tuple, Any] = {}  # grouped_gemm.GroupedPlan and combine launches
         self.cache_generation = config_cache.generation()
         self.upcasts = None  # whether the A4W4 GEMM decodes its operands (TritonBackend.left_values)
+        self.token_quant = None  # whether the W4A16 GEMM runs the upcast kernel (TritonBackend.matmul_on_values)
 
 
 class _QuantizePlan:
@@ -458,6 +462,36 @@ class TritonBackend(Backend):
         self._launch(st, plan.launch, (words, o, o, o, o, o, *plan.ints))
         return out
 
+    def matmul_on_values(self, a: torch.Tensor, recipe: QuantRecipe, b: MXTensor,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """:meth:`Backend.matmul_on_values`; at decode sizes (M <= SMALL_M) with nearest
+        rounding and bf16/fp16 tokens readable as words, in one launch: the upcast kernel
+        quantizes the tokens itself (``gemm.Operand.quant``; the quantize kernel's values
+        bit for bit, so the same products and the same accumulation: the two-launch form's
+        bits), which halves the host's work of an eager A4W4 call at decode. Elsewhere the
+        two launches of the default."""
+        rule = self.token_quant_rule(a, recipe, b)
+        if rule is not None:
+            return self.matmul(a, b, out_dtype, rule)
+        return super().matmul_on_values(a, recipe, b, out_dtype)
+
+    def token_quant_rule(self, a: torch.Tensor, recipe: QuantRecipe, b: MXTensor) -> Optional[int]:
+        """The scale rule's id with which :meth:`matmul_on_values` has the GEMM kernel
+        quantize the tokens a [M, K] itself, or None where it launches the quantize kernel
+        first: M <= SMALL_M, nearest rounding, bf16/fp16 tokens readable as words (unit
+        stride, K, the row stride and the offset even), the W4A16 GEMM on the upcast
+        kernel for this weight (benchmarks time what the dispatch launches with it)."""
+        if not (a.shape[0] <= self.SMALL_M and recipe.rounding == "nearest" and a.dtype in _WORD_DTYPES
+                and a.stride(-1) == 1 and a.shape[1] % 2 == 0 and a.stride()[0] % 2 == 0
+                and a.storage_offset() % 2 == 0 and (b.outlier_values is None or not self.scaled_outliers)):
+            return None
+        st = self._devices.get(a.device) or self._device(a.device)
+        if st.token_quant is None:
+            gemm = _module(".gemm")
+            st.token_quant = self.gemm_route(st.target, gemm.Operand(torch.bfloat16, None, 0, 0),
+                                             gemm.Operand(None, None, 0)).kernel == "upcast"
+        return _module(".numerics").RULE_IDS[recipe.scale_rule] if st.token_quant else None
+
     def left_values(self, m: int, n: int, recipe: QuantRecipe, device: torch.device) -> bool:
         """:meth:`Backend.left_values`: on targets whose A4W4 GEMM decodes its operands in
         registers (the upcast route: sm_90, gfx942), for recipes without macro blocks or
@@ -584,10 +618,13 @@ class TritonBackend(Backend):
             return decompose(_rows_contiguous(x), recipe, definition, full, config, self.options(config),
                              warp_size=target.warp_size if target is not None else 32)
 
-    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32,
+               quant: Optional[int] = None) -> torch.Tensor:
         """a: MXTensor (M, K) axis 1 or bf16/fp16 [M, K]; b: MXTensor (N, K) axis 1 ->
         [M, N] in ``out_dtype``, stored by the kernel (fp32, bf16, fp16; not on the
-        interpreter) or stored fp32 and cast."""
+        interpreter) or stored fp32 and cast. ``quant`` (a scale rule's id; the upcast
+        route, 16-bit a readable as words): a quantized by the kernel, nearest rounding
+        (:meth:`matmul_on_values`)."""
         dev = b.qdata.device
         st = self._devices.get(dev) or self._device(dev)
         if st.cache_generation != config_cache.generation():  # the tuned configs changed
@@ -600,7 +637,7 @@ class TritonBackend(Backend):
             m, stride_am = a.shape[0], a.stride()[0]  # (stride(0) costs twice as much)
             s = w.parts[1]
             a_parts = (a, s, s, s, s)
-            a_key = (a.dtype, stride_am, a.data_ptr() % 16 == 0)
+            a_key = (a.dtype, stride_am, a.data_ptr() % 16 == 0, quant)
         else:
             op = _Operand(a)
             m, stride_am = a.qdata.shape[0], a.k_padded // 2
@@ -673,12 +710,16 @@ class TritonBackend(Backend):
         from . import gemm, gemm_upcast, splitk
         from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES
 
-        oa = gemm.Operand(a.dtype, None, 0) if isinstance(a, torch.Tensor) else gemm.Operand(*_Operand(a).kind)
+        oa = (gemm.Operand(a.dtype, None, 0, key[0][3]) if isinstance(a, torch.Tensor)
+              else gemm.Operand(*_Operand(a).kind))
         ob = gemm.Operand(*w.kind)
         _, k, kp, n, _ = w.key
         config = self._gemm_config(st.device, st.target, oa, ob, m, n, kp)
         config = self.resolve_split_k(config, m, n, kp, self.sm_count(st.device, st.target))
         route = self.gemm_route(st.target, oa, ob)
+        if oa.quant is not None and route.kernel != "upcast":  # only the upcast kernel quantizes its tokens
+            raise RuntimeError(f"{self.name}: tokens quantized in the GEMM need the upcast route; "
+                               f"{st.target} runs {route.kernel} for {oa} x {ob}")
         nma = -(-kp // oa.macro_block) if oa.macro_block else 1
         nmb = -(-kp // ob.macro_block) if ob.macro_block else 1
         macros = (oa.macro_block or 32, ob.macro_block or 32)
@@ -818,6 +859,17 @@ class TritonBackend(Backend):
                 if launch.label not in seen:
                     seen.add(launch.label)
                     out.append(launch)
+        if self._a4w4_upcasts(target):  # A4W4 at decode in one launch: the kernel quantizes the tokens
+            from .gemm import Operand
+
+            for a, store in ((Operand(torch.bfloat16, None, 0, 0), torch.bfloat16),
+                             (Operand(torch.float16, None, 0, 1), torch.float16)):
+                for m in (1, self.SMALL_M):
+                    config = self.default_gemm_config(target, m, a.format, False)
+                    launch = self.gemm_launch_spec(target, a, Operand(None, None, 0), config, m=m, out_dtype=store)
+                    if launch.label not in seen:
+                        seen.add(launch.label)
+                        out.append(launch)
         from .layouts import swizzle_launch_specs
         from .routing import launch_specs as route_launch_specs
 

@@ -244,11 +244,14 @@ def gemm_kernel(
 @dataclass(frozen=True)
 class Operand:
     """What the kernel needs to know of one operand: its format (None for MXFP4), macro
-    block length (None without MBS) and outliers per block."""
+    block length (None without MBS) and outliers per block; ``quant``: for 16-bit tokens
+    the upcast kernel quantizes itself (A4W4 at decode in one launch), the scale rule's
+    id (numerics.RULE_IDS; nearest rounding, no macro blocks or outliers), else None."""
 
     format: Optional[torch.dtype]
     macro_block: Optional[int]
     outliers: int
+    quant: Optional[int] = None
 
     @property
     def heavy(self) -> bool:

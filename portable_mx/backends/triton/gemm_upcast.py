@@ -31,6 +31,7 @@ In the interpreter (``DOT == "fp32"``) both operands are fp32 and the dot is IEE
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -44,6 +45,7 @@ from . import splitk
 from .gemm import FORMATS, Operand, _parts, macro_factors, outlier_tile
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, largest_scale, prepared
+from .quantize import value_words
 from .upcast import decode_words, e8m0_scale, folded_scale, folded_scales_of_words, hopper_asm, hopper_twin
 
 
@@ -162,11 +164,28 @@ def _weight_tile(w_ptr, ws_ptr, rn, pid_n, k0, N, KP, NB, stride_wv, stride_ws,
 
 @triton.jit
 def _token_tile(x_ptr, xs_ptr, rm, k0, M, K, KP, NB, stride_xm,
-                X_FORMAT: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A^T's tile [BLOCK_K, BLOCK_M] (tokens rm, K from k0) in the dot's dtype."""
+                X_FORMAT: tl.constexpr, X_QUANT: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                SCALE_WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A^T's tile [BLOCK_K, BLOCK_M] (tokens rm, K from k0) in the dot's dtype. X_QUANT >= 0
+    (16-bit tokens, a scale rule's id): the tokens' quantized values, made here from their
+    words (quantize.value_words: the quantize kernel's VALUES output bit for bit) instead
+    of read from a tensor another launch wrote; the row stride and K are even."""
     DT: tl.constexpr = tl.bfloat16 if DOT == "bf16" else (tl.float16 if DOT == "fp16" else tl.float32)
-    if X_FORMAT == "e2m1":
+    if X_QUANT >= 0:
+        kw = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        xp = x_ptr.to(tl.pointer_type(tl.int32)) + rm[:, None] * (stride_xm // 2) + kw[None, :]
+        if EVEN_K:
+            words = tl.load(xp, mask=rm[:, None] < M, other=0)
+        else:  # past K: zeros, as the quantize kernel pads the last block
+            words = tl.load(xp, mask=(rm[:, None] < M) & (kw[None, :] < K // 2), other=0)
+        words = value_words(tl.reshape(words, (BLOCK_M, BLOCK_K // 32, 16)), 0 if X_FORMAT == "bf16" else 1,
+                            X_QUANT)
+        words = tl.reshape(words, (BLOCK_M, BLOCK_K // 2))
+        halves = tl.join((words & 0xFFFF).to(tl.int16), (words >> 16).to(tl.int16))
+        xt = tl.trans(tl.reshape(halves, (BLOCK_M, BLOCK_K)).to(tl.bfloat16, bitcast=True))
+        if DOT == "fp32":
+            xt = xt.to(tl.float32)
+    elif X_FORMAT == "e2m1":
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         m_in = rm[:, None] < M
         xp = x_ptr.to(tl.pointer_type(tl.int32)) + rm[:, None] * (stride_xm // 4) + kw[None, :]
@@ -219,7 +238,8 @@ def upcast_k_loop(
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, BIAS: tl.constexpr,
-    SPARSE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPARSE_M: tl.constexpr, A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] fp32 (the tokens on the MMA's N) = the sum over K tiles
     first..last-1 of B's decoded rows rn times A's rows rm (N, M: their row counts), the
@@ -231,7 +251,8 @@ def upcast_k_loop(
     of two (upcast.folded_scale; every scale byte of B must be at most 128). The kernels
     pick BIAS on the device from B's largest scale byte outside the loop, compiling it
     twice, and finish the tile inside each branch (an accumulator merged from the two
-    loops makes ptxas serialize the wgmmas: C7515)."""
+    loops makes ptxas serialize the wgmmas: C7515). A_QUANT >= 0: A's 16-bit tokens
+    quantized in the K loop (:func:`_token_tile`)."""
     # outliers fold into their own operand's decoded tile unless that operand has macro
     # factors (the outliers do not take them) or it would mean bf16 -> fp16
     FOLD_A: tl.constexpr = A_OUT > 0 and not A_MACRO
@@ -248,8 +269,8 @@ def upcast_k_loop(
         k0 = t * BLOCK_K
         w = _weight_tile(b_ptr, bs_ptr, rn, pid_n, k0, N, KP, NB, stride_bv, stride_bs,
                          VALUES, ASM, DOT, EVEN_K, SCALE_WORDS, BIAS, BLOCK_N, BLOCK_K)
-        xt = _token_tile(a_ptr, as_ptr, rm, k0, M, K, KP, NB, stride_am, A_FORMAT, DOT, EVEN_K, SCALE_WORDS,
-                         BLOCK_M, BLOCK_K)
+        xt = _token_tile(a_ptr, as_ptr, rm, k0, M, K, KP, NB, stride_am, A_FORMAT, A_QUANT, DOT, EVEN_K,
+                         SCALE_WORDS, BLOCK_M, BLOCK_K)
         if SPARSE_B:
             corr_b += _outlier_products(bov_ptr, boi_ptr, a_ptr, rn, N, M, K, k0, NB, stride_am, B_OUT,
                                         BLOCK_N, SPARSE_M, BLOCK_K)
@@ -302,8 +323,8 @@ def upcast_gemm_kernel(
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, FOLD: tl.constexpr,
-    SPARSE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPARSE_M: tl.constexpr, A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
 
@@ -316,7 +337,10 @@ def upcast_gemm_kernel(
     outliers int16 (bf16 bits) and uint8 indices [rows, KP/32, k] (gemm.py). With
     SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero) are splitk.buffers.
     EVEN_K: K is a multiple of BLOCK_K. DOT: "bf16", "fp16" or "fp32" (IEEE). SCALE_WORDS:
-    plain scales read as 32-bit words (KP and BLOCK_K multiples of 128)."""
+    plain scales read as 32-bit words (KP and BLOCK_K multiples of 128). A_QUANT >= 0 (a
+    scale rule's id): A is bf16/fp16 tokens the kernel quantizes to MXFP4 values in the K
+    loop (nearest rounding; the values the quantize kernel writes for A4W4 on this
+    route), for A4W4 at decode in one launch."""
     pid_m, pid_n, pid_k, grid_n = splitk.program_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -330,7 +354,7 @@ def upcast_gemm_kernel(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
             MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-            False, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
+            False, SPARSE_M, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
         _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
                 stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
     else:
@@ -338,7 +362,7 @@ def upcast_gemm_kernel(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
             MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-            True, SPARSE_M, BLOCK_M, BLOCK_N, BLOCK_K)
+            True, SPARSE_M, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
         _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
                 stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
 
@@ -464,10 +488,11 @@ def values_for(route: UpcastRoute, config: GemmConfig, block_k: int) -> ValueLay
 
 
 def dot_format(a: Operand, interpreted: bool) -> str:
-    """The dtype of the dot: fp32 in the interpreter, fp16 beside an fp16 operand, else bf16."""
+    """The dtype of the dot: fp32 in the interpreter, fp16 beside an fp16 operand, else bf16
+    (tokens the kernel quantizes are bf16 values, whatever their input dtype)."""
     if interpreted:
         return "fp32"
-    return "fp16" if a.format == torch.float16 else "bf16"
+    return "fp16" if a.format == torch.float16 and a.quant is None else "bf16"
 
 
 def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, route: UpcastRoute,
@@ -476,6 +501,9 @@ def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, rout
     ``m`` rows of ``a`` where known); ``dot`` overrides :func:`dot_format` (tests)."""
     if a.format not in FORMATS:
         raise TypeError(f"the GEMM's left operand must be MXFP4, bf16 or fp16; got {a.format}")
+    if a.quant is not None and (a.format is None or a.macro_block or a.outliers or k % 2):
+        raise ValueError(f"tokens quantized in the kernel are 16-bit, without macro blocks or outliers, with an "
+                         f"even K; got {a} and K={k}")
     block_k, epilogue = block_k_of(a, b, kp, config)
     values = values_for(route, config, block_k)
     dot = dot or dot_format(a, interpreted)
@@ -484,7 +512,7 @@ def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, rout
         "A_OUT": a.outliers, "B_OUT": b.outliers, "EVEN_K": k % block_k == 0, "EPILOGUE": epilogue,
         "VALUES": values.layout_id, "ASM": bool(route.asm and dot == "bf16"), "DOT": dot,
         "SCALE_WORDS": kp % 128 == 0 and block_k % 128 == 0, "FOLD": route.fold and folds(values, dot, config.block_m),
-        "SPARSE_M": sparse_rows(a, b, m) if route.sparse else 0,
+        "SPARSE_M": sparse_rows(a, b, m) if route.sparse else 0, "A_QUANT": -1 if a.quant is None else a.quant,
         "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "GROUP_M": config.group_m,
         "SPLIT_K": max(1, config.split_k),
     }
@@ -499,8 +527,8 @@ dense expansion's)."""
 def sparse_rows(a: Operand, b: Operand, m: Optional[int]) -> int:
     """SPARSE_M: for W4A16 with a weight with outliers and M <= SPARSE_MAX_M tokens, M
     rounded up to a power of two; else 0."""
-    if m is None or not b.outliers or a.format is None or not 0 < m <= SPARSE_MAX_M:
-        return 0
+    if m is None or not b.outliers or a.format is None or a.quant is not None or not 0 < m <= SPARSE_MAX_M:
+        return 0  # (the sparse correction reads the tokens as they are in memory: not quantized ones)
     return 1 << (m - 1).bit_length()
 
 
@@ -533,7 +561,8 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route
         **{name: "i32" for name in _INT_ARGS},
     }
     signature.update({name: "constexpr" for name in consts})
-    kind = "A4W4" if a.format is None else f"W4A16-{FORMATS[a.format]}"
+    kind = ("A4W4" if a.format is None else f"W4A16-{FORMATS[a.format]}" if a.quant is None
+            else f"A4W4-{FORMATS[a.format]}-tokens")
     extras = [f"MBS-{m}" for m in sorted({a.macro_block, b.macro_block} - {None})]
     extras += [f"{side}OF-{n}" for side, n in (("a:", a.outliers), ("b:", b.outliers)) if n]
     values = PLAIN_VALUES if consts["VALUES"] == 0 else HOPPER_VALUES
@@ -582,12 +611,14 @@ def decode_tiles(b: MXTensor, block_n: int, block_k: int, route: UpcastRoute = P
 
 def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, route: UpcastRoute = PLAIN_ROUTE,
                 out_dtype: torch.dtype = torch.float32, interpreted: bool = False, out: Optional[torch.Tensor] = None,
-                dot: Optional[str] = None):
+                dot: Optional[str] = None, quant: Optional[int] = None):
     """(kernel, grid, arguments, constexprs, output) of the launch :func:`matmul` makes:
     ``kernel[grid](*arguments, **constexprs, **options)`` computes it (or
     ``kernel.warmup(*arguments, grid=grid, **constexprs, **options)`` compiles it)."""
     n, kp, k = b.qdata.shape[0], b.k_padded, b.k
     oa, ob = Operand.of(a), Operand.of(b)
+    if quant is not None:
+        oa = dataclasses.replace(oa, quant=quant)
     if isinstance(a, MXTensor):
         if a.k_padded != kp:
             raise ValueError(f"a and b have different padded K: {a.k_padded} and {kp}")
@@ -621,13 +652,16 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
 
 def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
            route: UpcastRoute = PLAIN_ROUTE, out_dtype: torch.dtype = torch.float32,
-           interpreted: bool = False, out: Optional[torch.Tensor] = None, dot: Optional[str] = None) -> torch.Tensor:
+           interpreted: bool = False, out: Optional[torch.Tensor] = None, dot: Optional[str] = None,
+           quant: Optional[int] = None) -> torch.Tensor:
     """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
     [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's codes and
     scales are read in the route's layout, swizzled once per weight
     (:func:`layouts.prepared`). ``interpreted``: the Triton interpreter runs the kernel
     (fp32 IEEE dot). ``out``: an [M, N] tensor of ``out_dtype`` to write (row stride free,
-    unit column stride). ``dot``: the dot's dtype instead of :func:`dot_format`'s (tests)."""
-    kernel, grid, args, consts, c = launch_args(a, b, config, route, out_dtype, interpreted, out, dot)
+    unit column stride). ``dot``: the dot's dtype instead of :func:`dot_format`'s (tests).
+    ``quant``: a 16-bit a is quantized by the kernel with this scale rule's id (nearest
+    rounding): the product of its MXFP4 values."""
+    kernel, grid, args, consts, c = launch_args(a, b, config, route, out_dtype, interpreted, out, dot, quant)
     kernel[grid](*args, **consts, **options)
     return c

@@ -197,7 +197,7 @@ def grouped_upcast_kernel(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
             MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-            False, 0, BLOCK_M, BLOCK_N, BLOCK_K)
+            False, 0, -1, BLOCK_M, BLOCK_N, BLOCK_K)
         _finish_upcast(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, expert, rows, valid, rm, rn,
                        cols, wrow, slot, pid_n, pid_k, grid_n, XR, N, NT, NMA, NMB, stride_cm, A_MACRO, B_MACRO,
                        EPILOGUE, BIAS, ACT, BLOCK_M, BLOCK_N, SPLIT_K)
@@ -206,7 +206,7 @@ def grouped_upcast_kernel(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, XR, NT, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
             MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
-            True, 0, BLOCK_M, BLOCK_N, BLOCK_K)
+            True, 0, -1, BLOCK_M, BLOCK_N, BLOCK_K)
         _finish_upcast(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, expert, rows, valid, rm, rn,
                        cols, wrow, slot, pid_n, pid_k, grid_n, XR, N, NT, NMA, NMB, stride_cm, A_MACRO, B_MACRO,
                        EPILOGUE, BIAS, ACT, BLOCK_M, BLOCK_N, SPLIT_K)
@@ -304,6 +304,8 @@ def upcast_kernel_constexprs(a: Operand, b: Operand, k: int, kp: int, config: Ge
 
         consts = upcast_constexprs(a, b, k, kp, config, UpcastRoute(PLAIN_VALUES, route.asm), interpreted, dot)
     consts.pop("SPARSE_M")  # the tokens of a tile are gathered rows: the dense outlier tile
+    if consts.pop("A_QUANT") != -1:  # (the grouped kernel reads its tokens' values from a values pass)
+        raise ValueError(f"the grouped GEMM does not quantize its tokens in the kernel; got {a}")
     return {**consts, **epi.constexprs()}
 
 

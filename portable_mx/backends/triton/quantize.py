@@ -162,10 +162,7 @@ def _store_values(q_ptr, rows, col0, c, R, wcol, smask, code_lo, code_hi, e, spe
     bf16 value, subnormals included; it overflows to inf where the reference's fp32
     dequantization does), NaN in special blocks; with WHOLE a block's 16 words stored by
     the thread that holds it (encode.store_block_words), else as a [BR, BW] tile."""
-    f = exp2i(e)[:, :, None]
-    lo = (decode_bits(code_lo, f) >> 16) & 0xFFFF
-    hi = decode_bits(code_hi, f) >> 16
-    word = tl.where(special[:, :, None], 0x7FC07FC0, lo | (hi << 16))
+    word = values_word(code_lo, code_hi, e, special)
     if WHOLE:
         store_block_words(q_ptr, word, rows, col0, c, R, KW, KW, BLOCK_R, NBK, SPAN, EVEN)
     else:
@@ -174,6 +171,36 @@ def _store_values(q_ptr, rows, col0, c, R, wcol, smask, code_lo, code_hi, e, spe
             tl.store(q_ptr + rows[:, None] * KW + wcol, word)
         else:
             tl.store(q_ptr + rows[:, None] * KW + wcol, word, mask=smask)
+
+
+@triton.jit
+def values_word(code_lo, code_hi, e, special):
+    """The bf16 bits of code * 2**e of the even (low half) and odd (high half) codes
+    [BR, NBK, 16] of blocks with exponents e [BR, NBK], two a word: the fp32 product is
+    exact with at most two significant bits, so its top half is the bf16 value
+    (subnormals included; inf where the reference's fp32 dequantization overflows);
+    NaN in special blocks."""
+    f = exp2i(e)[:, :, None]
+    lo = (decode_bits(code_lo, f) >> 16) & 0xFFFF
+    hi = decode_bits(code_hi, f) >> 16
+    return tl.where(special[:, :, None], 0x7FC07FC0, lo | (hi << 16))
+
+
+@triton.jit
+def value_words(w, IN_KIND: tl.constexpr, RULE: tl.constexpr):
+    """Words [BR, NBK, 16] of a tile's 32-blocks (two 16-bit elements each: IN_KIND 0
+    bf16, 1 fp16) -> the words of their quantized values (:func:`values_word`), for a
+    recipe with nearest rounding and neither macro blocks nor outliers: the chain of
+    ``quantize_kernel`` (the same functions in the same order), whose VALUES output it
+    equals bit for bit. The upcast GEMM quantizes its token tile with it (A4W4 at decode
+    in one launch)."""
+    lo, hi = unpack_words(w, IN_KIND)
+    rlo, rhi, amax, special, _, _, _, _ = split_blocks(lo, hi, IN_KIND, 0)
+    e = block_exponent(amax, amax, RULE, False)
+    inv = inverse_scale(e)
+    code_lo, _ = encode_half(rlo, inv, rlo, False)
+    code_hi, _ = encode_half(rhi, inv, rhi, False)
+    return values_word(code_lo, code_hi, e, special)
 
 
 def values_mode(plan: "Plan", config: TileConfig, warp_size: int) -> int:

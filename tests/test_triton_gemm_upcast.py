@@ -850,6 +850,26 @@ def test_tokens_quantized_by_the_gemm_refuse_what_they_cannot_be():
 
 
 @needs_kernels
+def test_backend_matmul_refuses_tokens_it_cannot_quantize(gemm_kernel, monkeypatch):
+    """backend.matmul(quant=...) refuses tokens it cannot read as words (an odd row
+    stride, fp32) with a clear error, and a route whose kernel does not quantize tokens
+    (the interpreter's own tl.dot_scaled route) instead of multiplying them unquantized."""
+    from portable_mx.backends.triton.gemm import Operand
+
+    backend, device = gemm_kernel
+    monkeypatch.setattr(backend, "_devices", {})
+    w = pmx.quantize(randn(70, 100, seed=160).to(device), axis=-1).rows()
+    with pytest.raises(ValueError, match="readable as words"):
+        backend.matmul(randn(5, 101, seed=161).to(torch.bfloat16)[:, :100].to(device), w, torch.float32, 0)
+    with pytest.raises(ValueError, match="readable as words"):
+        backend.matmul(randn(5, 100, seed=162).to(device), w, torch.float32, 0)
+    target = backend._device(torch.device(device)).target
+    if backend.gemm_route(target, Operand(torch.bfloat16, None, 0, 0), Operand(None, None, 0)).kernel != "upcast":
+        with pytest.raises(RuntimeError, match="upcast route"):
+            backend.matmul(randn(5, 100, seed=163).to(torch.bfloat16).to(device), w, torch.float32, 0)
+
+
+@needs_kernels
 def test_a4w4_at_decode_in_one_launch(gemm_kernel, monkeypatch):
     """pmx.matmul A4W4 on an upcast route (the backend's device marked as one, as sm_90 and
     gfx942 are): at M <= 16 with bf16/fp16 tokens and nearest rounding the GEMM kernel

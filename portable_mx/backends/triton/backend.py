@@ -637,6 +637,10 @@ class TritonBackend(Backend):
             m, stride_am = a.shape[0], a.stride()[0]  # (stride(0) costs twice as much)
             s = w.parts[1]
             a_parts = (a, s, s, s, s)
+            if quant is not None and (stride_am % 2 or a.storage_offset() % 2 or a.shape[1] % 2
+                                      or a.dtype not in _WORD_DTYPES):
+                raise ValueError(f"matmul(quant=...): 16-bit tokens readable as words (K, row stride and offset "
+                                 f"even); got {a.dtype} {tuple(a.shape)} stride {a.stride()}")
             a_key = (a.dtype, stride_am, a.data_ptr() % 16 == 0, quant)
         else:
             op = _Operand(a)

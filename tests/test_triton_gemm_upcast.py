@@ -852,7 +852,7 @@ def test_tokens_quantized_by_the_gemm_refuse_what_they_cannot_be():
 @needs_kernels
 def test_backend_matmul_refuses_tokens_it_cannot_quantize(gemm_kernel, monkeypatch):
     """backend.matmul(quant=...) refuses tokens it cannot read as words (an odd row
-    stride, fp32) with a clear error, and a route whose kernel does not quantize tokens
+    stride or offset, fp32) with a clear error, and a route whose kernel does not quantize tokens
     (the interpreter's own tl.dot_scaled route) instead of multiplying them unquantized."""
     from portable_mx.backends.triton.gemm import Operand
 
@@ -864,7 +864,13 @@ def test_backend_matmul_refuses_tokens_it_cannot_quantize(gemm_kernel, monkeypat
     with pytest.raises(ValueError, match="readable as words"):
         backend.matmul(randn(5, 100, seed=162).to(device), w, torch.float32, 0)
     target = backend._device(torch.device(device)).target
-    if backend.gemm_route(target, Operand(torch.bfloat16, None, 0, 0), Operand(None, None, 0)).kernel != "upcast":
+    upcast = backend.gemm_route(target, Operand(torch.bfloat16, None, 0, 0), Operand(None, None, 0)).kernel == "upcast"
+    if upcast:  # a plan for tokens at an even offset first: an odd one (the same stride) is refused all the same
+        backend.matmul(randn(5, 100, seed=164).to(torch.bfloat16).to(device), w, torch.float32, 0)
+    odd_offset = torch.zeros(501, dtype=torch.bfloat16, device=device)[1:].view(5, 100)
+    with pytest.raises(ValueError, match="readable as words"):
+        backend.matmul(odd_offset, w, torch.float32, 0)
+    if not upcast:
         with pytest.raises(RuntimeError, match="upcast route"):
             backend.matmul(randn(5, 100, seed=163).to(torch.bfloat16).to(device), w, torch.float32, 0)
 

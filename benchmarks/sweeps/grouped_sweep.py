@@ -111,7 +111,7 @@ def label(block: Optional[tuple], config: Any = None) -> str:
 
 
 def projections(model: Any, w: dict[str, Any], x: Any, routings: list, recipe: Any) -> dict[str, tuple]:
-    """Per projection: a call on routing i, and its input's and weight's names."""
+    """Per projection: (a call on routing i, what makes its input first or None)."""
     import portable_mx as pmx
 
     hidden = {}
@@ -130,7 +130,7 @@ def projections(model: Any, w: dict[str, Any], x: Any, routings: list, recipe: A
         for i in range(len(routings)):
             hidden[i] = up(i)
 
-    return {"up": (up, None, "w1_mx"), "down": (down, prepare_down, "w2_mx")}
+    return {"up": (up, None), "down": (down, prepare_down)}
 
 
 class Forced:
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mean = -(-rows // model.experts)
         target = backend._device(device).target if hasattr(backend, "_device") else None
         default = backend.grouped_config(target, rows, model.experts, torch.bfloat16, False)
-        for proj, (call, prepare, _) in projections(model, w, x, routings, recipe).items():
+        for proj, (call, prepare) in projections(model, w, x, routings, recipe).items():
             if prepare is not None:
                 prepare()
             saved = os.environ.get(registry.ENV_BACKEND)

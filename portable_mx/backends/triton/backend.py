@@ -637,11 +637,10 @@ class TritonBackend(Backend):
             m, stride_am = a.shape[0], a.stride()[0]  # (stride(0) costs twice as much)
             s = w.parts[1]
             a_parts = (a, s, s, s, s)
-            if quant is not None and (stride_am % 2 or a.storage_offset() % 2 or a.shape[1] % 2
-                                      or a.dtype not in _WORD_DTYPES):
-                raise ValueError(f"matmul(quant=...): 16-bit tokens readable as words (K, row stride and offset "
-                                 f"even); got {a.dtype} {tuple(a.shape)} stride {a.stride()}")
-            a_key = (a.dtype, stride_am, a.data_ptr() % 16 == 0, quant)
+            # tokens the kernel quantizes: their offset's parity in the key too (the plan checks
+            # once that they can be read as words)
+            a_key = ((a.dtype, stride_am, a.data_ptr() % 16 == 0, quant) if quant is None
+                     else (a.dtype, stride_am, a.data_ptr() % 16 == 0, quant, a.storage_offset() & 1))
         else:
             op = _Operand(a)
             m, stride_am = a.qdata.shape[0], a.k_padded // 2
@@ -718,6 +717,9 @@ class TritonBackend(Backend):
               else gemm.Operand(*_Operand(a).kind))
         ob = gemm.Operand(*w.kind)
         _, k, kp, n, _ = w.key
+        if oa.quant is not None and (a.dtype not in _WORD_DTYPES or stride_am % 2 or key[0][4] or k % 2):
+            raise ValueError(f"matmul(quant=...): 16-bit tokens readable as words (K, row stride and offset "
+                             f"even); got {a.dtype} {tuple(a.shape)} stride {a.stride()}")
         config = self._gemm_config(st.device, st.target, oa, ob, m, n, kp)
         config = self.resolve_split_k(config, m, n, kp, self.sm_count(st.device, st.target))
         route = self.gemm_route(st.target, oa, ob)

@@ -336,6 +336,54 @@ def test_quantize_every_code_and_scale_class_bit_exact(kernel, dtype):
         assert (codes == 8).any() and set(codes.unique().tolist()) >= {0, 8}
 
 
+def _outlier_blocks():
+    """Blocks whose outliers hinge on the order of NaN, +-Inf, signs and ties, with the
+    (index, value) pairs OF-2 keeps, worked out by hand: the two largest |x|, NaN ranking
+    as Inf, the first index on ties, values in bf16 (NaN as the canonical quiet NaN)."""
+    nan, inf = float("nan"), float("inf")
+    cases = []
+
+    def block(entries, want, fill=0.0):
+        row = torch.full((32,), fill)
+        for i, v in entries.items():
+            row[i] = v
+        cases.append((row, want))
+
+    block({3: inf, 5: nan}, [(3, inf), (5, nan)])  # Inf before NaN: Inf first
+    block({2: nan, 4: -inf, 9: inf}, [(2, nan), (4, -inf)])  # NaN first, then the first Inf
+    block({7: -inf, 8: nan, 30: nan}, [(7, -inf), (8, nan)])
+    block({2: -3.0, 7: 3.0, 11: -3.0}, [(2, -3.0), (7, 3.0)])  # equal |x|, either sign
+    block({31: -5.0, 0: 1.0}, [(31, -5.0), (0, 1.0)])  # the last index, a sign at bit 0 of the key
+    block({}, [(0, -0.0), (1, -0.0)], fill=-0.0)  # a block of -0.0: the first two, signed
+    block({}, [(0, 0.0), (1, 0.0)])  # a block of +0.0
+    block({6: 65504.0, 9: -65504.0, 12: 1.5}, [(6, 65504.0), (9, -65504.0)])  # fp16's largest
+    block({4: 2.0**-24, 20: -(2.0**-23)}, [(20, -(2.0**-23)), (4, 2.0**-24)])  # fp16 subnormals
+    block({1: 1.0 + 2.0**-7, 3: -(1.0 + 2.0**-8)}, [(1, 1.0 + 2.0**-7), (3, -(1.0 + 2.0**-8))])
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [1, 2])
+def test_outliers_of_special_signed_and_tied_blocks(kernel, dtype, k):
+    """The kernel's outliers of NaN/Inf, signed, tied and all-zero blocks: the pairs worked
+    out by hand (an oracle apart from the reference), and then every byte as the reference
+    (codes, scales: 0xFF where NaN or Inf)."""
+    backend, device = kernel
+    cases = _outlier_blocks()
+    x = torch.stack([row for row, _ in cases]).to(dtype)
+    recipe = QR(outliers_per_block=k)
+    got = backend.quantize(x.to(device), recipe)
+    idx = got.outlier_indices.cpu().view(len(cases), k)
+    val = got.outlier_values.cpu().float().view(len(cases), k)
+    for r, (row, want) in enumerate(cases):
+        pairs = [(int(idx[r, j]), float(val[r, j])) for j in range(k)]
+        for (gi, gv), (wi, wv) in zip(sorted(pairs), sorted(want[:k])):
+            wv = float(torch.tensor(wv).to(dtype).to(torch.bfloat16).float())  # the input's, then bf16's rounding
+            assert gi == wi and (math.isnan(gv) if math.isnan(wv) else (gv == wv and math.copysign(1, gv) == math.copysign(1, wv))), (
+                f"row {r} ({dtype}): got {pairs}, want {want[:k]}")
+    assert_same_mx(got, REF.quantize(x, recipe))
+
+
 def test_decompose_non_finite_matches_reference(kernel):
     """A NaN/Inf input: NaN statistics and counts 0 in its blocks, the rest as usual, and
     the same device count of bad values, with no synchronisation in the call."""
@@ -620,6 +668,64 @@ def test_every_targets_quantize_tile_is_exact(kernel, name, target, recipe, monk
         got = backend.quantized_values(x.to(device), recipe)
         want = REF.dequantize(REF.quantize(x, recipe), torch.bfloat16)
         assert torch.equal(got.cpu().nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+
+
+def test_dequantize_reads_outliers_from_unaligned_views(kernel):
+    """OF-2's kernel reads a block's two outlier values as one int32 and its two indices
+    as one int16: outlier tensors that are views starting one element into a buffer (as
+    a slice of a bigger tensor can be) are copied first, and the bytes are the
+    reference's (on a GPU an unaligned wide load would fault or read the wrong pair)."""
+    import dataclasses
+
+    from portable_mx.backends.triton import dequantize as dq
+    from portable_mx.backends.triton.launch import TileConfig
+
+    backend, device = kernel
+    mx = REF.quantize(sample((9, 200), seed=130), QR(outliers_per_block=2))
+    parts = {}
+    for name in ("outlier_values", "outlier_indices"):
+        t = getattr(mx, name)
+        buf = torch.zeros(t.numel() + 1, dtype=t.dtype, device=device)
+        parts[name] = buf[1:].view(t.shape)
+        parts[name].copy_(t.to(device))
+        assert parts[name].data_ptr() % 2 == 1 or t.dtype == torch.bfloat16
+    odd = dataclasses.replace(mx.to(device), **parts)
+    assert odd.outlier_values.data_ptr() % 4 != 0
+    for dtype in (torch.float32, torch.bfloat16):
+        want = REF.dequantize(mx, dtype)
+        assert same_bytes(backend.dequantize(odd, dtype), want)
+        config = TileConfig(16, 256, num_warps=4)
+        with backend.running():
+            assert same_bytes(dq.dequantize(odd, dtype, config, backend.options(config)), want)
+
+
+def _target_dequantize_tiles():
+    """(backend name, target) for every compiled backend's targets."""
+    from portable_mx import registry as reg
+
+    return [(name, target) for name in ("cuda", "rocm") for target in reg.get(name).targets]
+
+
+@pytest.mark.parametrize("name, target", _target_dequantize_tiles())
+def test_every_targets_dequantize_tile_is_exact(kernel, name, target):
+    """The dequantize kernel (one thread a 32-block: its code bytes in one load, its words
+    stored in 16-byte pieces) at the tile each GPU backend gives each target, for every
+    output dtype, with macro factors and one or two outliers a block, on whole and ragged
+    tiles: the reference's bytes, NaN blocks included."""
+    from portable_mx import registry as reg
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton import dequantize as dq
+
+    backend, device = kernel
+    for recipe in (QR(), QR(macro_block=96), QR(outliers_per_block=1), QR(outliers_per_block=2, macro_block=64)):
+        config = reg.get(name).tile_config("dequantize", TARGETS[target], recipe)
+        options = backend.options(config)
+        for i, shape in enumerate([(70, 300), (64, 512)]):
+            mx = REF.quantize(sample(shape, seed=120 + i), recipe)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                with backend.running():
+                    got = dq.dequantize(mx.to(device), dtype, config, options)
+                assert same_bytes(got, REF.dequantize(mx, dtype)), (recipe.describe(), shape, dtype, config.label())
 
 
 def test_tile_config_keys_and_fallback():

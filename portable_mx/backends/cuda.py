@@ -10,19 +10,20 @@ from .triton.launch import GemmConfig, TileConfig
 # Element-wise kernels (quantize, dequantize, decompose), from the sm_90 compile matrix
 # (benchmarks/NOTES-elementwise.md; to be confirmed by benchmarks/sweeps/elementwise_sweep.py
 # on a GPU). 16 x 256 on 4 warps gives each thread one whole 32-block: quantize in 64
-# registers (stochastic rounding 118, MBS-128 77, two outliers with MBS and stochastic
-# rounding 138: 4 to 8 CTAs an SM, 32 KB or more of loads in flight), the
+# registers (stochastic rounding 122, MBS-128 80, two outliers 79, two outliers with MBS
+# and stochastic rounding 101: 4 to 8 CTAs an SM, 32 KB or more of loads in flight), the
 # statistics-only decompose in about 220 (a block's values all live, no shuffles; 2 CTAs
 # an SM, compute-bound), no spills. decompose with its four element tensors spreads a
 # block over threads that reduce it together (the words loaded as a plain [rows, words]
 # tile: decompose._load_words says why): 8 x 256 on 8 warps keeps it at 78-134 registers
 # (8 x 256 on 4 warps spilled the heaviest recipe; registers as measured before the load
-# change of 2026-11-26, which the compile matrix still passes without spills). dequantize: 8
-# elements a thread and vector, 16 x 256: 32 registers for bf16 output, 40 for fp32 (32 x
-# 256 took 44 and 112).
+# change of 2026-11-26, which the compile matrix still passes without spills). dequantize: a
+# whole block a thread, 16 x 256: 32 registers for every output dtype. "quantize-heavy" names ptxas' ceiling (255): without it ptxas held
+# the masked heaviest recipe (stochastic, MBS-256, OF-2) at 128 registers with a spill
+# under triton 3.6 (NOTES-elementwise.md section 12); with it, 105 and none.
 TILES = {
     "quantize": TileConfig(16, 256, num_warps=4),
-    "quantize-heavy": TileConfig(16, 256, num_warps=4),
+    "quantize-heavy": TileConfig(16, 256, num_warps=4, extra=(("maxnreg", 255),)),
     "dequantize": TileConfig(16, 256, num_warps=4),
     "decompose": TileConfig(16, 256, num_warps=4),
     "decompose-full": TileConfig(8, 256, num_warps=8),

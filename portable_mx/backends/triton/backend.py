@@ -580,8 +580,12 @@ class TritonBackend(Backend):
         q, s = mx.qdata.contiguous(), mx.scales.contiguous()
         m, ov, oi = mx.macro_scales, mx.outlier_values, mx.outlier_indices
         m = s if m is None else m.contiguous()
-        ov = s if ov is None else ov.contiguous().view(torch.int16)
-        oi = s if oi is None else oi.contiguous()
+        if ov is None:
+            ov = oi = s
+        else:
+            from .dequantize import outlier_words
+
+            ov, oi = outlier_words(ov, oi)
         aligned = q.data_ptr() % 16 == 0 and s.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0 \
             and ov.data_ptr() % 16 == 0 and oi.data_ptr() % 16 == 0
         r, kp = q.shape[0], mx.k_padded

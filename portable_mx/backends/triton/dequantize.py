@@ -6,9 +6,9 @@ the scale byte is 0xFF, then one rounding to the output dtype.
 
 Word layout (as the quantize kernel's, encode.py): packed byte j of a row becomes output
 word j, the two elements 2j and 2j+1 (an int64 of two fp32, or an int32 of two 16-bit
-values). A thread loads ``VEC`` consecutive bytes (4 bytes for 16-bit output, 2 for fp32)
-and writes their ``VEC`` words with one 16-byte store; the per-block scale, macro factor
-and outliers are loaded once per thread and broadcast over its bytes.
+values). A thread owns whole 32-blocks: it loads a block's 16 code bytes at once and
+writes its 16 words with 16-byte stores (4 for 16-bit output, 8 for fp32); the block's
+scale, macro factor and outliers are loaded once and broadcast over its bytes.
 
 Each value is built from bits: the magnitude code placed in an fp32's exponent and
 mantissa is the E2M1 value times 2**-126, multiplied by 2**126 and by the block factor
@@ -37,60 +37,76 @@ F16_QNAN = tl.constexpr(0x7E00)  # format.CANONICAL_NAN_BITS
 BF16_QNAN = tl.constexpr(0x7FC0)
 
 
-def vec_bytes(dtype: torch.dtype) -> int:
-    """Packed bytes per thread and load: one 16-byte store of output words."""
-    return 2 if dtype == torch.float32 else 4
-
-
 @triton.jit
-def _per_vector(ptr, rows, vcol, stride, mask, other, EVEN: tl.constexpr):
-    """Load ptr[rows * stride + vcol] for [BR, BW/VEC] (one value per thread vector)."""
+def _per_block(ptr, rows, blk, stride, mask, other, EVEN: tl.constexpr):
+    """Load ptr[rows * stride + blk] for [BR, NBK] (one value per block: per thread)."""
     if EVEN:
-        return tl.load(ptr + rows[:, None] * stride + vcol)
+        return tl.load(ptr + rows[:, None] * stride + blk)
     else:
-        return tl.load(ptr + rows[:, None] * stride + vcol, mask=mask, other=other)
+        return tl.load(ptr + rows[:, None] * stride + blk, mask=mask, other=other)
 
 
 @triton.jit
 def dequantize_kernel(
     q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr, out_ptr,
     R, KW, NM, MACRO,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, HAS_MACRO: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MACRO: tl.constexpr,
     N_OUT: tl.constexpr, OUT_KIND: tl.constexpr, EVEN: tl.constexpr, K_FIRST: tl.constexpr,
 ):
     """q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM]; ov: int16 (bf16
-    bits) and oi: uint8 [R, Kp/32, N_OUT]; out: the output's words [R, KW] (int64 for
+    bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT = 2: read a block's pair as one int32
+    and one int16, :func:`outlier_words`); out: the output's words [R, KW] (int64 for
     fp32, int32 for bf16/fp16). MACRO is the macro block length. EVEN: whole tiles, one
-    program each. The program's tile from encode.program_tile (K_FIRST: their order)."""
-    BW: tl.constexpr = BLOCK_K // 2
-    NV: tl.constexpr = BW // VEC
+    program each. The program's tile from encode.program_tile (K_FIRST: their order).
+
+    One thread owns whole 32-blocks: the block's 16 code bytes in one 16-byte load, its
+    scale byte (macro factor, outliers) in one load each, its 16 output words in 16-byte
+    stores from its registers (encode.store_block_words): no layout conversion."""
+    NBK: tl.constexpr = BLOCK_K // 32
     NB = KW // 16
     pid_r, pid_k = program_tile(K_FIRST)
     rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    vcol = (pid_k * BW + tl.arange(0, NV) * VEC)[None, :]  # first byte of each vector
-    byte = vcol[:, :, None] + tl.arange(0, VEC)[None, None, :]  # [1, NV, VEC]
-    vmask = (rows[:, None] < R) & (vcol < KW)  # unused (dead) when EVEN
+    blk = (pid_k * NBK + tl.arange(0, NBK))[None, :]  # [1, NBK]
+    bmask = (rows[:, None] < R) & (blk < NB)  # unused (dead) when EVEN
+    # the codes as a [BR, BW] tile (its layout spreads threads over blocks, then rows, as
+    # the per-block loads' does), viewed as [BR, NBK, 16]
+    byte = (pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2))[None, :]
     if EVEN:
-        packed = tl.load(q_ptr + rows[:, None, None] * KW + byte)
+        packed = tl.load(q_ptr + rows[:, None] * KW + byte)
     else:
-        packed = tl.load(q_ptr + rows[:, None, None] * KW + byte, mask=vmask[:, :, None], other=0)
-    packed = packed.to(tl.int32)
+        packed = tl.load(q_ptr + rows[:, None] * KW + byte, mask=(rows[:, None] < R) & (byte < KW), other=0)
+    packed = tl.reshape(packed, (BLOCK_R, NBK, 16)).to(tl.int32)
 
-    blk = vcol // 16
-    sbyte = _per_vector(s_ptr, rows, blk, NB, vmask, 0, EVEN).to(tl.int32)
+    sbyte = _per_block(s_ptr, rows, blk, NB, bmask, 0, EVEN).to(tl.int32)
     factor = exp2i(sbyte - 127)
     if HAS_MACRO:
-        factor = factor * _per_vector(m_ptr, rows, blk * 32 // MACRO, NM, vmask, 1.0, EVEN)
+        # loaded as [NBK, BR] and transposed: a tile with no contiguous dimension spreads
+        # threads over its first one, here the blocks, as the scale bytes' load does
+        mptr = m_ptr + rows[None, :] * NM + (tl.trans(blk) * 32 // MACRO)
+        if EVEN:
+            m = tl.load(mptr)
+        else:
+            m = tl.load(mptr, mask=tl.trans(bmask), other=1.0)
+        factor = factor * tl.trans(m)
     factor = factor[:, :, None]
     lo = decode_bits(packed & 15, factor)
     hi = decode_bits(packed >> 4, factor)
     if N_OUT >= 1:
-        lane = (byte % 16) * 2
-        for j in tl.static_range(N_OUT):
-            idx = _per_vector(oi_ptr, rows, blk * N_OUT + j, NB * N_OUT, vmask, 0, EVEN).to(tl.int32)[:, :, None]
-            val = (_per_vector(ov_ptr, rows, blk * N_OUT + j, NB * N_OUT, vmask, 0, EVEN).to(tl.int32) << 16)[:, :, None]
-            lo = tl.where(lane == idx, val, lo)
-            hi = tl.where(lane + 1 == idx, val, hi)
+        lane = tl.arange(0, 16)[None, None, :] * 2
+        if N_OUT == 1:
+            idx = _per_block(oi_ptr, rows, blk, NB, bmask, 0, EVEN).to(tl.int32)
+            val = _per_block(ov_ptr, rows, blk, NB, bmask, 0, EVEN).to(tl.int32) << 16
+            lo = tl.where(lane == idx[:, :, None], val[:, :, None], lo)
+            hi = tl.where(lane + 1 == idx[:, :, None], val[:, :, None], hi)
+        else:  # a block's two values as one word, its two indices as one half-word
+            idx2 = _per_block(oi_ptr.to(tl.pointer_type(tl.int16)), rows, blk, NB, bmask, 0, EVEN).to(tl.int32)
+            val2 = _per_block(ov_ptr.to(tl.pointer_type(tl.int32)), rows, blk, NB, bmask, 0, EVEN)
+            i0 = (idx2 & 0xFF)[:, :, None]
+            i1 = ((idx2 >> 8) & 0xFF)[:, :, None]
+            v0 = (val2 << 16)[:, :, None]
+            v1 = (val2 & -65536)[:, :, None]
+            lo = tl.where(lane == i0, v0, tl.where(lane == i1, v1, lo))
+            hi = tl.where(lane + 1 == i0, v0, tl.where(lane + 1 == i1, v1, hi))
     special = (sbyte == 255)[:, :, None]
 
     if OUT_KIND == 0:
@@ -111,16 +127,60 @@ def dequantize_kernel(
             hi = f16_bits(hi)
             nan = F16_QNAN
         word = tl.where(special, nan | (nan << 16), lo | (hi << 16))
-    wcol = (pid_k * BW + tl.arange(0, BW))[None, :]
-    word = tl.reshape(word, (BLOCK_R, BW))
+    _store_words(out_ptr, word, rows, pid_k * (BLOCK_K // 2), R, KW, BLOCK_R, NBK, EVEN, 2 if OUT_KIND == 0 else 4)
+
+
+@triton.jit
+def _store_piece(ptr, piece, rows, wcol0, j, R, KW, BLOCK_R: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr,
+                 VEC: tl.constexpr):
+    """Store piece ``j`` [BR, NBK, VEC] of each block (its words j * VEC ...) as a
+    [BR, NBK * VEC] tile: contiguous runs of VEC words give it a layout that spreads
+    threads over the blocks, then the rows, as the [BR, BLOCK_K / 2] code load's does."""
+    t = tl.arange(0, NBK * VEC)
+    wcol = wcol0 + ((t // VEC) * 16 + t % VEC + j * VEC)[None, :]
+    flat = tl.reshape(piece, (BLOCK_R, NBK * VEC))
     if EVEN:
-        tl.store(out_ptr + rows[:, None] * KW + wcol, word)
+        tl.store(ptr + rows[:, None] * KW + wcol, flat)
     else:
-        tl.store(out_ptr + rows[:, None] * KW + wcol, word, mask=(rows[:, None] < R) & (wcol < KW))
+        tl.store(ptr + rows[:, None] * KW + wcol, flat, mask=(rows[:, None] < R) & (wcol < KW))
+
+
+@triton.jit
+def _store_words(ptr, words, rows, wcol0, R, KW, BLOCK_R: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr,
+                 VEC: tl.constexpr):
+    """Store words [BR, NBK, 16] (a thread's whole blocks; int32 with VEC = 4, int64 with
+    VEC = 2) at word columns wcol0 + ... of rows of KW words, in 16-byte pieces of VEC
+    words split in the thread's registers (encode.store_block_words' split)."""
+    if VEC == 4:  # word 8 b + 4 a + v: [.., v, a, b], piece 2 b + a
+        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2))
+        x, y = tl.split(w)
+        p0, p1 = tl.split(x)
+        p2, p3 = tl.split(y)
+        _store_piece(ptr, p0, rows, wcol0, 0, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p1, rows, wcol0, 1, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p2, rows, wcol0, 2, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p3, rows, wcol0, 3, R, KW, BLOCK_R, NBK, EVEN, VEC)
+    else:  # word 8 d + 4 b + 2 a + v: [.., v, a, b, d], piece 4 d + 2 b + a
+        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 2, 2)), (0, 1, 5, 4, 3, 2))
+        x, y = tl.split(w)
+        x0, x1 = tl.split(x)
+        y0, y1 = tl.split(y)
+        p0, p1 = tl.split(x0)
+        p2, p3 = tl.split(x1)
+        p4, p5 = tl.split(y0)
+        p6, p7 = tl.split(y1)
+        _store_piece(ptr, p0, rows, wcol0, 0, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p1, rows, wcol0, 1, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p2, rows, wcol0, 2, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p3, rows, wcol0, 3, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p4, rows, wcol0, 4, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p5, rows, wcol0, 5, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p6, rows, wcol0, 6, R, KW, BLOCK_R, NBK, EVEN, VEC)
+        _store_piece(ptr, p7, rows, wcol0, 7, R, KW, BLOCK_R, NBK, EVEN, VEC)
 
 
 def _constexprs(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, even: bool) -> dict:
-    return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "VEC": vec_bytes(dtype), "HAS_MACRO": has_macro,
+    return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "HAS_MACRO": has_macro,
             "N_OUT": n_out, "OUT_KIND": OUT_KINDS[dtype], "EVEN": even, "K_FIRST": config.order == "k"}
 
 
@@ -151,6 +211,17 @@ def plan(r: int, kp: int, has_macro: bool, n_out: int, dtype: torch.dtype,
     return grid, _constexprs(has_macro, n_out, dtype, config, even)
 
 
+def outlier_words(ov: torch.Tensor, oi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outliers' values (bf16 bits, int16) and indices (uint8) as the kernel reads
+    them, contiguous; with two a block it reads a block's pair as one int32 and one int16,
+    so views that start off those alignments are copied (a fresh tensor is aligned)."""
+    ov = ov.contiguous().view(torch.int16)
+    oi = oi.contiguous()
+    if ov.shape[-1] == 2 and (ov.data_ptr() % 4 or oi.data_ptr() % 2):
+        ov, oi = ov.clone(), oi.clone()
+    return ov, oi
+
+
 def int_args(mx: MXTensor) -> tuple[int, int, int, int]:
     """The kernel's integer arguments R, KW, NM, MACRO for ``mx``."""
     has_macro = mx.macro_scales is not None
@@ -167,11 +238,10 @@ def dequantize(mx: MXTensor, dtype: torch.dtype, config: TileConfig, options: di
     has_macro = mx.macro_scales is not None
     n_out = 0 if mx.outlier_values is None else mx.outlier_values.shape[-1]
     grid, constexprs = plan(r, kp, has_macro, n_out, dtype, config)
+    ov, oi = outlier_words(mx.outlier_values, mx.outlier_indices) if n_out else (mx.scales, mx.scales)
     dequantize_kernel[grid](
         mx.qdata.contiguous(), mx.scales.contiguous(),
-        mx.macro_scales.contiguous() if has_macro else mx.scales,
-        mx.outlier_values.contiguous().view(torch.int16) if n_out else mx.scales,
-        mx.outlier_indices.contiguous() if n_out else mx.scales,
+        mx.macro_scales.contiguous() if has_macro else mx.scales, ov, oi,
         out.view(OUT_WORDS[dtype][0]), *int_args(mx), **constexprs, **options,
     )
     return out

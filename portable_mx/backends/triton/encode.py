@@ -15,7 +15,8 @@ no shared memory). Inside a kernel a word tile is viewed as ``[BLOCK_R, NBK, 16]
 
 1. :func:`unpack_words`: words -> (lo, hi) fp32 bits;
 2. :func:`split_blocks`: per block the amax (an integer max of |bits|), the special flag
-   (a NaN or Inf: amax >= Inf's bits) and the k outliers taken out;
+   (a NaN or Inf: amax >= Inf's bits; with outliers, the largest key's) and the k
+   outliers taken out;
 3. macro factors (in the kernels), then :func:`encode_halves`: divide by the macro
    factor, the scale exponent from the amax's bits, the E2M1 codes with the sign OR-ed in.
 
@@ -199,21 +200,40 @@ def load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R: tl.const
 
 @triton.jit
 def store_block_words(ptr, words, rows, col0, c, R, KW, stride, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
-                      SPAN: tl.constexpr, EVEN: tl.constexpr):
-    """Store int32 words [BR, NBK, 16] (one 32-block's 16 words a thread, as
-    :func:`load_block_words` loads them) at word columns ``col0 // 2 + c * NBK * 16 + ...``
-    of rows of ``stride`` words, masked to the span and KW words unless EVEN: the four
-    16-byte pieces of each block split in the thread's registers and stored one by one,
-    so that no store asks for a layout that spreads a block over threads."""
-    w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2))  # [.., v, a, b]: piece 2 b + a
-    x, y = tl.split(w)
-    p0, p1 = tl.split(x)
-    p2, p3 = tl.split(y)
-    base = c * NBK * 16 + tl.arange(0, NBK)[None, :, None] * 16 + tl.arange(0, 4)[None, None, :]
-    _store_piece(ptr, p0, rows, col0, base, R, KW, stride, SPAN, EVEN)
-    _store_piece(ptr, p1, rows, col0, base + 4, R, KW, stride, SPAN, EVEN)
-    _store_piece(ptr, p2, rows, col0, base + 8, R, KW, stride, SPAN, EVEN)
-    _store_piece(ptr, p3, rows, col0, base + 12, R, KW, stride, SPAN, EVEN)
+                      SPAN: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr = 4):
+    """Store words [BR, NBK, 16] (one 32-block's 16 words a thread, as
+    :func:`load_block_words` loads them; int32 with VEC = 4, int64 with VEC = 2) at word
+    columns ``col0 // 2 + c * NBK * 16 + ...`` of rows of ``stride`` words, masked to the
+    span and KW words unless EVEN: the block's 16-byte pieces of VEC words split in the
+    thread's registers and stored one by one, so that no store asks for a layout that
+    spreads a block over threads."""
+    base = c * NBK * 16 + tl.arange(0, NBK)[None, :, None] * 16 + tl.arange(0, VEC)[None, None, :]
+    if VEC == 4:  # word 8 b + 4 a + v: [.., v, a, b], piece 2 b + a
+        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2))
+        x, y = tl.split(w)
+        p0, p1 = tl.split(x)
+        p2, p3 = tl.split(y)
+        _store_piece(ptr, p0, rows, col0, base, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p1, rows, col0, base + 4, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p2, rows, col0, base + 8, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p3, rows, col0, base + 12, R, KW, stride, SPAN, EVEN)
+    else:  # word 8 d + 4 b + 2 a + v: [.., v, a, b, d], piece 4 d + 2 b + a
+        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 2, 2)), (0, 1, 5, 4, 3, 2))
+        x, y = tl.split(w)
+        x0, x1 = tl.split(x)
+        y0, y1 = tl.split(y)
+        p0, p1 = tl.split(x0)
+        p2, p3 = tl.split(x1)
+        p4, p5 = tl.split(y0)
+        p6, p7 = tl.split(y1)
+        _store_piece(ptr, p0, rows, col0, base, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p1, rows, col0, base + 2, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p2, rows, col0, base + 4, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p3, rows, col0, base + 6, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p4, rows, col0, base + 8, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p5, rows, col0, base + 10, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p6, rows, col0, base + 12, R, KW, stride, SPAN, EVEN)
+        _store_piece(ptr, p7, rows, col0, base + 14, R, KW, stride, SPAN, EVEN)
 
 
 @triton.jit
@@ -271,30 +291,71 @@ def unpack_words(w, IN_KIND: tl.constexpr):
 # ----------------------------------------------------------------------------- blocks
 
 
+OUTLIER_CAP = tl.constexpr(0xFF000002)
+"""The largest rotated word a 16-bit input's key keeps (:func:`_outlier_keys`): above
+-Inf's (0xFF000001) and below every NaN's, with only bit 1 set below the magnitude, so
+that every NaN becomes one key that ties with +-Inf and rotates back to a NaN
+(0x7F800001)."""
+SPECIAL_KEY = tl.constexpr(0xFF000000)
+"""The rotated word of +Inf: 16-bit inputs' keys at or above it are NaN or Inf."""
+
+
 @triton.jit
-def _outlier_key(a, lane, IN_KIND: tl.constexpr):
-    """|x| bits and the in-block index in one integer whose max is the first largest |x|
-    (NaN ranks as Inf: both keep Inf's bits). 16-bit inputs have at most 11 significant
-    bits, so key and index fit an int32 (bf16: the low 16 bits are zero, fp16: 13)."""
-    key = tl.minimum(a, F32_INF)
+def _lane_shift(IN_KIND: tl.constexpr):
+    """Where the in-block index sits in a 16-bit input's key: above the bits a rotated
+    element never sets (bf16 in fp32 leaves 16 low bits zero, fp16 13: rotated, bits
+    1..16 and 1..13 are free; bit 0 holds the sign), and above OUTLIER_CAP's bit 1."""
     if IN_KIND == 0:
-        return (key >> 11) | (31 - lane)
-    elif IN_KIND == 1:
-        return (key >> 8) | (31 - lane)
+        return 12
     else:
-        return (key.to(tl.int64) << 5) | (31 - lane)
+        return 9
 
 
 @triton.jit
-def _take_outlier(klo, khi, lo, hi):
-    """The first largest key of each block: (its in-block index [BR, NBK] int32, bf16 bits
-    of its value [BR, NBK] int32, hit masks of the lo and hi halves)."""
-    top = tl.maximum(tl.max(klo, axis=2), tl.max(khi, axis=2))
-    idx = 31 - (top & 31).to(tl.int32)
-    hit_lo = klo == top[:, :, None]
-    hit_hi = khi == top[:, :, None]
-    bits = tl.sum(tl.where(hit_lo, lo, 0), axis=2) + tl.sum(tl.where(hit_hi, hi, 0), axis=2)
-    return idx, bf16_round_bits(bits), hit_lo, hit_hi
+def _outlier_keys(v, lane, IN_KIND: tl.constexpr):
+    """Keys of the fp32 bits ``v`` (int32) at in-block indices ``lane``: their max is the
+    first largest |x| of a block, NaN ranking as Inf (the reference's order), and keys
+    differ by their index. 16-bit inputs (uint32 keys): the word rotated left by one
+    (|x| above its sign, compared unsigned), capped at OUTLIER_CAP (every NaN), with
+    31 - lane in bits the element leaves zero: :func:`_key_bits` gives the element back.
+    fp32 (int64 keys, no spare bits): min(|x|, Inf) above 31 - lane."""
+    if IN_KIND == 2:
+        return (tl.minimum(v & F32_ABS, F32_INF).to(tl.int64) << 5) | (31 - lane)
+    else:
+        u = v.to(tl.uint32, bitcast=True)
+        r = tl.minimum((u << 1) | (u >> 31), OUTLIER_CAP)
+        return r | ((31 - lane) << _lane_shift(IN_KIND)).to(tl.uint32)
+
+
+@triton.jit
+def _key_index(top, IN_KIND: tl.constexpr):
+    """In-block index (int32) of the element of the key ``top``."""
+    if IN_KIND == 2:
+        return 31 - (top & 31).to(tl.int32)
+    else:
+        return 31 - ((top >> _lane_shift(IN_KIND)) & 31).to(tl.int32)
+
+
+@triton.jit
+def _key_bits(top, klo, khi, lo, hi, IN_KIND: tl.constexpr):
+    """fp32 bits (int32) of the element whose key is ``top`` [BR, NBK]: a 16-bit input's
+    key rotated back (a NaN for every NaN: 0x7F800001); for fp32 the element picked out
+    of the block by its key."""
+    if IN_KIND == 2:
+        return (tl.sum(tl.where(klo == top[:, :, None], lo, 0), axis=2)
+                + tl.sum(tl.where(khi == top[:, :, None], hi, 0), axis=2))
+    else:
+        r = top & ~tl.full([], 31 << _lane_shift(IN_KIND), tl.uint32)
+        return ((r >> 1) | (r << 31)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _is_special_key(top, IN_KIND: tl.constexpr):
+    """Whether the block whose largest key is ``top`` holds a NaN or an Inf."""
+    if IN_KIND == 2:
+        return top >= (F32_INF << 5)
+    else:
+        return top >= SPECIAL_KEY
 
 
 @triton.jit
@@ -305,28 +366,40 @@ def split_blocks(lo, hi, IN_KIND: tl.constexpr, N_OUT: tl.constexpr):
     replaced by +0.0 (the rest), the bits of the rest's amax per block (0 in special
     blocks, which count as 0 for the macro amax), the special flag (a NaN or Inf in the
     block), and per outlier its in-block index and bf16 bits (int32; 0 when unused).
-    """
-    alo = lo & F32_ABS
-    ahi = hi & F32_ABS
-    amax = tl.maximum(tl.max(alo, axis=2), tl.max(ahi, axis=2))
-    special = amax >= F32_INF
+
+    Outliers: one max of the keys (:func:`_outlier_keys`) per outlier gives its index and
+    its bits (a 16-bit input's key holds the element), the largest key marks a special
+    block, and the elements whose keys are at least the k-th largest are the k outliers
+    (keys differ by their index): one compare an element takes both of OF-2's out."""
     rlo = lo
     rhi = hi
-    idx1 = tl.zeros(amax.shape, tl.int32)
-    ob1 = idx1
-    idx2 = idx1
-    ob2 = idx1
-    if N_OUT >= 1:
+    if N_OUT == 0:
+        amax = tl.maximum(tl.max(lo & F32_ABS, axis=2), tl.max(hi & F32_ABS, axis=2))
+        special = amax >= F32_INF
+        idx1 = tl.zeros(amax.shape, tl.int32)
+        ob1 = idx1
+        idx2 = idx1
+        ob2 = idx1
+    else:
         lane = tl.arange(0, 16)[None, None, :] * 2
-        klo = _outlier_key(alo, lane, IN_KIND)
-        khi = _outlier_key(ahi, lane + 1, IN_KIND)
-        idx1, ob1, hit_lo, hit_hi = _take_outlier(klo, khi, lo, hi)
-        rlo = tl.where(hit_lo, 0, rlo)
-        rhi = tl.where(hit_hi, 0, rhi)
+        klo = _outlier_keys(lo, lane, IN_KIND)
+        khi = _outlier_keys(hi, lane + 1, IN_KIND)
+        top = tl.maximum(tl.max(klo, axis=2), tl.max(khi, axis=2))
+        special = _is_special_key(top, IN_KIND)
+        idx1 = _key_index(top, IN_KIND)
+        ob1 = bf16_round_bits(_key_bits(top, klo, khi, lo, hi, IN_KIND))
+        idx2 = tl.zeros(idx1.shape, tl.int32)
+        ob2 = idx2
+        out_lo = klo == top[:, :, None]
+        out_hi = khi == top[:, :, None]
         if N_OUT == 2:
-            idx2, ob2, hit_lo, hit_hi = _take_outlier(tl.where(hit_lo, -1, klo), tl.where(hit_hi, -1, khi), lo, hi)
-            rlo = tl.where(hit_lo, 0, rlo)
-            rhi = tl.where(hit_hi, 0, rhi)
+            cut = tl.maximum(tl.max(tl.where(out_lo, 0, klo), axis=2), tl.max(tl.where(out_hi, 0, khi), axis=2))
+            idx2 = _key_index(cut, IN_KIND)
+            ob2 = bf16_round_bits(_key_bits(cut, klo, khi, lo, hi, IN_KIND))
+            out_lo = klo >= cut[:, :, None]
+            out_hi = khi >= cut[:, :, None]
+        rlo = tl.where(out_lo, 0, lo)
+        rhi = tl.where(out_hi, 0, hi)
         amax = tl.maximum(tl.max(rlo & F32_ABS, axis=2), tl.max(rhi & F32_ABS, axis=2))
     amax = tl.where(special, 0, amax)
     return rlo, rhi, amax, special, idx1, ob1, idx2, ob2
@@ -354,22 +427,37 @@ def _interleave(even, odd, BLOCK_R: tl.constexpr, NBK: tl.constexpr):
 
 
 @triton.jit
+def _stochastic_part(sbits, inv, rand):
+    """:func:`encode_half` with stochastic rounding of scaled bits ``sbits`` [BR, NBK, 8]
+    times ``inv`` (the same shape and layout) with the Philox words ``rand``."""
+    a = f32_bits(tl.abs(as_f32(sbits)) * inv)
+    return e2m1_code_stochastic(a, (rand >> 8).to(tl.int32)) | ((sbits >> 28) & 8), a
+
+
+@triton.jit
 def encode_stochastic(slo, shi, inv, seed, rows, wcol0, KW, BLOCK_R: tl.constexpr, NBK: tl.constexpr):
     """:func:`encode_half` of both halves with stochastic rounding: (code_lo, code_hi,
     a_lo, a_hi). The draws follow format.uniform_u24: element i = row * Kp + column takes
     word i % 4 of Philox at counter i // 4, so the two words 2p, 2p+1 of a row (elements
     4p .. 4p+3) share the call at counter row * Kp/4 + p: words 0 and 1 round word 2p's
     halves, words 2 and 3 word 2p+1's. The words are split into even and odd ones for it
-    (in registers), so that each call is made once."""
-    counter = (rows[:, None, None] * (KW // 2) + wcol0 // 2 + tl.arange(0, NBK)[None, :, None] * 8
-               + tl.arange(0, 8)[None, None, :])
-    r0, r1, r2, r3 = philox4x32(seed, counter)
+    (in registers), so that each call is made once.
+
+    Layouts: everything the calls meet is a split of a [BR, NBK, 16] tensor of the
+    words' layout (the halves, the broadcast 2**-e), and the counters are tied to the
+    even words by a term that is always 0 (``(le & 1) >> 1``, folded by LLVM after the
+    layouts are chosen), so that Triton computes the calls in the words' layout instead
+    of converting their results through shared memory."""
     le, lo_ = _evens_odds(slo, BLOCK_R, NBK)
     he, ho = _evens_odds(shi, BLOCK_R, NBK)
-    c_le, a_le = encode_half(le, inv, (r0 >> 8).to(tl.int32), True)
-    c_he, a_he = encode_half(he, inv, (r1 >> 8).to(tl.int32), True)
-    c_lo, a_lo = encode_half(lo_, inv, (r2 >> 8).to(tl.int32), True)
-    c_ho, a_ho = encode_half(ho, inv, (r3 >> 8).to(tl.int32), True)
+    inv_e, inv_o = _evens_odds(tl.broadcast_to(inv[:, :, None], slo.shape), BLOCK_R, NBK)
+    counter = (rows[:, None, None] * (KW // 2) + wcol0 // 2 + tl.arange(0, NBK)[None, :, None] * 8
+               + tl.arange(0, 8)[None, None, :]) + ((le & 1) >> 1)
+    r0, r1, r2, r3 = philox4x32(seed, counter)
+    c_le, a_le = _stochastic_part(le, inv_e, r0)
+    c_he, a_he = _stochastic_part(he, inv_e, r1)
+    c_lo, a_lo = _stochastic_part(lo_, inv_o, r2)
+    c_ho, a_ho = _stochastic_part(ho, inv_o, r3)
     return (_interleave(c_le, c_lo, BLOCK_R, NBK), _interleave(c_he, c_ho, BLOCK_R, NBK),
             _interleave(a_le, a_lo, BLOCK_R, NBK), _interleave(a_he, a_ho, BLOCK_R, NBK))
 

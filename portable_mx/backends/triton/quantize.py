@@ -62,7 +62,8 @@ def quantize_kernel(
 ):
     """w: the input, bf16 / fp16 / fp32 [R, K], read as words of two elements (int32 for
     16-bit input, int64 for fp32): [R, KW_IN valid words, row stride stride_w words];
-    q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM] (HAS_MACRO); ov: int16 (bf16 bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT > 0). EVEN: every tile
+    q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM] (HAS_MACRO); ov: int16 (bf16 bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT > 0;
+    with N_OUT = 2 a block's pair is written as one int32 and one int16: fresh tensors). EVEN: every tile
     is whole (R % BLOCK_R == 0, K == Kp, Kp % SPAN == 0, SPAN == BLOCK_K) and has one
     program (encode.exact_grid): no masks.
     FMA_DIV: divide by macro factors with fmas (encode.fma_divides). The program's
@@ -146,12 +147,12 @@ def _store_codes(q_ptr, s_ptr, ov_ptr, oi_ptr, rows, wcol, smask, bidx, bmask, N
     sbyte = tl.where(special, 255, e + 127).to(tl.uint8)
     boff = rows[:, None] * NB + bidx
     tl.store(s_ptr + boff, sbyte, mask=bmask)
-    if N_OUT >= 1:
-        tl.store(ov_ptr + boff * N_OUT, ob1.to(tl.int16), mask=bmask)
-        tl.store(oi_ptr + boff * N_OUT, idx1.to(tl.uint8), mask=bmask)
-        if N_OUT == 2:
-            tl.store(ov_ptr + boff * N_OUT + 1, ob2.to(tl.int16), mask=bmask)
-            tl.store(oi_ptr + boff * N_OUT + 1, idx2.to(tl.uint8), mask=bmask)
+    if N_OUT == 1:
+        tl.store(ov_ptr + boff, ob1.to(tl.int16), mask=bmask)
+        tl.store(oi_ptr + boff, idx1.to(tl.uint8), mask=bmask)
+    elif N_OUT == 2:  # a block's two values as one word, its two indices as one half-word
+        tl.store(ov_ptr.to(tl.pointer_type(tl.int32)) + boff, ob1 | (ob2 << 16), mask=bmask)
+        tl.store(oi_ptr.to(tl.pointer_type(tl.int16)) + boff, (idx1 | (idx2 << 8)).to(tl.int16), mask=bmask)
 
 
 @triton.jit

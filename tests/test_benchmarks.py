@@ -707,3 +707,34 @@ def test_moe_without_a_gpu_exits_2(tmp_path, monkeypatch, capsys):
     out = tmp_path / "m.json"
     assert moe.main(["--quick", "--out", str(out)]) == common.EXIT_NO_GPU
     assert "no GPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_sweeps_hold_decode_candidates_at_128_registers(monkeypatch):
+    """The GEMM and grouped sweeps' register-capped decode candidates reach the launch as
+    ptxas' ``maxnreg`` (a config's extra option), named so in their rows, beside the
+    uncapped ones."""
+    sys.path.insert(0, os.path.join(BENCH, "sweeps"))
+    import gemm_sweep
+    import grouped_sweep
+
+    held = [c for c in gemm_sweep.candidates("w4a16", "1x8192x8192", 1, False) if c.maxnreg]
+    assert [c.block for c in held] == [(16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 4)]
+    config = held[0].config((("waves_per_eu", 2),))
+    assert config.options()["maxnreg"] == 128 and config.options()["waves_per_eu"] == 2
+    assert "maxnreg=128" in held[0].name() and "maxnreg" not in gemm_sweep.Candidate(
+        "w4a16", "s", "upcast", (16, 128, 128, 4, 4, 8)).name()
+    assert not any(c.maxnreg for c in gemm_sweep.candidates("w4a16", "128x8192x8192", 128, False))
+
+    block = next(b for b in grouped_sweep.DECODE if len(b) > 6)
+    assert grouped_sweep.label(block) == "16x128x128 w4 s4 maxnreg=128"
+
+    class Backend:
+        _devices: dict = {}
+
+    backend = Backend()
+    with grouped_sweep.Forced(backend, block):
+        forced = backend.grouped_config(None, 64, 8, torch.bfloat16, False)
+    assert (forced.block_m, forced.block_n, forced.block_k, forced.num_warps, forced.num_stages) == block[:5]
+    assert forced.options()["maxnreg"] == 128 and "grouped_config" not in backend.__dict__
+    with grouped_sweep.Forced(backend, block[:6]):
+        assert "maxnreg" not in backend.grouped_config(None, 64, 8, torch.bfloat16, False).options()

@@ -76,12 +76,13 @@ class Candidate:
     asm: bool = True
     fold: bool = True  # False: the two-multiply decode even where the folded one applies
     sparse: bool = True  # False: a weight's outliers as a dense tile even at M <= 4
+    maxnreg: int = 0  # > 0: ptxas holds the kernel at this many registers (more programs an SM)
 
     def name(self) -> str:
         if self.kernel == "default":
             return "default"
         bm, bn, bk, w, s, sk = self.block
-        tile = f"{bm}x{bn}x{bk} w{w} s{s} sk{sk}"
+        tile = f"{bm}x{bn}x{bk} w{w} s{s} sk{sk}" + (f" maxnreg={self.maxnreg}" if self.maxnreg else "")
         if self.kernel == "scaled":
             return f"scaled {tile}"
         return (f"upcast {self.layout}{'+asm' if self.asm else '+twin'}{'' if self.fold else '+nofold'}"
@@ -91,7 +92,8 @@ class Candidate:
         from portable_mx.backends.triton.launch import GemmConfig
 
         bm, bn, bk, w, s, sk = self.block
-        return GemmConfig(bm, bn, bk, num_warps=w, num_stages=s, split_k=sk, extra=tuple(extra))
+        held = (("maxnreg", self.maxnreg),) if self.maxnreg else ()
+        return GemmConfig(bm, bn, bk, num_warps=w, num_stages=s, split_k=sk, extra=tuple(extra) + held)
 
 
 def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
@@ -136,6 +138,10 @@ def candidates(kind: str, shape: str, m: int, smoke: bool) -> list[Candidate]:
     out.append(Candidate(kind, shape, "upcast", up[0], asm=False))  # the pure-Triton twin
     if m <= 16:  # what the folded decode (one multiply per value pair) buys at decode
         out.append(Candidate(kind, shape, "upcast", up[0], fold=False))
+        # held at 128 registers (148 W4A16, 164 A4W4 unheld; no spill): 4 programs an SM, so
+        # split 8's 512 programs fit one wave on 132 SMs (NOTES-gemm.md, "Four decode programs an SM")
+        out += [Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 8), maxnreg=128),
+                Candidate(kind, shape, "upcast", (16, 128, 128, 4, 4, 4), maxnreg=128)]
     out.append(Candidate(kind, shape, "upcast", up[0], layout="plain", asm=False))  # no swizzled layout
     out += [Candidate(kind, shape, "scaled", b) for b in old]
     return out

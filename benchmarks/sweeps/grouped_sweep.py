@@ -58,10 +58,14 @@ CHECK_REL = 1e-2
 """Largest relative (Frobenius) error against the reference backend: both accumulate in
 fp32 and round the output to bf16 once (~4e-3 apart at most), a wrong tile ~1."""
 SAMPLES = 8
-DECODE = (  # (block_m, block_n, block_k, warps, stages, split_k): mean rows per expert <= 16
-    (16, 128, 128, 4, 4, 1), (16, 64, 128, 4, 4, 1), (16, 128, 256, 4, 3, 1), (16, 128, 64, 4, 6, 1),
-    (16, 128, 128, 4, 6, 1), (16, 256, 128, 8, 3, 1), (16, 128, 128, 4, 4, 2), (16, 64, 256, 4, 3, 1),
-    (32, 128, 128, 4, 4, 1),
+DECODE = (  # (block_m, block_n, block_k, warps, stages, split_k[, maxnreg]): mean rows per expert <= 16
+    (16, 128, 128, 4, 4, 1),
+    # ptxas held at 128 registers: 4 programs an SM instead of 3 (130-134 unheld; 113-128 held,
+    # no spill, sm_90 triton 3.6: NOTES-gemm.md, "Four decode programs an SM")
+    (16, 128, 128, 4, 4, 1, 128), (16, 256, 128, 8, 3, 1),
+    (16, 64, 128, 4, 4, 1), (16, 128, 256, 4, 3, 1), (16, 128, 64, 4, 6, 1),
+    (16, 128, 128, 4, 6, 1), (16, 128, 128, 4, 4, 2), (16, 64, 256, 4, 3, 1),
+    (32, 128, 128, 4, 4, 1), (16, 64, 128, 4, 4, 1, 128),
 )
 PREFILL = (
     (128, 128, 128, 8, 3, 1), (128, 256, 128, 8, 3, 1), (64, 256, 128, 8, 3, 1), (128, 128, 64, 8, 4, 1),
@@ -106,8 +110,9 @@ def candidates(mean_rows: int, smoke: bool) -> list[Optional[tuple]]:
 def label(block: Optional[tuple], config: Any = None) -> str:
     if block is None:
         return "default" + (f" ({config.label()})" if config is not None else "")
-    m, n, k, w, s, sk = block
-    return f"{m}x{n}x{k} w{w} s{s}" + (f" sk{sk}" if sk != 1 else "")
+    m, n, k, w, s, sk = block[:6]
+    return (f"{m}x{n}x{k} w{w} s{s}" + (f" sk{sk}" if sk != 1 else "")
+            + (f" maxnreg={block[6]}" if len(block) > 6 else ""))
 
 
 def projections(model: Any, w: dict[str, Any], x: Any, routings: list, recipe: Any) -> dict[str, tuple]:
@@ -145,8 +150,9 @@ class Forced:
 
         self.backend._devices.clear()
         if self.block is not None:
-            m, n, k, w, s, sk = self.block
-            config = GemmConfig(m, n, k, num_warps=w, num_stages=s, split_k=sk)
+            m, n, k, w, s, sk = self.block[:6]
+            extra = (("maxnreg", self.block[6]),) if len(self.block) > 6 else ()
+            config = GemmConfig(m, n, k, num_warps=w, num_stages=s, split_k=sk, extra=extra)
             self.backend.grouped_config = lambda *args, **kwargs: config
 
     def __exit__(self, *exc) -> None:

@@ -663,7 +663,7 @@ def test_every_targets_quantize_tile_is_exact(kernel, name, target, recipe, monk
             assert torch.equal(ov.cpu().view(torch.int16), want.outlier_values.view(torch.int16))
     if recipe.macro_block is None and not recipe.outliers_per_block:  # the values output (A4W4's left operand)
         monkeypatch.setattr(backend, "_devices", {})
-        monkeypatch.setattr(type(backend), "tile_config", lambda self, kernel, target, recipe: config)
+        monkeypatch.setattr(type(backend), "tile_config", lambda self, kernel, target, recipe, masked=False: config)
         x = sample((70, 300), seed=112)
         got = backend.quantized_values(x.to(device), recipe)
         want = REF.dequantize(REF.quantize(x, recipe), torch.bfloat16)
@@ -748,6 +748,53 @@ def test_tile_config_keys_and_fallback():
         c.tile_config("transpose", sm90, None)
 
 
+def test_masked_stochastic_quantize_keeps_its_tiles():
+    """The masked variant of a stochastic quantize may take other launch options
+    ("quantize-stochastic-masked": sm_90 names ptxas' register ceiling) but never other
+    tiles, on every target of every compiled backend (the plan's grid and EVEN come
+    from the unmasked config); other recipes and the unmasked variant are unaffected."""
+    from portable_mx import registry as reg
+    from portable_mx.backends import cuda
+
+    fields = lambda t: (t.block_r, t.block_k, t.num_warps, t.order)  # noqa: E731
+    for name in ("cuda", "rocm"):
+        backend = reg.get(name)
+        for target in backend.targets:
+            from portable_mx.backends.targets import TARGETS
+
+            tg = TARGETS[target]
+            for recipe in (QR(rounding="stochastic", seed=1), QR(rounding="stochastic", seed=1, macro_block=256,
+                                                                 outliers_per_block=2)):
+                assert fields(backend.tile_config("quantize", tg, recipe, masked=True)) == fields(
+                    backend.tile_config("quantize", tg, recipe)), (name, target)
+            for recipe in (QR(), QR(outliers_per_block=2), QR(macro_block=128)):
+                assert backend.tile_config("quantize", tg, recipe, masked=True) == backend.tile_config(
+                    "quantize", tg, recipe)
+    sm90 = TARGETS["sm_90"]
+    held = reg.get("cuda").tile_config("quantize", sm90, QR(rounding="stochastic", seed=1), masked=True)
+    assert held == cuda.TARGET_TILES["sm_90"]["quantize-stochastic-masked"] and dict(held.extra)["maxnreg"] == 255
+
+
+def test_the_masked_plan_takes_the_masked_config(kernel, monkeypatch):
+    """The backend plans a ragged stochastic quantize with the masked key's config (here
+    one with other warps, as a stand-in for other launch options) and a whole one with
+    the usual config; both equal the reference."""
+    import dataclasses
+
+    backend, device = kernel
+    usual = backend.tile_config("quantize", None, QR(rounding="stochastic", seed=1))
+    masked = dataclasses.replace(usual, num_warps=2)
+    monkeypatch.setattr(backend, "tiles", {**backend.tiles, "quantize-stochastic-masked": masked})
+    monkeypatch.setattr(backend, "_devices", {})
+    recipe = QR(rounding="stochastic", seed=5)
+    for shape, want_config in (((70, 300), masked), ((64, 512), usual)):
+        x = sample(shape, seed=140)
+        assert_same_mx(backend.quantize(x.to(device), recipe), REF.quantize(x, recipe))
+        (plan,) = [p for _, p in backend._devices[torch.device(device)].quantize_plans.values()
+                   if p.ints[0] == shape[0]]
+        assert plan.launch.config == want_config and plan.launch.constexprs["EVEN"] == (want_config is usual)
+
+
 def test_tile_config_order_is_checked():
     from portable_mx.backends.triton.launch import TileConfig
 
@@ -778,7 +825,7 @@ def test_quantized_values_equal_the_reference(kernel, recipe, dtype, tile, monke
         config = TileConfig(4, 256, num_warps=4)
         assert qk.values_mode(qk.Plan.make(recipe, config), config, 32) == 1
         monkeypatch.setattr(backend, "_devices", {})
-        monkeypatch.setattr(type(backend), "tile_config", lambda self, kernel, target, recipe: config)
+        monkeypatch.setattr(type(backend), "tile_config", lambda self, kernel, target, recipe, masked=False: config)
     else:
         config = backend.tile_config("quantize", None, recipe)
         assert qk.values_mode(qk.Plan.make(recipe, config), config, 32) == 2

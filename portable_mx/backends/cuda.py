@@ -18,12 +18,10 @@ from .triton.launch import GemmConfig, TileConfig
 # tile: decompose._load_words says why): 8 x 256 on 8 warps keeps it at 78-134 registers
 # (8 x 256 on 4 warps spilled the heaviest recipe; registers as measured before the load
 # change of 2026-11-26, which the compile matrix still passes without spills). dequantize: a
-# whole block a thread, 16 x 256: 32 registers for every output dtype. "quantize-heavy" names ptxas' ceiling (255): without it ptxas held
-# the masked heaviest recipe (stochastic, MBS-256, OF-2) at 128 registers with a spill
-# under triton 3.6 (NOTES-elementwise.md section 12); with it, 105 and none.
+# whole block a thread, 16 x 256: 32 registers for every output dtype.
 TILES = {
     "quantize": TileConfig(16, 256, num_warps=4),
-    "quantize-heavy": TileConfig(16, 256, num_warps=4, extra=(("maxnreg", 255),)),
+    "quantize-heavy": TileConfig(16, 256, num_warps=4),
     "dequantize": TileConfig(16, 256, num_warps=4),
     "decompose": TileConfig(16, 256, num_warps=4),
     "decompose-full": TileConfig(8, 256, num_warps=8),
@@ -34,10 +32,16 @@ TILES = {
 # moves its bytes faster, 0.77 of copy at 32 x 256 on 4 warps against 0.70 at 16 x 256
 # (16 x 256 on 2 warps 0.75, 64 x 256 on 8 warps 0.75: the same two blocks a thread); MBS
 # at two blocks a thread is slower (0.47 and 0.33 against 0.51), so it keeps one.
+# The masked variant (ragged tiles) of a stochastic quantize names ptxas' ceiling (255):
+# without it ptxas held the heaviest recipe (stochastic, MBS-256, OF-2) at 128 registers
+# with an 8-byte spill under triton 3.6; with it 105 and none, stochastic alone 126 -> 118
+# (with outliers only, the ceiling would cost registers: 72 -> 96, 79 -> 102; not taken).
+# NOTES-elementwise.md section 12.
 TARGET_TILES = {
     "sm_90": {
         "quantize": TileConfig(32, 256, num_warps=4),
         "quantize-macro": TileConfig(16, 256, num_warps=4),
+        "quantize-stochastic-masked": TileConfig(16, 256, num_warps=4, extra=(("maxnreg", 255),)),
     },
 }
 

@@ -240,14 +240,20 @@ class TritonBackend(Backend):
     tiles: dict[str, TileConfig] = {}
     """Default tile config per kernel: "quantize", "quantize-heavy" (stochastic rounding or
     outliers), "quantize-macro" (macro blocks, not heavy; "quantize" where absent),
+    "quantize-stochastic-masked" (optional: the masked variant with stochastic rounding,
+    the same tiles as the key it replaces),
     "dequantize", "decompose" (statistics only), "decompose-full" (with the element
     tensors)."""
 
     target_tiles: dict[str, dict[str, TileConfig]] = {}
     """Per target name, tile configs that replace those of ``tiles`` there."""
 
-    def tile_config(self, op: str, target: Optional[Target], recipe: Optional[QuantRecipe]) -> TileConfig:
-        """The tile config and launch options of ``op`` on ``target`` for ``recipe``."""
+    def tile_config(self, op: str, target: Optional[Target], recipe: Optional[QuantRecipe],
+                    masked: bool = False) -> TileConfig:
+        """The tile config and launch options of ``op`` on ``target`` for ``recipe``;
+        ``masked``: for the masked variant (ragged tiles) of a quantize, where a target's
+        "quantize-stochastic-masked" (same tiles, other launch options) comes first for
+        stochastic rounding."""
         key = op
         if op == "quantize" and recipe is not None:
             if recipe.rounding == "stochastic" or recipe.outliers_per_block > 0:
@@ -255,7 +261,10 @@ class TritonBackend(Backend):
             elif recipe.macro_block is not None:
                 key = "quantize-macro"
         own = self.target_tiles.get(target.name, {}) if target is not None else {}
-        for k in (key, "quantize") if key == "quantize-macro" else (key,):
+        keys = (key, "quantize") if key == "quantize-macro" else (key,)
+        if masked and op == "quantize" and recipe is not None and recipe.rounding == "stochastic":
+            keys = ("quantize-stochastic-masked",) + keys
+        for k in keys:
             config = own.get(k) or self.tiles.get(k)
             if config is not None:
                 return config
@@ -562,6 +571,8 @@ class TritonBackend(Backend):
         constexprs = {**plan.constexprs, "IN_KIND": IN_KINDS[src], "EVEN": plan.even(r, k),
                       "FMA_DIV": fma_divides(interpreting()),
                       "VALUES": kernels.values_mode(plan, config, warp) if values else 0}
+        if not constexprs["EVEN"]:  # the masked variant: the same tiles, maybe other launch options
+            config = self.tile_config("quantize", st.target, recipe, masked=True)
         launch = Launch("quantize", kernels.quantize_kernel, plan.grid(r, k), constexprs, self.options(config), config)
         out = _QuantizePlan(launch, words, (r, kp // 2), (r, nb), (r, nm) if mb else None,
                             (r, nb, n_out) if n_out else None, (r, (k + 1) // 2, kp // 2, nm, stride_w, recipe.seed))
@@ -833,7 +844,7 @@ class TritonBackend(Backend):
             out += [quantize.launch_spec(d, recipe, config, self.options(config)) for d in dtypes]
         # the masked variant (ragged tiles) of the plainest and of the heaviest recipe
         for recipe in (QuantRecipe(), _AOT_RECIPES[-1]):
-            config = self.tile_config("quantize", target, recipe)
+            config = self.tile_config("quantize", target, recipe, masked=True)
             out.append(quantize.launch_spec(torch.bfloat16, recipe, config, self.options(config), even=False))
         # quantized_values (the left operand of a decode-size A4W4 GEMM on upcast targets),
         # for bf16 and fp32 tokens, nearest and stochastic rounding

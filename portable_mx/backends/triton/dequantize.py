@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ...tensor import MXTensor
-from .encode import exact_grid, program_tile, tile_grid
+from .encode import exact_grid, program_tile, store_block_words, tile_grid
 from .launch import KernelLaunch, TileConfig
 from .numerics import F32_QNAN, bf16_round_bits, decode_bits, exp2i, f16_bits
 
@@ -127,56 +127,8 @@ def dequantize_kernel(
             hi = f16_bits(hi)
             nan = F16_QNAN
         word = tl.where(special, nan | (nan << 16), lo | (hi << 16))
-    _store_words(out_ptr, word, rows, pid_k * (BLOCK_K // 2), R, KW, BLOCK_R, NBK, EVEN, 2 if OUT_KIND == 0 else 4)
-
-
-@triton.jit
-def _store_piece(ptr, piece, rows, wcol0, j, R, KW, BLOCK_R: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr,
-                 VEC: tl.constexpr):
-    """Store piece ``j`` [BR, NBK, VEC] of each block (its words j * VEC ...) as a
-    [BR, NBK * VEC] tile: contiguous runs of VEC words give it a layout that spreads
-    threads over the blocks, then the rows, as the [BR, BLOCK_K / 2] code load's does."""
-    t = tl.arange(0, NBK * VEC)
-    wcol = wcol0 + ((t // VEC) * 16 + t % VEC + j * VEC)[None, :]
-    flat = tl.reshape(piece, (BLOCK_R, NBK * VEC))
-    if EVEN:
-        tl.store(ptr + rows[:, None] * KW + wcol, flat)
-    else:
-        tl.store(ptr + rows[:, None] * KW + wcol, flat, mask=(rows[:, None] < R) & (wcol < KW))
-
-
-@triton.jit
-def _store_words(ptr, words, rows, wcol0, R, KW, BLOCK_R: tl.constexpr, NBK: tl.constexpr, EVEN: tl.constexpr,
-                 VEC: tl.constexpr):
-    """Store words [BR, NBK, 16] (a thread's whole blocks; int32 with VEC = 4, int64 with
-    VEC = 2) at word columns wcol0 + ... of rows of KW words, in 16-byte pieces of VEC
-    words split in the thread's registers (encode.store_block_words' split)."""
-    if VEC == 4:  # word 8 b + 4 a + v: [.., v, a, b], piece 2 b + a
-        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2))
-        x, y = tl.split(w)
-        p0, p1 = tl.split(x)
-        p2, p3 = tl.split(y)
-        _store_piece(ptr, p0, rows, wcol0, 0, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p1, rows, wcol0, 1, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p2, rows, wcol0, 2, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p3, rows, wcol0, 3, R, KW, BLOCK_R, NBK, EVEN, VEC)
-    else:  # word 8 d + 4 b + 2 a + v: [.., v, a, b, d], piece 4 d + 2 b + a
-        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 2, 2)), (0, 1, 5, 4, 3, 2))
-        x, y = tl.split(w)
-        x0, x1 = tl.split(x)
-        y0, y1 = tl.split(y)
-        p0, p1 = tl.split(x0)
-        p2, p3 = tl.split(x1)
-        p4, p5 = tl.split(y0)
-        p6, p7 = tl.split(y1)
-        _store_piece(ptr, p0, rows, wcol0, 0, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p1, rows, wcol0, 1, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p2, rows, wcol0, 2, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p3, rows, wcol0, 3, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p4, rows, wcol0, 4, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p5, rows, wcol0, 5, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p6, rows, wcol0, 6, R, KW, BLOCK_R, NBK, EVEN, VEC)
-        _store_piece(ptr, p7, rows, wcol0, 7, R, KW, BLOCK_R, NBK, EVEN, VEC)
+    store_block_words(out_ptr, word, rows, pid_k * BLOCK_K, 0, R, KW, KW, BLOCK_R, NBK, BLOCK_K, EVEN,
+                      2 if OUT_KIND == 0 else 4)
 
 
 def _constexprs(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, even: bool) -> dict:

@@ -323,6 +323,33 @@ def pmx_layer(model: MoEShape, w: dict[str, Any], recipe) -> Callable:
     return layer
 
 
+def pmx_prefixes(model: MoEShape, w: dict[str, Any], recipe) -> dict[str, Callable]:
+    """The first stages of :func:`pmx_layer`, each a call from the same arguments: "route"
+    (``pmx.route`` alone) and "route+up" (and the up projection with its gather, bias and
+    activation): their replay times, beside the whole layer's, split it (:func:`stage_split`)."""
+    import portable_mx as pmx
+
+    def route(x, logits, ids, weights):
+        return pmx.route(ids, weights, model.experts)
+
+    def route_up(x, logits, ids, weights):
+        r = pmx.route(ids, weights, model.experts)
+        return pmx.grouped_matmul(x, w["w1_mx"], routing=r, gather=True, bias=w["b1"], activation=model.activation,
+                                  recipe=recipe)
+
+    return {"route": route, "route+up": route_up}
+
+
+def stage_split(prefix_ms: dict[str, Any], layer_ms: Any) -> dict[str, float]:
+    """ms of each stage of the layer from the replay times of its prefixes and of the whole
+    layer: routing, up projection, down projection with the combine; {} when a time is
+    missing (a prefix that could not be captured)."""
+    route, up = prefix_ms.get("route"), prefix_ms.get("route+up")
+    if not all(isinstance(t, float) for t in (route, up, layer_ms)):
+        return {}
+    return {"route": route, "up": up - route, "down+combine": layer_ms - up}
+
+
 def grouped_mm_layer(model: MoEShape, w: dict[str, Any]) -> Optional[Callable]:
     """The bf16 layer on ``torch.nn.functional.grouped_mm`` (None where torch lacks it)."""
     import torch
@@ -517,7 +544,13 @@ def measure_case(model: MoEShape, w: dict[str, Any], tokens: int, routing: str, 
     times: dict[str, Optional[float]] = dict(timer(fns))
     row = build_row(model, tokens, routing, times, touched, bandwidth, errors, notes)
     if device.type == "cuda" and tokens <= GRAPH_TOKENS:
-        add_graph_times(row, graph_times(impls, x, samples[0], timer))
+        graph = graph_times(impls, x, samples[0], timer)
+        add_graph_times(row, graph)
+        if "pmx_w4a16" in impls and isinstance(graph.get("pmx_w4a16"), float):  # where its replay goes
+            prefixes = pmx_prefixes(model, w, recipes["w4a16"])
+            split = stage_split(graph_times(prefixes, x, samples[0], timer, names=tuple(prefixes)),
+                                graph["pmx_w4a16"])
+            row["impls"]["pmx_w4a16"]["graph_stages_ms"] = split
     return row
 
 
@@ -532,16 +565,17 @@ GRAPHED = ("bf16_grouped_mm", "pmx_w4a16", "pmx_a4w4")
 the host, and the peer routes inside its call)."""
 
 
-def graph_times(impls: dict[str, Callable], x: Any, sample: tuple, timer: Callable) -> dict[str, Any]:
-    """Per implementation, the ms of one replay of a CUDA graph of the layer on one routing
-    (``sample``), timed with ``timer``; or the reason it could not be captured (a layer
-    that synchronises with the host cannot be: that is a finding, not a failure)."""
+def graph_times(impls: dict[str, Callable], x: Any, sample: tuple, timer: Callable,
+                names: Sequence[str] = GRAPHED) -> dict[str, Any]:
+    """Per implementation of ``names``, the ms of one replay of a CUDA graph of the layer on
+    one routing (``sample``), timed with ``timer``; or the reason it could not be captured
+    (a layer that synchronises with the host cannot be: that is a finding, not a failure)."""
     import torch
 
     graphs: dict[str, Any] = {}
     out: dict[str, Any] = {}
     for name, fn in impls.items():
-        if name not in GRAPHED:
+        if name not in names:
             continue
         try:
             side = torch.cuda.Stream()
@@ -619,6 +653,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append("replayed from a CUDA graph (one routing):")
         for r in graphed:
             lines.append(_table_line(r, names, "graph_ms", "graph_speedup"))
+            stages = (r["impls"].get("pmx_w4a16") or {}).get("graph_stages_ms")
+            if stages:
+                lines.append("  pmx_w4a16 stages: " + ", ".join(f"{k} {v:.4f} ms" for k, v in stages.items()))
             for n in names:
                 note = (r["impls"].get(n) or {}).get("graph_note")
                 if note:
@@ -684,7 +721,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "models": {m: asdict(table[m]) for m in args.models},
         "method": "CUDA events around --inner back-to-back layer calls, median of --repeats, implementations "
                   "interleaved; each call takes the next of --samples routings. Up to GRAPH_TOKENS tokens also "
-                  "graph_ms: the layer on the first routing captured in a CUDA graph, replays timed the same way",
+                  "graph_ms: the layer on the first routing captured in a CUDA graph, replays timed the same way; "
+                  "pmx_w4a16's graph_stages_ms split its replay by the replays of its prefixes (the routing; "
+                  "the routing and the up projection)",
         "copy_bandwidth_gbs": None if bandwidth is None else bandwidth / 1e9,
         "repeats": args.repeats, "warmup": args.warmup, "inner": args.inner, "samples": args.samples,
         "seconds": None,

@@ -653,6 +653,40 @@ def test_moe_graph_replays_judge_the_goals_too():
     assert moe.summarize_goals([row, other])[0]["graph_met"] is None
 
 
+def test_moe_stage_split_of_the_replay():
+    """The replay of pmx_w4a16 split by its prefixes' replays: routing, up projection, down
+    projection with the combine; the prefixes compute what the layer's first stages do
+    (reference backend, a tiny model); a prefix that could not be captured gives no split."""
+    import portable_mx as pmx
+
+    moe = _moe()
+    assert moe.stage_split({"route": 0.01, "route+up": 0.13}, 0.34) == pytest.approx(
+        {"route": 0.01, "up": 0.12, "down+combine": 0.21})
+    assert moe.stage_split({"route": "not capturable: x", "route+up": 0.13}, 0.34) == {}
+    assert moe.stage_split({"route": 0.01, "route+up": 0.13}, "not capturable: y") == {}
+
+    model = moe.SMOKE_MODELS["tiny-qwen3"]
+    w = moe.make_weights(model, torch.device("cpu"))
+    logits, ids, weights = moe.routing_samples(model, 3, "uniform", 1, torch.device("cpu"))[0]
+    x = torch.randn(3, model.hidden).to(torch.bfloat16)
+    recipe = pmx.QuantRecipe(activations="bf16")
+    prefixes = moe.pmx_prefixes(model, w, recipe)
+    r = prefixes["route"](x, logits, ids, weights)
+    want = pmx.route(ids, weights, model.experts)
+    assert torch.equal(r.gather_index, want.gather_index) and torch.equal(r.offsets, want.offsets)
+    h = pmx.grouped_matmul(x, w["w1_mx"], routing=want, gather=True, bias=w["b1"], activation=model.activation,
+                           recipe=recipe)
+    assert torch.equal(prefixes["route+up"](x, logits, ids, weights), h)
+    assert torch.equal(pmx.grouped_matmul(h, w["w2_mx"], routing=want, scatter=True, bias=w["b2"], recipe=recipe),
+                       moe.pmx_layer(model, w, recipe)(x, logits, ids, weights))
+
+    oss = moe.MODELS["gpt-oss-20b"]
+    row = moe.build_row(oss, 1, "uniform", {"bf16_grouped_mm": 0.8, "pmx_w4a16": 1.3}, 4.0, 4e12, {}, {})
+    moe.add_graph_times(row, {"bf16_grouped_mm": 0.06, "pmx_w4a16": 0.02})
+    row["impls"]["pmx_w4a16"]["graph_stages_ms"] = moe.stage_split({"route": 0.004, "route+up": 0.011}, 0.02)
+    assert "pmx_w4a16 stages: route 0.0040 ms, up 0.0070 ms, down+combine 0.0090 ms" in moe.format_table([row])
+
+
 def test_moe_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
     """The reference backend on tiny models: every implementation checked against the
     float32 loop of its weights, then timed (a fake timer here), the JSON written."""

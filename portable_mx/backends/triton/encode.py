@@ -175,7 +175,7 @@ def chunk_blocks(rows, col0, c, R, NB, NBK: tl.constexpr, SPAN: tl.constexpr):
 
 @triton.jit
 def load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
-                     SPAN: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr):
+                     SPAN: tl.constexpr, VEC: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr = True):
     """The words [BR, NBK, 16] of chunk ``c``, one 32-block per thread, for kernels with
     no store of the words' shape to lend the load its width (decompose; quantize's values
     output).
@@ -187,34 +187,36 @@ def load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R: tl.const
     registers and the permute + reshape to [BR, NBK, 16] puts the words back in column
     order (stochastic rounding draws by column, so the order matters). (One
     [16/VEC, BR, NBK, VEC] pointer did the same under Triton 3.9, but Triton 3.6 spread
-    its first dimension over 4 lanes: blocks shared by 4 threads.)"""
-    w = _load_four_pieces(w_ptr, rows, col0, c, 0, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN)
+    its first dimension over 4 lanes: blocks shared by 4 threads.) FLAT = False loads
+    [BR, NBK, VEC] pieces instead, laid out rows first: for a kernel with no per-block
+    tensor to agree with (quantize's values output: fewer registers that way)."""
+    w = _load_four_pieces(w_ptr, rows, col0, c, 0, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
     if VEC == 4:  # [BR, NBK, VEC, a, b], piece 2 b + a
         return tl.reshape(tl.permute(w, (0, 1, 4, 3, 2)), (BLOCK_R, NBK, 16))
     else:  # eight pieces of two: [BR, NBK, VEC, a, b, c], piece 4 c + 2 b + a
         w = tl.join(w, _load_four_pieces(w_ptr, rows, col0, c, 4, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN,
-                                         EVEN))
+                                         EVEN, FLAT))
         return tl.reshape(tl.permute(w, (0, 1, 5, 4, 3, 2)), (BLOCK_R, NBK, 16))
 
 
 @triton.jit
 def store_block_words(ptr, words, rows, col0, c, R, KW, stride, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
-                      SPAN: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr = 4):
+                      SPAN: tl.constexpr, EVEN: tl.constexpr, VEC: tl.constexpr = 4, FLAT: tl.constexpr = True):
     """Store words [BR, NBK, 16] (one 32-block's 16 words a thread, as
     :func:`load_block_words` loads them; int32 with VEC = 4, int64 with VEC = 2) at word
     columns ``col0 // 2 + c * NBK * 16 + ...`` of rows of ``stride`` words, masked to the
     span and KW words unless EVEN: the block's 16-byte pieces of VEC words split in the
     thread's registers and stored one by one (:func:`_store_piece`), so that no store
-    asks for a layout that spreads a block over threads."""
+    asks for a layout that spreads a block over threads. FLAT as :func:`load_block_words`."""
     if VEC == 4:  # word 8 b + 4 a + v: [.., v, a, b], piece 2 b + a
         w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2))
         x, y = tl.split(w)
         p0, p1 = tl.split(x)
         p2, p3 = tl.split(y)
-        _store_piece(ptr, p0, rows, col0, c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p1, rows, col0, c, 1, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p2, rows, col0, c, 2, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p3, rows, col0, c, 3, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
+        _store_piece(ptr, p0, rows, col0, c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p1, rows, col0, c, 1, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p2, rows, col0, c, 2, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p3, rows, col0, c, 3, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
     else:  # word 8 d + 4 b + 2 a + v: [.., v, a, b, d], piece 4 d + 2 b + a
         w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 2, 2)), (0, 1, 5, 4, 3, 2))
         x, y = tl.split(w)
@@ -224,67 +226,80 @@ def store_block_words(ptr, words, rows, col0, c, R, KW, stride, BLOCK_R: tl.cons
         p2, p3 = tl.split(x1)
         p4, p5 = tl.split(y0)
         p6, p7 = tl.split(y1)
-        _store_piece(ptr, p0, rows, col0, c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p1, rows, col0, c, 1, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p2, rows, col0, c, 2, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p3, rows, col0, c, 3, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p4, rows, col0, c, 4, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p5, rows, col0, c, 5, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p6, rows, col0, c, 6, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
-        _store_piece(ptr, p7, rows, col0, c, 7, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN)
+        _store_piece(ptr, p0, rows, col0, c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p1, rows, col0, c, 1, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p2, rows, col0, c, 2, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p3, rows, col0, c, 3, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p4, rows, col0, c, 4, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p5, rows, col0, c, 5, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p6, rows, col0, c, 6, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_piece(ptr, p7, rows, col0, c, 7, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
 
 
 @triton.jit
-def _piece_offsets(c, j, NBK: tl.constexpr, VEC: tl.constexpr):
-    """Word offsets in the span [1, NBK * VEC] of piece ``j`` (words j VEC .. j VEC + VEC
-    - 1) of every block of chunk ``c``: runs of VEC contiguous words, 16 words apart. A
-    tile of such runs is coalesced VEC words a thread with the threads along the flat
-    axis, i.e. over the blocks, then the rows (a [BR, NBK, VEC] tile, whose blocks are
-    not contiguous, was laid out rows first, unlike the per-block tensors)."""
-    t = tl.arange(0, NBK * VEC)
-    return (c * NBK * 16 + (t // VEC) * 16 + t % VEC + j * VEC)[None, :]
+def _piece_offsets(c, j, NBK: tl.constexpr, VEC: tl.constexpr, FLAT: tl.constexpr):
+    """Word offsets in the span of piece ``j`` (words j VEC .. j VEC + VEC - 1) of every
+    block of chunk ``c``: FLAT, [1, NBK * VEC], runs of VEC contiguous words 16 words
+    apart (a tile of such runs is coalesced VEC words a thread with the threads along the
+    flat axis: over the blocks, then the rows, as the per-block tensors are laid out);
+    else [1, NBK, VEC] (whose blocks are not contiguous: laid out rows first)."""
+    if FLAT:
+        t = tl.arange(0, NBK * VEC)
+        return (c * NBK * 16 + (t // VEC) * 16 + t % VEC + j * VEC)[None, :]
+    else:
+        return c * NBK * 16 + tl.arange(0, NBK)[None, :, None] * 16 + tl.arange(0, VEC)[None, None, :] + j * VEC
+
+
+@triton.jit
+def _piece_rows(rows, FLAT: tl.constexpr):
+    """``rows`` broadcast against :func:`_piece_offsets`."""
+    if FLAT:
+        return rows[:, None]
+    else:
+        return rows[:, None, None]
 
 
 @triton.jit
 def _store_piece(ptr, piece, rows, col0, c, j, R, KW, stride, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
-                 VEC: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr):
-    """Store piece ``j`` [BR, NBK, VEC] of every block of chunk ``c`` (as a flat tile:
-    :func:`_piece_offsets`)."""
-    inner = _piece_offsets(c, j, NBK, VEC)
+                 VEC: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr):
+    """Store piece ``j`` [BR, NBK, VEC] of every block of chunk ``c`` (:func:`_piece_offsets`)."""
+    inner = _piece_offsets(c, j, NBK, VEC, FLAT)
     wcol = col0 // 2 + inner
-    p = ptr + rows[:, None] * stride + wcol
-    flat = tl.reshape(piece, (BLOCK_R, NBK * VEC))
+    r = _piece_rows(rows, FLAT)
+    p = ptr + r * stride + wcol
+    if FLAT:
+        piece = tl.reshape(piece, (BLOCK_R, NBK * VEC))
     if EVEN:
-        tl.store(p, flat)
+        tl.store(p, piece)
     else:
-        tl.store(p, flat, mask=(rows[:, None] < R) & (inner < SPAN // 2) & (wcol < KW))
+        tl.store(p, piece, mask=(r < R) & (inner < SPAN // 2) & (wcol < KW))
 
 
 @triton.jit
 def _load_four_pieces(w_ptr, rows, col0, c, j0, R, KW_IN, stride_w, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
-                      VEC: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr):
+                      VEC: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr):
     """Pieces j0 .. j0 + 3 of every block of chunk ``c``, stacked in each thread as
     [BR, NBK, VEC, a, b] (piece j0 + 2 b + a)."""
-    p0 = _load_piece(w_ptr, rows, col0, c, j0, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN)
-    p1 = _load_piece(w_ptr, rows, col0, c, j0 + 1, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN)
-    p2 = _load_piece(w_ptr, rows, col0, c, j0 + 2, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN)
-    p3 = _load_piece(w_ptr, rows, col0, c, j0 + 3, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN)
+    p0 = _load_piece(w_ptr, rows, col0, c, j0, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+    p1 = _load_piece(w_ptr, rows, col0, c, j0 + 1, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+    p2 = _load_piece(w_ptr, rows, col0, c, j0 + 2, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+    p3 = _load_piece(w_ptr, rows, col0, c, j0 + 3, R, KW_IN, stride_w, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
     return tl.join(tl.join(p0, p1), tl.join(p2, p3))
 
 
 @triton.jit
 def _load_piece(w_ptr, rows, col0, c, j, R, KW_IN, stride_w, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
-                VEC: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr):
+                VEC: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr):
     """Piece ``j`` [BR, NBK, VEC] of every block of chunk ``c`` from element column
-    ``col0`` (loaded as a flat tile: :func:`_piece_offsets`; masked to the span and the
-    input unless EVEN)."""
-    inner = _piece_offsets(c, j, NBK, VEC)
+    ``col0`` (:func:`_piece_offsets`; masked to the span and the input unless EVEN)."""
+    inner = _piece_offsets(c, j, NBK, VEC, FLAT)
     wcol = col0 // 2 + inner
-    ptr = w_ptr + rows[:, None] * stride_w + wcol
+    r = _piece_rows(rows, FLAT)
+    ptr = w_ptr + r * stride_w + wcol
     if EVEN:
         w = tl.load(ptr)
     else:
-        w = tl.load(ptr, mask=(rows[:, None] < R) & (inner < SPAN // 2) & (wcol < KW_IN), other=0)
+        w = tl.load(ptr, mask=(r < R) & (inner < SPAN // 2) & (wcol < KW_IN), other=0)
     return tl.reshape(w, (BLOCK_R, NBK, VEC))
 
 

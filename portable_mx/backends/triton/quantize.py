@@ -90,7 +90,7 @@ def quantize_kernel(
         bidx, bmask = chunk_blocks(rows, col0, c, R, NB, NBK, SPAN)
         if VALUES == 2:  # no store of the words' shape lends the load its width: whole blocks a thread
             w = load_block_words(w_ptr, rows, col0, c, R, KW_IN, stride_w, BLOCK_R, NBK, SPAN,
-                                 2 if IN_KIND == 2 else 4, EVEN)
+                                 2 if IN_KIND == 2 else 4, EVEN, False)  # (no per-block tensor: rows first)
         else:
             if EVEN:
                 w = tl.load(w_ptr + rows[:, None] * stride_w + wcol)
@@ -165,7 +165,7 @@ def _store_values(q_ptr, rows, col0, c, R, wcol, smask, code_lo, code_hi, e, spe
     the thread that holds it (encode.store_block_words), else as a [BR, BW] tile."""
     word = values_word(code_lo, code_hi, e, special)
     if WHOLE:
-        store_block_words(q_ptr, word, rows, col0, c, R, KW, KW, BLOCK_R, NBK, SPAN, EVEN)
+        store_block_words(q_ptr, word, rows, col0, c, R, KW, KW, BLOCK_R, NBK, SPAN, EVEN, 4, False)
     else:
         word = flat(word, BLOCK_R, NBK * 16)
         if EVEN:

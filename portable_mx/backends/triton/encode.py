@@ -209,31 +209,26 @@ def store_block_words(ptr, words, rows, col0, c, R, KW, stride, BLOCK_R: tl.cons
     thread's registers and stored one by one (:func:`_store_piece`), so that no store
     asks for a layout that spreads a block over threads. FLAT as :func:`load_block_words`."""
     if VEC == 4:  # word 8 b + 4 a + v: [.., v, a, b], piece 2 b + a
-        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2))
-        x, y = tl.split(w)
-        p0, p1 = tl.split(x)
-        p2, p3 = tl.split(y)
-        _store_piece(ptr, p0, rows, col0, c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p1, rows, col0, c, 1, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p2, rows, col0, c, 2, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p3, rows, col0, c, 3, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_four_pieces(ptr, tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 4)), (0, 1, 4, 3, 2)), rows, col0,
+                           c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
     else:  # word 8 d + 4 b + 2 a + v: [.., v, a, b, d], piece 4 d + 2 b + a
-        w = tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 2, 2)), (0, 1, 5, 4, 3, 2))
-        x, y = tl.split(w)
-        x0, x1 = tl.split(x)
-        y0, y1 = tl.split(y)
-        p0, p1 = tl.split(x0)
-        p2, p3 = tl.split(x1)
-        p4, p5 = tl.split(y0)
-        p6, p7 = tl.split(y1)
-        _store_piece(ptr, p0, rows, col0, c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p1, rows, col0, c, 1, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p2, rows, col0, c, 2, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p3, rows, col0, c, 3, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p4, rows, col0, c, 4, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p5, rows, col0, c, 5, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p6, rows, col0, c, 6, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
-        _store_piece(ptr, p7, rows, col0, c, 7, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        x, y = tl.split(tl.permute(tl.reshape(words, (BLOCK_R, NBK, 2, 2, 2, 2)), (0, 1, 5, 4, 3, 2)))
+        _store_four_pieces(ptr, x, rows, col0, c, 0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+        _store_four_pieces(ptr, y, rows, col0, c, 4, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+
+
+@triton.jit
+def _store_four_pieces(ptr, w, rows, col0, c, j0, R, KW, stride, BLOCK_R: tl.constexpr, NBK: tl.constexpr,
+                       VEC: tl.constexpr, SPAN: tl.constexpr, EVEN: tl.constexpr, FLAT: tl.constexpr):
+    """Store pieces j0 .. j0 + 3 of every block, stacked in each thread as
+    [BR, NBK, VEC, a, b] (piece j0 + 2 b + a; the inverse of :func:`_load_four_pieces`)."""
+    x, y = tl.split(w)
+    p0, p1 = tl.split(x)
+    p2, p3 = tl.split(y)
+    _store_piece(ptr, p0, rows, col0, c, j0, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+    _store_piece(ptr, p1, rows, col0, c, j0 + 1, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+    _store_piece(ptr, p2, rows, col0, c, j0 + 2, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
+    _store_piece(ptr, p3, rows, col0, c, j0 + 3, R, KW, stride, BLOCK_R, NBK, VEC, SPAN, EVEN, FLAT)
 
 
 @triton.jit

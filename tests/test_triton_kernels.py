@@ -379,8 +379,8 @@ def test_outliers_of_special_signed_and_tied_blocks(kernel, dtype, k):
         pairs = [(int(idx[r, j]), float(val[r, j])) for j in range(k)]
         for (gi, gv), (wi, wv) in zip(sorted(pairs), sorted(want[:k])):
             wv = float(torch.tensor(wv).to(dtype).to(torch.bfloat16).float())  # the input's, then bf16's rounding
-            assert gi == wi and (math.isnan(gv) if math.isnan(wv) else (gv == wv and math.copysign(1, gv) == math.copysign(1, wv))), (
-                f"row {r} ({dtype}): got {pairs}, want {want[:k]}")
+            same = math.isnan(gv) if math.isnan(wv) else (gv == wv and math.copysign(1, gv) == math.copysign(1, wv))
+            assert gi == wi and same, f"row {r} ({dtype}): got {pairs}, want {want[:k]}"
     assert_same_mx(got, REF.quantize(x, recipe))
 
 

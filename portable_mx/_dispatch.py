@@ -152,9 +152,7 @@ def backend_left_operand(backend, a: Operand, recipe: QuantRecipe, m: int, n: in
     W4A16 GEMM on a's quantized values (:meth:`Backend.left_values`), those values: bf16
     [X, K], the same products."""
     if isinstance(a, _Tensor) and recipe.activations == "mxfp4" and backend.left_values(m, n, recipe, a.device):
-        k = a.shape[1]
-        values = backend.quantized_values(a, recipe)
-        return values if values.shape[1] == k else values[:, :k]
+        return backend.token_values(a, recipe)
     return left_operand(a, recipe)
 
 

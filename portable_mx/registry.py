@@ -83,14 +83,19 @@ class Backend:
         is the exact twin a backend's own one-pass form is held to."""
         return self.dequantize(self.quantize(x, recipe), torch.bfloat16)
 
+    def token_values(self, a: torch.Tensor, recipe: "QuantRecipe") -> torch.Tensor:
+        """:meth:`quantized_values` of float tokens a [M, K] cut to their K columns (bf16
+        [M, K]): the left operand of the W4A16 GEMM that stands for A4W4."""
+        values = self.quantized_values(a, recipe)
+        k = a.shape[1]
+        return values if values.shape[1] == k else values[:, :k]
+
     def matmul_on_values(self, a: torch.Tensor, recipe: "QuantRecipe", b: "MXTensor",
                          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``matmul`` of float tokens a [M, K] quantized with ``recipe`` (one that
-        :meth:`left_values` accepted) by b: the W4A16 GEMM on :meth:`quantized_values`.
+        :meth:`left_values` accepted) by b: the W4A16 GEMM on :meth:`token_values`.
         This default is the exact twin a backend's own form (one launch) is held to."""
-        values = self.quantized_values(a, recipe)
-        k = a.shape[1]
-        return self.matmul(values if values.shape[1] == k else values[:, :k], b, out_dtype)
+        return self.matmul(self.token_values(a, recipe), b, out_dtype)
 
     def left_values(self, m: int, n: int, recipe: "QuantRecipe", device: torch.device) -> bool:
         """Whether ``matmul`` of an M-row float left operand quantized with ``recipe`` by an

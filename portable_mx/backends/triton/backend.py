@@ -594,9 +594,7 @@ class TritonBackend(Backend):
         if ov is None:
             ov = oi = s
         else:
-            from .dequantize import outlier_words
-
-            ov, oi = outlier_words(ov, oi)
+            ov, oi = _module(".dequantize").outlier_words(ov, oi)
         aligned = q.data_ptr() % 16 == 0 and s.data_ptr() % 16 == 0 and m.data_ptr() % 16 == 0 \
             and ov.data_ptr() % 16 == 0 and oi.data_ptr() % 16 == 0
         r, kp = q.shape[0], mx.k_padded

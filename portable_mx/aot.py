@@ -117,6 +117,7 @@ class _Toolchain:
     asm_key: str  # the assembly text searched for MMA and native instructions
     mma_pattern: str  # matrix-multiply instruction names in that text
     read_resources: Callable[[Any], _Resources]
+    assert_pattern: str  # what a compiled-in tl.device_assert leaves in that text
 
 
 def _int(pattern: str, text: str) -> Optional[int]:
@@ -246,8 +247,9 @@ def _amd_resources(kernel) -> _Resources:
 
 
 _TOOLCHAINS: dict[str, _Toolchain] = {
-    "cuda": _Toolchain("ptx", r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", _nvidia_resources),
-    "hip": _Toolchain("amdgcn", r"\bv_(?:mfma|smfmac|wmma)\w*", _amd_resources),
+    "cuda": _Toolchain("ptx", r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", _nvidia_resources,
+                       r"\bcall\.uni\s+__assertfail\b"),
+    "hip": _Toolchain("amdgcn", r"\bv_(?:mfma|smfmac|wmma)\w*", _amd_resources, r"\bs_trap\s+2\b"),
 }
 
 
@@ -377,6 +379,8 @@ def compile_launch(launch: KernelLaunch, target: Target) -> CompileResult:
     if native is False:
         problems.append(f"no native MX instruction (/{target.native_mx_pattern}/) on {target.name}; "
                         f"MMA found: {', '.join(mma) or 'none'}")
+    if launch.device_asserts and re.search(toolchain.assert_pattern, asm) is None:
+        problems.append(f"device assertion compiled out (/{toolchain.assert_pattern}/ not in the {toolchain.asm_key})")
     return CompileResult(launch.kernel, launch.label, target.name, True, None, shared, target.shared_memory,
                          resources.registers, resources.spill_bytes, native, mma, dict(resources.extra),
                          time.perf_counter() - start, problems)

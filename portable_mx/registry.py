@@ -143,14 +143,15 @@ class Backend:
         accumulation order) plus bias[e] in fp32, rounded once."""
         raise NotImplementedError
 
-    def route(self, topk_ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-              tile_m: int) -> Optional[tuple]:
+    def route(self, topk_ids: torch.Tensor, num_experts: int, tile_m: int) -> Optional[tuple]:
         """The routing metadata of :func:`portable_mx.route` (op "grouped_matmul") made in
         the backend's own way: (counts, offsets, gather_index, scatter_index,
-        sorted_weights, tile_schedule, ok) as moe.routing.Routing holds them, ok an int32
-        [1] that is 1 when every id lies in [0, num_experts); equal to the torch form of
+        tile_schedule, ok) as moe.routing.Routing holds them, ok an int32
+        [1] that is 1 when every id lies in [0, num_experts) (the caller asserts it on the
+        device), or None where the backend's kernel itself stops the device on an id
+        outside that range (a device assertion); equal to the torch form of
         moe/routing.py element for element. None (the default): the torch form runs.
-        topk_ids int32/int64 [T, k], weights float [T, k], both contiguous."""
+        topk_ids int32/int64 [T, k], contiguous."""
         return None
 
     def combine(self, rows: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], k: int,

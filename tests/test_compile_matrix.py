@@ -37,8 +37,21 @@ GFX950_64K = dataclasses.replace(TARGETS["gfx950"], name="gfx950+64KiB", shared_
 # Whether this triton lowers tl.dot_scaled for each target (gfx942: from 3.8).
 DOT_SCALED = {name: t.lowers_dot_scaled(triton_version()) for name, t in TARGETS.items()}
 
+def _route_launch(asserts: bool, claims: bool) -> "KernelLaunch":  # noqa: F821
+    """The route kernel's decode launch compiled with its device assertion or without
+    (``asserts``), claiming to carry it or not (``claims``)."""
+    from portable_mx.backends.triton import routing
+
+    spec = routing.launch_specs()[1]
+    return dataclasses.replace(spec, options=routing.options(asserts), device_asserts=claims,
+                               label=f"{spec.label} asserts={asserts} claims={claims}")
+
+
 # Every probe compile of this file, compiled once in one batch (name -> (launch, target)).
 PROBES = {
+    **{f"route_assert@{t}": (_route_launch(True, True), TARGETS[t]) for t in ("sm_90", "gfx942")},
+    "route_assert_compiled_out@sm_90": (_route_launch(False, True), TARGETS["sm_90"]),
+    "route_no_claim@sm_90": (_route_launch(False, False), TARGETS["sm_90"]),
     **{f"mx_dot@{t}": (probes.mx_dot_launch(num_warps=8), TARGETS[t]) for t in TARGETS},
     "mx_dot@sm_90+claims_native": (probes.mx_dot_launch(num_warps=8), SM90_CLAIMING_NATIVE),
     "mx_dot_w4@sm_120": (probes.mx_dot_launch(num_warps=4), TARGETS["sm_120"]),  # spills on NVIDIA
@@ -98,6 +111,20 @@ def test_missing_native_instruction_is_a_problem(compiled):
     r = compiled["mx_dot@sm_90+claims_native"]
     assert r.ok and r.native_mx is False
     assert any("no native MX instruction" in p for p in r.problems), r.problems
+
+
+def test_a_device_assertion_the_launch_relies_on_must_be_compiled_in(compiled):
+    """A launch that relies on its kernel's ``tl.device_assert`` (the route kernel on NVIDIA:
+    it stops the device on a bad expert id instead of the caller's ``torch._assert_async``)
+    is a problem when the binary lacks it: compiled without ``debug`` the assertion
+    vanishes silently, which the matrix must catch. With it, NVIDIA's PTX calls
+    ``__assertfail`` and AMD's assembly traps."""
+    for t in ("sm_90", "gfx942"):
+        r = compiled[f"route_assert@{t}"]
+        assert r.ok and r.problems == [], (t, r.problems)
+    out = compiled["route_assert_compiled_out@sm_90"]
+    assert out.ok and len(out.problems) == 1 and out.problems[0].startswith("device assertion compiled out"), out
+    assert compiled["route_no_claim@sm_90"].problems == []
 
 
 def test_resource_figures_present(compiled):

@@ -356,8 +356,9 @@ def test_route_kernel_matches_python_construction(route_kernel_calls, t, k, e, s
 
 
 def test_route_kernel_keeps_the_router_gradient(route_kernel_calls):
-    """Router weights that require a gradient: the sorted weights carry it (the kernel's
-    copy would not), equal to the torch form's in value and gradient."""
+    """Router weights that require a gradient: the sorted weights (made when read, the
+    kernel writes none) carry it, equal to the torch form's in value and gradient, and the
+    gradient is the plain construction's: d/dw[p] of sum(sorted_weights * c) = c[row of p]."""
     device, calls = route_kernel_calls
     ids = ids_of(6, 2, 5, seed=8).to(device)
     w = rand(6, 2, seed=9).to(device).requires_grad_()
@@ -365,6 +366,7 @@ def test_route_kernel_keeps_the_router_gradient(route_kernel_calls):
     got = pmx.route(ids, w, 5)
     assert calls and got.sorted_weights.requires_grad
     (g,) = torch.autograd.grad((got.sorted_weights * c).sum(), w)
+    assert g.reshape(-1).tolist() == [float(r) for r in py_routing(ids.cpu(), 5)["scatter"]]
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(registry.ENV_BACKEND)
         w2 = w.detach().cpu().requires_grad_()
@@ -394,25 +396,122 @@ def test_route_kernel_limits_and_errors(route_kernel_calls):
                 pmx.route(bad, None, 3)
     # the flag the device asserts, read back (the CPU path refuses such ids before launching)
     for bad in ([[2**32 + 1, 0]], [[-1, 0]], [[0, 3]], [[300, 1]]):
-        w = torch.ones(1, 2, device=device)
-        counts, offsets, gather, scatter, sorted_w, sched, ok = routing.route_tensors(
-            torch.tensor(bad, device=device), w, 3, 16, 2)
+        counts, offsets, gather, scatter, sched, ok = routing.route_tensors(torch.tensor(bad, device=device), 3, 16, 2)
         assert ok.tolist() == [0], bad
         # out-of-range ids sort last: every row written stays inside the outputs
         assert sorted(scatter.tolist()) == [0, 1] and int(offsets[-1]) <= 2, bad
-    *_, ok = routing.route_tensors(torch.tensor([[1, 2]], device=device), torch.ones(1, 2, device=device), 3, 16, 2)
+    *_, ok = routing.route_tensors(torch.tensor([[1, 2]], device=device), 3, 16, 2)
     assert ok.tolist() == [1]
 
 
-def test_route_kernel_for_the_compile_matrix():
-    """The routing launches are among every GPU target's compile-matrix rows."""
-    from portable_mx.backends.targets import TARGETS
+@pytest.mark.parametrize("e, t, k", [(32, 1, 4), (3, 1, 1), (5, 7, 2), (128, 64, 8), (256, 5, 4)])
+def test_route_outputs_share_one_aligned_buffer(e, t, k):
+    """The route kernel's six integer outputs are views of one allocation, each starting
+    on a 16-byte boundary, of the documented lengths (what the grouped kernels' plans key
+    their alignment on)."""
+    from portable_mx.backends.triton import routing
+    from portable_mx.moe.routing import max_tiles
 
+    slots = max_tiles(t * k, e, 16)
+    made = routing.route_tensors(torch.zeros(t, k, dtype=torch.int64), e, 16, slots, launch=lambda _, args: None)
+    assert [tuple(p.shape) for p in made] == [(e,), (e,), (t * k,), (t * k,), (slots, 2), (1,)]
+    base = made[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base and p.data_ptr() % 16 == 0 for p in made)
+    starts = [p.storage_offset() for p in made]
+    assert starts == sorted(starts) and all(b - a >= len(p.reshape(-1)) for a, b, p in zip(starts, starts[1:], made))
+
+
+@pytest.mark.parametrize("vendor, target", [("cuda", "sm_90"), ("cuda", "sm_120"), ("rocm", "gfx942")])
+def test_who_asserts_the_ids_on_each_target(monkeypatch, vendor, target):
+    """The backend's route plan on a GPU target (simulated on CPU tensors, launches
+    replaced): on NVIDIA the kernel carries its assertion (debug=True) and no flag comes
+    back for the caller to assert; on AMD the flag comes back (torch._assert_async keeps
+    the message there)."""
+    from portable_mx.backends.cuda import CudaBackend
+    from portable_mx.backends.rocm import RocmBackend
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton import launch as L
+    from portable_mx.backends.triton import routing, triton_version
+
+    base = CudaBackend if vendor == "cuda" else RocmBackend
+
+    class Simulated(base):
+        def unavailable_reason(self, device):
+            return None
+
+        def target(self, device):
+            return TARGETS[target]
+
+        def _identity(self, device, t):
+            return target, f"simulated {target}"
+
+    launched = []
+    monkeypatch.setattr(L, "launch", lambda plan, args: launched.append(plan))
+    made = Simulated().route(torch.tensor([[0, 2], [1, 1]]), 3, 16)
+    asserts = vendor == "cuda" and routing.ASSERTING_TRITON[0] <= triton_version() <= routing.ASSERTING_TRITON[1]
+    assert len(launched) == 1 and bool(launched[0].options.get("debug")) == asserts
+    assert launched[0].options.get("sanitize_overflow", True) is not asserts  # nothing but the assertion added
+    assert len(made) == 6 and (made[-1] is None) == asserts
+    if not asserts:
+        assert made[-1].dtype == torch.int32 and made[-1].shape == (1,)
+
+
+_BAD_ID_SCRIPT = """
+import torch
+import portable_mx as pmx
+from portable_mx import registry
+from portable_mx.backends.triton import routing
+calls = []
+real = torch._assert_async
+torch._assert_async = lambda *a: (calls.append(1), real(*a))[1]
+backend = registry.select("grouped_matmul", torch.device("cuda", torch.cuda.current_device()))
+st = backend._device(torch.device("cuda", torch.cuda.current_device()))
+print("in-kernel", routing.asserts_in_kernel(st.target), flush=True)
+pmx.route(torch.tensor([[0, 1]], device="cuda"), None, 3)
+torch.cuda.synchronize()
+print("asserts on the host side", len(calls), flush=True)
+pmx.route(torch.tensor([[0, 3]], device="cuda"), None, 3)
+torch.cuda.synchronize()
+print("not stopped", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_a_bad_expert_id_stops_the_device_with_the_message(monkeypatch):
+    """An id outside [0, E) on a GPU stops the device's work with route's message (in a
+    process of its own: a device-side assertion ends the CUDA context). Where the route
+    kernel carries its device assertion (NVIDIA, routing.asserts_in_kernel) no
+    ``torch._assert_async`` runs; elsewhere one does."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in (registry.ENV_BACKEND, "TRITON_INTERPRET")}
+    proc = subprocess.run([sys.executable, "-c", _BAD_ID_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "not stopped" not in proc.stdout, out[-3000:]
+    in_kernel = "in-kernel True" in proc.stdout
+    assert f"asserts on the host side {0 if in_kernel else 1}" in proc.stdout, out[-3000:]
+    assert "device-side assert" in out and "topk_ids must lie in [0, num_experts" in out, out[-3000:]
+
+
+def test_route_kernel_for_the_compile_matrix():
+    """The routing launches are among every GPU target's compile-matrix rows; on NVIDIA
+    targets (under a checked triton) they carry the device assertion the backend relies
+    on, compiled in (debug=True), so that the matrix checks it is there; AMD's do not."""
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton import routing, triton_version
+
+    checked = routing.ASSERTING_TRITON[0] <= triton_version() <= routing.ASSERTING_TRITON[1]
     for name in ("cuda", "rocm"):
         backend = registry.get(name)
         for target in backend.targets:
-            labels = [l.label for l in backend.launches(TARGETS[target]) if l.kernel == "route"]
-            assert len(labels) == 3, (name, target, labels)
+            launches = [l for l in backend.launches(TARGETS[target]) if l.kernel == "route"]
+            assert len(launches) == 3, (name, target, [l.label for l in launches])
+            asserts = checked and name == "cuda"
+            assert all(l.device_asserts == asserts and bool(l.options.get("debug")) == asserts for l in launches)
 
 
 def strided(mx):

@@ -85,7 +85,9 @@ class Routing:
       x that a gathering GEMM reads).
     - ``scatter_index``: int32 ``[R]``: the expert-sorted row of each pair p = t * k + j
       (the inverse permutation: ``gather_index[scatter_index[t * k + j]] == t``).
-    - ``sorted_weights``: ``[R]``, the dtype of ``weights``: the weight of each sorted row.
+    - ``sorted_weights``: ``[R]``, the dtype of ``weights``: the weight of each sorted row
+      (a property: made from ``weights`` and ``scatter_index`` when read, differentiable in
+      ``weights`` where grad mode is on then; nothing in the layer's path reads it).
     - ``tile_m`` (int) and ``tile_schedule``: int32 ``[max_tiles(R, E, tile_m), 2]``:
       (expert, first sorted row) of each tile of ``tile_m`` rows, -1 past the last tile
       (:func:`tile_schedule`); :meth:`schedule` gives the one of another tile height.
@@ -101,7 +103,6 @@ class Routing:
     offsets: torch.Tensor
     gather_index: torch.Tensor
     scatter_index: torch.Tensor
-    sorted_weights: torch.Tensor
     tile_m: int
     tile_schedule: torch.Tensor
 
@@ -117,6 +118,14 @@ class Routing:
     @property
     def device(self) -> torch.device:
         return self.offsets.device
+
+    @property
+    def sorted_weights(self) -> torch.Tensor:
+        """``[R]``, the dtype of ``weights``: the weight of each expert-sorted row,
+        ``sorted_weights[scatter_index[p]] == weights.flatten()[p]`` (one scatter, made
+        when read: the routing itself writes no copy)."""
+        flat = self.weights.reshape(self.rows)
+        return flat.scatter(0, self.scatter_index.to(torch.int64), flat)
 
     def schedule(self, tile_m: int) -> torch.Tensor:
         """The tile schedule for tiles of ``tile_m`` rows: ``tile_schedule`` when it is the
@@ -148,10 +157,11 @@ def _check_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     torch._assert_async(~bad, f"route: topk_ids must lie in [0, num_experts={num_experts})")
 
 
-def _backend_route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, tile_m: int):
+def _backend_route(topk_ids: torch.Tensor, num_experts: int, tile_m: int):
     """The routing tensors from the device's grouped-GEMM backend (Backend.route: one
-    Triton launch at decode sizes), their ids asserted on a GPU by the kernel's flag (on
-    the CPU route() checked them before), or None: the torch form (while tracing, too)."""
+    Triton launch at decode sizes), their ids asserted on a GPU by the kernel itself or
+    here from its flag (on the CPU route() checked them before), or None: the torch form
+    (while tracing, too)."""
     if torch.compiler.is_compiling() or topk_ids.device.type == "meta":
         return None
     try:
@@ -160,8 +170,8 @@ def _backend_route(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
         return None
     if type(backend).route is registry.Backend.route:
         return None
-    made = backend.route(topk_ids.contiguous(), topk_weights.contiguous(), num_experts, tile_m)
-    if made is not None and topk_ids.device.type != "cpu":
+    made = backend.route(topk_ids.contiguous(), num_experts, tile_m)
+    if made is not None and made[-1] is not None and topk_ids.device.type != "cpu":
         torch._assert_async(made[-1], f"route: topk_ids must lie in [0, num_experts={num_experts})")
     return made
 
@@ -205,15 +215,12 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     on_cpu = topk_ids.device.type == "cpu"
     if on_cpu:
         _check_ids(topk_ids, num_experts)  # the clear error, before any kernel reads them
-    made = _backend_route(topk_ids, topk_weights, num_experts, tile_m)
+    made = _backend_route(topk_ids, num_experts, tile_m)
     if made is not None:
-        counts, offsets, gather, scatter, sorted_weights, schedule, ok = made
-        if topk_weights.requires_grad and torch.is_grad_enabled():  # the kernel's copy carries no gradient
-            flat_w = topk_weights.reshape(rows)
-            sorted_weights = flat_w.scatter(0, scatter.to(torch.int64), flat_w)
+        counts, offsets, gather, scatter, schedule, ok = made
         return Routing(num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts,
-                       offsets=offsets, gather_index=gather, scatter_index=scatter, sorted_weights=sorted_weights,
-                       tile_m=tile_m, tile_schedule=schedule)
+                       offsets=offsets, gather_index=gather, scatter_index=scatter, tile_m=tile_m,
+                       tile_schedule=schedule)
     if not on_cpu:
         _check_ids(topk_ids, num_experts)
     device = topk_ids.device
@@ -226,7 +233,6 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     scatter = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device, dtype=order.dtype))
     return Routing(
         num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts, offsets=offsets,
-        gather_index=(order // k).to(torch.int32), scatter_index=scatter.to(torch.int32),
-        sorted_weights=topk_weights.reshape(rows)[order], tile_m=tile_m,
+        gather_index=(order // k).to(torch.int32), scatter_index=scatter.to(torch.int32), tile_m=tile_m,
         tile_schedule=tile_schedule(offsets, rows, tile_m),
     )

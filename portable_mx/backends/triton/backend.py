@@ -689,9 +689,11 @@ class TritonBackend(Backend):
         return grouped_gemm.run(self, st, a, a_parts, a_key, xr, stride_am, w, wop, num_experts, offsets, gather,
                                 bias, activation, out_dtype, schedule, STORE_DTYPES)
 
-    def route(self, topk_ids, weights, num_experts, tile_m):
+    def route(self, topk_ids, num_experts, tile_m):
         """:meth:`Backend.route` in one launch (routing.route_kernel) where it fits
-        (routing.fits: decode sizes), else None (the torch form)."""
+        (routing.fits: decode sizes), else None (the torch form). On a target where the
+        kernel carries its device assertion (routing.asserts_in_kernel) the flag comes
+        back as None: the kernel itself stops the device on a bad id."""
         routing = _module(".routing")
         rows = topk_ids.numel()
         if not routing.fits(rows, num_experts):
@@ -699,16 +701,16 @@ class TritonBackend(Backend):
         st = self._devices.get(topk_ids.device) or self._device(topk_ids.device)
         # a plan per shape, dtypes and alignment (the direct launch re-uses the JIT's
         # specialisation; the outputs' alignment follows from the shape)
-        key = ("route", rows, topk_ids.shape[1], num_experts, tile_m, topk_ids.dtype, weights.dtype,
-               topk_ids.data_ptr() % 16 == 0, weights.data_ptr() % 16 == 0)
+        key = ("route", rows, topk_ids.shape[1], num_experts, tile_m, topk_ids.dtype, topk_ids.data_ptr() % 16 == 0)
         plan = st.grouped_plans.get(key)
         if plan is None:
             if len(st.grouped_plans) >= 4096:
                 st.grouped_plans.clear()
-            plan = st.grouped_plans[key] = routing.make_plan(rows, num_experts, tile_m)
+            plan = st.grouped_plans[key] = routing.make_plan(rows, num_experts, tile_m,
+                                                             routing.asserts_in_kernel(st.target))
         slots = _module("...moe.routing").max_tiles(rows, num_experts, tile_m)
-        return routing.route_tensors(topk_ids, weights, num_experts, tile_m, slots,
-                                     lambda _, args: self._launch(st, plan, args))
+        made = routing.route_tensors(topk_ids, num_experts, tile_m, slots, lambda _, args: self._launch(st, plan, args))
+        return made[:-1] + (None,) if plan.options.get("debug") else made
 
     def combine(self, rows, index, weights, k, out_dtype):
         """:meth:`Backend.combine` with grouped_gemm.combine_kernel (one launch)."""
@@ -892,7 +894,7 @@ class TritonBackend(Backend):
         from .layouts import swizzle_launch_specs
         from .routing import launch_specs as route_launch_specs
 
-        out += swizzle_launch_specs() + route_launch_specs()
+        out += swizzle_launch_specs() + route_launch_specs(target)
         return out + self.grouped_launches(target)
 
     def grouped_launch_spec(self, target: Target, a, b, epi, rows: int, num_experts: int, n: int, kp: int,

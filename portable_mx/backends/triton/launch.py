@@ -84,6 +84,9 @@ class KernelLaunch:
     divisible_by_16: tuple[str, ...] = ()
     """Arguments the launch specializes as multiples of 16, as Triton's JIT does for the
     usual case: every pointer (torch allocations are aligned) and the listed ints."""
+    device_asserts: bool = False
+    """The kernel's ``tl.device_assert`` must be in the binary (its options compile it in,
+    and a caller relies on it to stop the device): the compile matrix checks it."""
 
     def attrs(self) -> dict:
         """``triton.compiler.ASTSource`` attrs: the divisibility the JIT would see."""

@@ -478,11 +478,12 @@ def run(backend, st, a, a_parts: tuple, a_key: tuple, xr: int, stride_am: int, w
     if not offsets.is_contiguous():
         offsets = offsets.contiguous()
     rows = xr if gather is None else gather.shape[0]
-    epi = Epilogue(gather is not None, None if bias is None else bias.dtype, activation)
-    key = (a_key, wop.key, num_experts, rows, xr, out_dtype, epi,
-           _aligned(offsets), _aligned(gather), _aligned(bias))
+    # the epilogue's fields as a plain tuple in the key (an Epilogue per call costs ~1 us)
+    key = (a_key, wop.key, num_experts, rows, xr, out_dtype, gather is not None,
+           None if bias is None else bias.dtype, activation, _aligned(offsets), _aligned(gather), _aligned(bias))
     found = st.grouped_plans.get(key)
     if found is None:
+        epi = Epilogue(gather is not None, None if bias is None else bias.dtype, activation)
         found = plan(backend, st, key, a, wop, num_experts, rows, xr, stride_am, epi, out_dtype, store_dtypes)
     n = wop.key[3] // num_experts
     c = torch.empty(rows, n // 2 if activation else n, dtype=found.store, device=w.device)

@@ -537,6 +537,58 @@ def host_profile(fn: Callable[[], Any], calls: int = 300, top: int = 25) -> list
 ANATOMY = ("pmx.quantize", "pmx.matmul W4A16")
 
 
+def allocation_anatomy(device: Any, loops: int = 200, repeats: int = 5,
+                       sync: Optional[Callable[[], None]] = None) -> dict:
+    """Host us per call of the ways a call can get its output memory and the small torch
+    ops of the MoE layer's host path, each timed alone (minimum of ``repeats`` loops of
+    ``loops``): ``torch.empty`` with the device as a ``torch.device``, an index, a string;
+    ``new_empty``, ``empty_strided``; one buffer cut into two views (quantize's codes and
+    scales: ``split_with_sizes``, two ``as_strided``) against two ``torch.empty``; the
+    routing buffer cut into 7 and 12 parts; a ``view``; ``torch._assert_async`` of one
+    element. The seventh session's H200 host took 6 us a ``torch.empty``, three times this
+    VM's CPU: which form is cheapest there, only that host can say."""
+    import torch
+
+    def timed(fn):
+        return host_us(fn, loops, repeats, sync)["min"]
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" else None)
+    like = torch.empty(16, dtype=torch.uint8, device=dev)
+    rows, kp = 16, 8192
+    codes, scales = rows * kp // 2, rows * kp // 32
+    buf = torch.empty(codes + scales, dtype=torch.uint8, device=dev)
+    ints = torch.empty(64, dtype=torch.int32, device=dev)
+    flag = torch.ones((), dtype=torch.bool, device=dev)
+    cases: dict[str, Callable[[], Any]] = {
+        "torch.empty, device": lambda: torch.empty(rows, kp // 2, dtype=torch.uint8, device=dev),
+        "torch.empty, index": (lambda: torch.empty(rows, kp // 2, dtype=torch.uint8, device=index))
+        if index is not None else None,
+        "torch.empty, string": lambda: torch.empty(rows, kp // 2, dtype=torch.uint8, device=dev.type),
+        "new_empty": lambda: like.new_empty((rows, kp // 2)),
+        "empty_strided": lambda: torch.empty_strided((rows, kp // 2), (kp // 2, 1), dtype=torch.uint8, device=dev),
+        "two torch.empty (codes, scales)": lambda: (torch.empty(rows, kp // 2, dtype=torch.uint8, device=dev),
+                                                    torch.empty(rows, kp // 32, dtype=torch.uint8, device=dev)),
+        "one torch.empty + split_with_sizes": lambda: torch.empty(
+            codes + scales, dtype=torch.uint8, device=dev).split_with_sizes((codes, scales)),
+        "two as_strided of a buffer": lambda: (buf.as_strided((rows, kp // 2), (kp // 2, 1), 0),
+                                               buf.as_strided((rows, kp // 32), (kp // 32, 1), codes)),
+        "split_with_sizes, 7 parts": lambda: ints.split_with_sizes((8, 8, 8, 8, 16, 1, 15)),
+        "split_with_sizes, 12 parts": lambda: ints.split_with_sizes((8, 0, 8, 0, 8, 0, 8, 0, 16, 0, 1, 15)),
+        "view": lambda: ints.view(32, 2),
+        "torch._assert_async": lambda: torch._assert_async(flag, "anatomy"),
+    }
+    out = {}
+    for name, fn in cases.items():
+        if fn is None:
+            continue
+        try:
+            out[name] = timed(fn)
+        except Exception as err:  # noqa: BLE001  (a form this torch lacks: evidence, not a check)
+            out[name] = f"failed: {type(err).__name__}: {err}"[:200]
+    return out
+
+
 def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int = 200, repeats: int = 5) -> dict:
     """Where a call's host time goes, in pieces timed alone (host us per call, minimum of
     ``repeats`` loops): the whole call; its planned launch(es) replayed through
@@ -566,6 +618,7 @@ def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int 
         out["bare direct launch (int)"] = timed(lambda: run(1, 1, 1, stream(), fn_, packed, None, None, None, ptr))
         out["stream lookup"] = timed(stream)
     out["torch.empty [16, 8192] bf16"] = timed(lambda: torch.empty(16, 8192, dtype=torch.bfloat16, device=device))
+    out["allocations and small ops"] = allocation_anatomy(device, loops, repeats, torch.cuda.synchronize)
     real = L.launch
     for name in ANATOMY:
         seen: list = []

@@ -706,6 +706,20 @@ def test_the_host_profile_names_where_a_call_spends_its_time(overhead, capsys, m
     assert "host profile of pmx.quantize" in capsys.readouterr().out
 
 
+def test_the_allocation_anatomy_times_every_form(overhead, capsys):
+    """overhead.allocation_anatomy (part of the GPU checks' launch anatomy): a time for
+    every way of getting output memory and every small op of the MoE host path it lists,
+    on any device (here the CPU, where the index form does not apply), printed as one line."""
+    r = overhead.allocation_anatomy("cpu", loops=5, repeats=1)
+    want = {"torch.empty, device", "torch.empty, string", "new_empty", "empty_strided",
+            "two torch.empty (codes, scales)", "one torch.empty + split_with_sizes", "two as_strided of a buffer",
+            "split_with_sizes, 7 parts", "split_with_sizes, 12 parts", "view", "torch._assert_async"}
+    assert set(r) == want and all(isinstance(v, float) and v > 0 for v in r.values()), r
+    overhead.print_table({"benchmark": "b", "device": "d", "versions": {"torch": "t", "triton": "x"},
+                          "launch_anatomy": {"allocations and small ops": r}})
+    assert "allocations and small ops: torch.empty, device" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 

@@ -6,7 +6,8 @@ Three modes (see NOTES-overhead.md for what should move and the recorded figures
   W4A16 and A4W4 ``pmx.matmul`` and ``MXLinear`` forward (x bf16 [16, 8192], weight
   8192 x 8192) and of a W4A16 mixture-of-experts layer at one token (``pmx.route`` and
   two ``pmx.grouped_matmul``, gpt-oss-20b's experts: 32 of [5760, 2880] and [2880,
-  2880], top-4), beside ``torch.matmul`` and a bare Triton launch (an empty
+  2880], top-4), also as a frozen ``pmx.nn.MXExperts`` module (what a converted model
+  calls), beside ``torch.matmul`` and a bare Triton launch (an empty
   ``@triton.jit`` kernel) in the same run; per call also the kernels launched and their
   GPU time (torch profiler), and the same calls with direct launches off (Triton's JIT
   path), for scale.
@@ -152,6 +153,25 @@ def moe_call(q: dict) -> Callable[[], Any]:
     return layer
 
 
+def experts_call(q: dict) -> Callable[[], Any]:
+    """The same layer as ``pmx.nn.MXExperts`` holding the MXFP4 weights (frozen, as
+    loaded from a gpt-oss checkpoint): what a converted model calls per MoE layer."""
+    import torch
+
+    import portable_mx as pmx
+
+    experts = q.get("experts")
+    if experts is None:
+        experts = q["experts"] = pmx.nn.MXExperts.from_mx(q["w1"], q["w2"], q["b1"], q["b2"],
+                                                          activation="swiglu_oai", recipe=q["recipe"])
+
+    def layer():
+        with torch.no_grad():
+            return experts(q["x"], q["ids"], q["weights"])
+
+    return layer
+
+
 def portable_calls(p: dict, uncached: bool = True) -> dict[str, Callable[[], Any]]:
     """The eager calls measured, by name. MXLinear under no_grad (inference), inside a
     ``pmx.nn.weight_cache`` block held open for the whole measurement (the deployed
@@ -187,6 +207,7 @@ def portable_calls(p: dict, uncached: bool = True) -> dict[str, Callable[[], Any
         calls["MXLinear W4A16 uncached"] = mxlinear_uncached
     if "moe" in p:
         calls["MoE layer W4A16 T=1"] = moe_call(p["moe"])
+        calls["MXExperts W4A16 T=1"] = experts_call(p["moe"])
     return calls
 
 

@@ -682,8 +682,12 @@ def test_overhead_benchmark_cpu_smoke(tmp_path):
 
     doc = json.loads(out.read_text())
     assert doc["mode"] == "cpu-smoke"
-    assert set(doc["rows"]) >= {"pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4", "MXLinear W4A16"}
+    assert set(doc["rows"]) >= {"pmx.quantize", "pmx.matmul W4A16", "pmx.matmul A4W4", "MXLinear W4A16",
+                                "MoE layer W4A16 T=1", "MXExperts W4A16 T=1"}
     assert set(doc["goal"]) == {"pmx.quantize", "pmx.matmul W4A16"}
+    # the module adds no torch op to the layer's (no reshape of 2-D inputs)
+    assert doc["rows"]["MXExperts W4A16 T=1"]["other_torch_ops"] == doc["rows"]["MoE layer W4A16 T=1"]["other_torch_ops"]
+    assert doc["rows"]["MXExperts W4A16 T=1"]["allocations"] == doc["rows"]["MoE layer W4A16 T=1"]["allocations"]
 
 
 def test_the_host_profile_names_where_a_call_spends_its_time(overhead, capsys, monkeypatch):

@@ -78,9 +78,11 @@ def test_frozen_experts_match_a_float64_loop(activation, dtype):
     ref, bound = oracle(x, ids, wts.to(dtype), w1, w2, experts.gate_up_proj_bias, experts.down_proj_bias, activation)
     err = (y.double() - ref).abs()
     assert (err <= bound).all(), f"max err {err.max():.3g}, bound there {bound[err.argmax() // H].max():.3g}"
-    # leading dims are flattened: [2, T/2, H] in, the same rows out
+    # leading dims are flattened: [2, T/2, H] in, the same rows out; one token as [H], [k]
     y3 = experts(x.reshape(2, T // 2, H), ids.reshape(2, T // 2, K_TOP), wts.to(dtype).reshape(2, T // 2, K_TOP))
-    assert torch.equal(y3.reshape(T, H), y)
+    assert y3.shape == (2, T // 2, H) and torch.equal(y3.reshape(T, H), y)
+    y1 = experts(x[3], ids[3], wts.to(dtype)[3])  # its own GEMMs: fp32 sums in another order than y[3]'s
+    assert y1.shape == (H,) and y1.dtype == dtype and ((y1.double() - ref[3]).abs() <= bound[3]).all()
 
 
 def test_frozen_experts_on_the_triton_kernels(gemm_kernel, monkeypatch):
@@ -242,5 +244,10 @@ def test_bad_input_is_refused_with_a_reason():
         experts(torch.randn(T, H + 1), ids, wts)
     with pytest.raises(ValueError, match="top_k_index must be an integer tensor"):
         experts(torch.randn(T, H), ids.float(), wts)
+    for bad in (ids[:, 0], ids[:-1], ids.reshape(1, T, K_TOP)):  # leading dims not x's
+        with pytest.raises(ValueError, match=r"top_k_index must be an integer tensor \[\.\.\., k\] with x's leading"):
+            experts(torch.randn(T, H), bad, None)
+    with pytest.raises(ValueError, match="top_k_index must be an integer tensor"):
+        experts(torch.randn(H), ids[0, 0], None)  # one token needs [k] ids, not a scalar
     with pytest.raises(ValueError, match="top_k_weights"):
         experts(torch.randn(T, H), ids, wts[:, :1])

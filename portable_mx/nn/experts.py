@@ -70,6 +70,8 @@ concatenated [gate | up] rows."""
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 _PARTS = ("blocks", "scales", "macro_scales", "outlier_values", "outlier_indices")
+_BUFFERS = {proj: tuple(f"{proj}_{part}" for part in _PARTS) for proj in PROJECTIONS}
+"""The buffer names of each projection's frozen parts, in ``_PARTS`` order."""
 
 
 class MXExperts(torch.nn.Module):
@@ -206,9 +208,14 @@ class MXExperts(torch.nn.Module):
         return self._pmx_weight_cache.get(proj, getattr(self, proj), self._recipe, self._quantizer(proj))
 
     def _frozen_mx(self, proj: str) -> MXTensor:
-        bufs = tuple(getattr(self, f"{proj}_{p}") for p in _PARTS)
+        # the buffers read from the module's dict (a forward's hot path: nn.Module.__getattr__
+        # costs ~0.4 us a name); the MXTensor is rebuilt only when one of them was replaced
+        # (model.to(...), load_state_dict into new tensors, a reassignment)
+        found, names = self._buffers, _BUFFERS[proj]
+        bufs = (found.get(names[0]), found.get(names[1]), found.get(names[2]), found.get(names[3]),
+                found.get(names[4]))
         hit = self._mx_memo.get(proj)
-        if hit is not None and len(hit[0]) == len(bufs) and all(a is b for a, b in zip(hit[0], bufs)):
+        if hit is not None and all(a is b for a, b in zip(hit[0], bufs)):
             return hit[1]
         shape, dtype, recipe = self._mx_meta[proj]
         blocks, scales, macro, ov, oi = bufs
@@ -237,45 +244,54 @@ class MXExperts(torch.nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
+        # the hot path of a converted model's every MoE layer: the module's tensors read
+        # from its dicts once (nn.Module.__getattr__ costs ~0.4 us a lookup), no reshape
+        # of inputs that are already [T, H] / [T, k]
         h, k_ids = self.hidden_size, top_k_index
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(f"MXExperts expects a float tensor x; got {getattr(x, 'dtype', type(x).__name__)}")
-        if x.dim() == 0 or x.shape[-1] != h:
-            raise ValueError(f"MXExperts: x must be [..., {h}]; got shape {tuple(x.shape)}")
-        t = x.numel() // h
-        if not isinstance(k_ids, Tensor) or k_ids.is_floating_point() or k_ids.numel() % max(t, 1) or \
-                k_ids.shape[:-1] != x.shape[:-1]:
+        shape = x.shape
+        if not shape or shape[-1] != h:
+            raise ValueError(f"MXExperts: x must be [..., {h}]; got shape {tuple(shape)}")
+        if not isinstance(k_ids, Tensor) or k_ids.is_floating_point() or k_ids.dim() == 0 or \
+                k_ids.shape[:-1] != shape[:-1]:
             raise ValueError(f"MXExperts: top_k_index must be an integer tensor [..., k] with x's leading dims "
-                             f"{tuple(x.shape[:-1])}; got {getattr(k_ids, 'dtype', None)} "
+                             f"{tuple(shape[:-1])}; got {getattr(k_ids, 'dtype', None)} "
                              f"{tuple(getattr(k_ids, 'shape', ()))}")
-        k = k_ids.shape[-1]
         if top_k_weights is not None and top_k_weights.shape != k_ids.shape:
             raise ValueError(f"MXExperts: top_k_weights {tuple(top_k_weights.shape)} must have top_k_index's shape "
                              f"{tuple(k_ids.shape)}")
-        if not self.frozen and x.dtype != self.gate_up_proj.dtype:
-            raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {self.gate_up_proj.dtype}; cast one of "
-                            "them")
-        x2 = x.reshape(t, h)
-        ids = k_ids.reshape(t, k)
-        wts = None if top_k_weights is None else top_k_weights.reshape(t, k)
+        params = self._parameters
+        w1 = params.get("gate_up_proj")  # None when frozen (the MXTensors are buffers)
+        if w1 is not None and x.dtype != w1.dtype:
+            raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {w1.dtype}; cast one of them")
+        if len(shape) == 2:
+            x2, ids, wts = x, k_ids, top_k_weights
+        else:
+            t, k = x.numel() // h, k_ids.shape[-1]
+            x2, ids = x.reshape(t, h), k_ids.reshape(t, k)
+            wts = None if top_k_weights is None else top_k_weights.reshape(t, k)
         routing = route(ids, wts, self.num_experts)
-        w1, w2 = self._gemm_weights(x2)
-        act = self.activation
-        mid = grouped_matmul(x2, w1, routing=routing, gather=True, bias=self.gate_up_proj_bias, activation=act,
-                             recipe=self._recipe)
-        y = grouped_matmul(mid, w2, routing=routing, scatter=True, bias=self.down_proj_bias, recipe=self._recipe)
-        return y.reshape(x.shape)
+        g1, g2 = self._gemm_weights(x2)
+        recipe = self._recipe
+        mid = grouped_matmul(x2, g1, routing=routing, gather=True, bias=params.get("gate_up_proj_bias"),
+                             activation=self.activation, recipe=recipe)
+        y = grouped_matmul(mid, g2, routing=routing, scatter=True, bias=params.get("down_proj_bias"), recipe=recipe)
+        return y if len(shape) == 2 else y.reshape(shape)
 
     def _gemm_weights(self, x: Tensor) -> tuple[Any, Any]:
         """The two weights as grouped_matmul takes them: MXTensors [E, N, K] along K
         (frozen, or float weights that need no gradient), or the float [E, N, K] views
         (autograd, or compiled code: the GEMM quantizes them itself)."""
-        if self.frozen:
+        params = self._parameters
+        w1, w2 = params.get("gate_up_proj"), params.get("down_proj")
+        if w1 is None:  # frozen
             return self._frozen_mx("gate_up_proj"), self._frozen_mx("down_proj")
-        w1, w2 = self.gate_up_proj, self.down_proj
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (w1.requires_grad or w2.requires_grad)):
             return self._float_weight("gate_up_proj"), self._float_weight("down_proj")
-        return self.quantized_weight("gate_up_proj"), self.quantized_weight("down_proj")
+        cache, recipe = self._pmx_weight_cache, self._recipe
+        return (cache.get("gate_up_proj", w1, recipe, self._quantizer("gate_up_proj")),
+                cache.get("down_proj", w2, recipe, self._quantizer("down_proj")))
 
     def extra_repr(self) -> str:
         where = "frozen MXFP4" if self.frozen else ("float [E, in, out]" if self.transposed else "float [E, out, in]")

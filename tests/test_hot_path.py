@@ -686,8 +686,8 @@ def test_overhead_benchmark_cpu_smoke(tmp_path):
                                 "MoE layer W4A16 T=1", "MXExperts W4A16 T=1"}
     assert set(doc["goal"]) == {"pmx.quantize", "pmx.matmul W4A16"}
     # the module adds no torch op to the layer's (no reshape of 2-D inputs)
-    assert doc["rows"]["MXExperts W4A16 T=1"]["other_torch_ops"] == doc["rows"]["MoE layer W4A16 T=1"]["other_torch_ops"]
-    assert doc["rows"]["MXExperts W4A16 T=1"]["allocations"] == doc["rows"]["MoE layer W4A16 T=1"]["allocations"]
+    module, layer = doc["rows"]["MXExperts W4A16 T=1"], doc["rows"]["MoE layer W4A16 T=1"]
+    assert module["other_torch_ops"] == layer["other_torch_ops"] and module["allocations"] == layer["allocations"]
 
 
 def test_the_host_profile_names_where_a_call_spends_its_time(overhead, capsys, monkeypatch):

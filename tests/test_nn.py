@@ -229,6 +229,29 @@ def test_mxlinear_like_linear_constructor_dtype_and_1d_input():
     assert_product_close(y[None], dq(x[None], layer.recipe, 1), dq(layer.weight, layer.recipe, 1).T)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+def test_mxlinear_uses_a_parametrized_weight_and_bias(grad):
+    """A weight and bias under torch.nn.utils.parametrize (moved out of the module's
+    Parameter table) are what the forward multiplies by, on the no-grad and the autograd
+    paths: equal to an MXLinear holding those values."""
+    from torch.nn.utils import parametrize
+
+    class Twice(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(1)
+    layer, plain = MXLinear(64, 16), MXLinear(64, 16)
+    with torch.no_grad():
+        plain.weight.copy_(2 * layer.weight)
+        plain.bias.copy_(2 * layer.bias)
+    parametrize.register_parametrization(layer, "weight", Twice())
+    parametrize.register_parametrization(layer, "bias", Twice())
+    x = rand(5, 64, seed=27)
+    with torch.set_grad_enabled(grad):
+        assert torch.equal(layer(x), plain(x))
+
+
 def test_mxlinear_rejects_bad_input():
     layer = MXLinear(64, 8)
     with pytest.raises(TypeError, match="weight is torch.float32"):

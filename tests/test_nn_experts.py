@@ -129,6 +129,48 @@ def test_float_mode_quantizes_its_parameters_like_frozen_mode(transposed, recipe
         assert torch.equal(experts(x, ids, wts), frozen(x, ids, wts))
 
 
+def test_parametrized_and_reassigned_members_are_what_the_forward_uses():
+    """The forward reads its Parameters and buffers from the module's own tables, except
+    where torch.nn.utils.parametrize moved one out (then the parametrized value): a
+    parametrized weight (x2) and bias (+1) give the output of a module holding those
+    values; frozen buffers reassigned in place of the old ones are what the next forward
+    uses (the memoised MXTensor is rebuilt)."""
+    from torch.nn.utils import parametrize
+
+    class Twice(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    class PlusOne(torch.nn.Module):
+        def forward(self, b):
+            return b + 1
+
+    torch.manual_seed(9)
+    experts = MXExperts(E, H, I, recipe=W4A16)
+    plain = MXExperts(E, H, I, recipe=W4A16)
+    with torch.no_grad():
+        plain.gate_up_proj.copy_(2 * experts.gate_up_proj)
+        plain.down_proj.copy_(experts.down_proj)
+        plain.gate_up_proj_bias.copy_(experts.gate_up_proj_bias)
+        plain.down_proj_bias.copy_(experts.down_proj_bias + 1)
+    parametrize.register_parametrization(experts, "gate_up_proj", Twice())
+    parametrize.register_parametrization(experts, "down_proj_bias", PlusOne())
+    x = torch.randn(T, H)
+    ids, wts = routing(11)
+    with torch.no_grad():
+        assert torch.equal(experts(x, ids, wts), plain(x, ids, wts))
+
+    frozen, other = frozen_experts("swiglu_oai", seed=1), frozen_experts("swiglu_oai", seed=2)
+    with torch.no_grad():
+        y = frozen(x, ids, wts)
+        for name in ("gate_up_proj_blocks", "gate_up_proj_scales"):
+            setattr(frozen, name, getattr(other, name).clone())
+        frozen.gate_up_proj_bias, frozen.down_proj_bias = other.gate_up_proj_bias, other.down_proj_bias
+        frozen.down_proj_blocks, frozen.down_proj_scales = other.down_proj_blocks, other.down_proj_scales
+        y2 = frozen(x, ids, wts)
+    assert not torch.equal(y, y2) and torch.equal(y2, other(x, ids, wts))
+
+
 def test_weight_cache_block(monkeypatch):
     """Outside pmx.nn.weight_cache the float weights are quantized on every forward (so a
     write through .data is seen); inside, once, until an optimizer step."""

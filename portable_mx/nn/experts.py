@@ -60,6 +60,7 @@ from ..moe import grouped_matmul, route
 from ..format import BLOCK_SIZE
 from ..recipe import QuantRecipe
 from ..tensor import MXTensor
+from ._members import member as _member
 from .weight_cache import WeightCache
 
 __all__ = ["ACTIVATIONS", "MXExperts"]
@@ -208,12 +209,11 @@ class MXExperts(torch.nn.Module):
         return self._pmx_weight_cache.get(proj, getattr(self, proj), self._recipe, self._quantizer(proj))
 
     def _frozen_mx(self, proj: str) -> MXTensor:
-        # the buffers read from the module's dict (a forward's hot path: nn.Module.__getattr__
-        # costs ~0.4 us a name); the MXTensor is rebuilt only when one of them was replaced
-        # (model.to(...), load_state_dict into new tensors, a reassignment)
-        found, names = self._buffers, _BUFFERS[proj]
-        bufs = (found.get(names[0]), found.get(names[1]), found.get(names[2]), found.get(names[3]),
-                found.get(names[4]))
+        # the buffers read from the module's dict (_member); the MXTensor is rebuilt only
+        # when one of them was replaced (model.to(...), load_state_dict into new tensors, a
+        # reassignment)
+        table, names = self._buffers, _BUFFERS[proj]
+        bufs = tuple(_member(self, table, name) for name in names)
         hit = self._mx_memo.get(proj)
         if hit is not None and all(a is b for a, b in zip(hit[0], bufs)):
             return hit[1]
@@ -245,8 +245,7 @@ class MXExperts(torch.nn.Module):
 
     def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
         # the hot path of a converted model's every MoE layer: the module's tensors read
-        # from its dicts once (nn.Module.__getattr__ costs ~0.4 us a lookup), no reshape
-        # of inputs that are already [T, H] / [T, k]
+        # from its dicts (_member), no reshape of inputs that are already [T, H] / [T, k]
         h, k_ids = self.hidden_size, top_k_index
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(f"MXExperts expects a float tensor x; got {getattr(x, 'dtype', type(x).__name__)}")
@@ -262,7 +261,7 @@ class MXExperts(torch.nn.Module):
             raise ValueError(f"MXExperts: top_k_weights {tuple(top_k_weights.shape)} must have top_k_index's shape "
                              f"{tuple(k_ids.shape)}")
         params = self._parameters
-        w1 = params.get("gate_up_proj")  # None when frozen (the MXTensors are buffers)
+        w1 = _member(self, params, "gate_up_proj")  # None when frozen (the MXTensors are buffers)
         if w1 is not None and x.dtype != w1.dtype:
             raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {w1.dtype}; cast one of them")
         if len(shape) == 2:
@@ -274,9 +273,9 @@ class MXExperts(torch.nn.Module):
         routing = route(ids, wts, self.num_experts)
         g1, g2 = self._gemm_weights(x2)
         recipe = self._recipe
-        mid = grouped_matmul(x2, g1, routing=routing, gather=True, bias=params.get("gate_up_proj_bias"),
-                             activation=self.activation, recipe=recipe)
-        y = grouped_matmul(mid, g2, routing=routing, scatter=True, bias=params.get("down_proj_bias"), recipe=recipe)
+        b1, b2 = _member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias")
+        mid = grouped_matmul(x2, g1, routing=routing, gather=True, bias=b1, activation=self.activation, recipe=recipe)
+        y = grouped_matmul(mid, g2, routing=routing, scatter=True, bias=b2, recipe=recipe)
         return y if len(shape) == 2 else y.reshape(shape)
 
     def _gemm_weights(self, x: Tensor) -> tuple[Any, Any]:
@@ -284,7 +283,7 @@ class MXExperts(torch.nn.Module):
         (frozen, or float weights that need no gradient), or the float [E, N, K] views
         (autograd, or compiled code: the GEMM quantizes them itself)."""
         params = self._parameters
-        w1, w2 = params.get("gate_up_proj"), params.get("down_proj")
+        w1, w2 = _member(self, params, "gate_up_proj"), _member(self, params, "down_proj")
         if w1 is None:  # frozen
             return self._frozen_mx("gate_up_proj"), self._frozen_mx("down_proj")
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (w1.requires_grad or w2.requires_grad)):

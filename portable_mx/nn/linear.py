@@ -27,6 +27,7 @@ from .._transforms import refuse_func_transforms
 from .._custom_ops import recipe_json
 from ..recipe import QuantRecipe
 from ..tensor import MXTensor
+from ._members import member as _member
 from .weight_cache import WeightCache
 
 Operand = Union[Tensor, MXTensor]
@@ -128,7 +129,8 @@ class MXLinear(torch.nn.Linear):
             return ops.quantize(w.detach().T, self._recipe, axis=0)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
+        params = self._parameters
+        w = _member(self, params, "weight")
         if not isinstance(x, Tensor):
             raise TypeError(f"MXLinear expects a torch.Tensor; got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -139,7 +141,7 @@ class MXLinear(torch.nn.Linear):
                 "(autocast does not apply to the MXFP4 GEMM)"
             )
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        bias = self.bias
+        bias = _member(self, params, "bias")
         rj = self._recipe_json
         gemm = None if type(w) is _Parameter else getattr(type(w), "__pmx_linear__", None)
         if gemm is not None:  # a weight that holds its own MXFP4 operands (pmx.nn.enable_fsdp_mx_all_gather)
@@ -156,7 +158,8 @@ class MXLinear(torch.nn.Linear):
             else:  # the op quantizes the weight itself
                 y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "")
         else:  # no autograd: the dispatch layer directly, the bias added in place
-            b = self.quantized_weight() if self._pmx_weight_cache.depth else w.detach().T
+            cache = self._pmx_weight_cache
+            b = cache.get("weight", w, self._recipe, self._quantize_weight) if cache.depth else w.detach().T
             y = _dispatch.gemm(x2, b, self._recipe, x.dtype)
             if bias is not None:
                 y.add_(bias)

@@ -20,6 +20,15 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes portable_mx quantizes from and dequantizes to."""
 
 
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as memory a kernel can read through its address: a negative view
+    (``t.is_neg()``: the memory holds ``-t``; the imaginary part of a conjugated complex
+    tensor is one) resolved into a tensor that holds ``t``'s values; any other tensor
+    itself (~0.15 us). torch ops see such a tensor's values, a Triton kernel its memory:
+    the kernel backends take the float tensors they launch on through this."""
+    return t.resolve_neg() if t.is_neg() else t
+
+
 def part_specs(recipe: QuantRecipe, rows: Any, k: Any) -> list[tuple[str, torch.dtype, tuple]]:
     """(name, dtype, shape) of each part of a rows-layout MXTensor (``rows`` x ``k``
     quantized along k with ``recipe``), in :meth:`MXTensor.parts` order."""
@@ -289,7 +298,8 @@ def _check_consistent(mx: MXTensor) -> None:
     if mx.dtype not in FLOAT_DTYPES:
         raise TypeError(f"MXTensor: dtype (the original tensor's) must be one of {FLOAT_DTYPES}; got {mx.dtype!r}")
     recipe = mx.recipe
-    if torch.compiler.is_compiling():  # traced: the custom ops re-validate the recipe's JSON
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # traced: the custom ops re-validate the recipe's JSON
         if not isinstance(recipe, QuantRecipe):
             raise TypeError(f"MXTensor: recipe must be a QuantRecipe; got {type(recipe).__name__}")
     else:
@@ -324,3 +334,7 @@ def _check_consistent(mx: MXTensor) -> None:
                 f"{tuple(mx.shape)}, axis {mx.axis} and recipe {recipe.describe()}; got {part.dtype} "
                 f"{tuple(part.shape)} on {part.device}"
             )
+        if not compiling:  # (traced: the custom ops' dispatcher resolves negative views)
+            resolved = materialized(part)
+            if resolved is not part:  # a negative view: the kernels read the memory
+                object.__setattr__(mx, name, resolved)

@@ -125,3 +125,82 @@ def test_functional_call_without_a_transform_works():
     out = torch.func.functional_call(layer, params, (x,))
     want = pmx.matmul(x, params["weight"].T) + params["bias"]
     assert torch.equal(out.detach(), want)
+
+
+# ----------------------------------------------------------------------------- lazy views
+
+
+def _lazy_forms(t: torch.Tensor) -> dict:
+    """Tensors whose values equal ``t``'s but whose memory does not hold them: a negative
+    view (``is_neg()``; what ``complex.conj().imag`` returns)."""
+    forms = {"negative view": torch._neg_view(-t)}
+    assert forms["negative view"].is_neg() and torch.equal(forms["negative view"], t)
+    return forms
+
+
+@pytest.fixture(params=["reference", "kernels"])
+def backend_device(request, monkeypatch):
+    """The reference on the CPU, and the first backend that runs the Triton kernels here
+    (the interpreter on a CPU machine, the compiled kernels on a GPU)."""
+    from conftest import kernel_backends
+
+    if request.param == "reference":
+        monkeypatch.setenv(registry.ENV_BACKEND, "reference")
+        return "cpu"
+    found = kernel_backends("matmul")
+    if not found:
+        pytest.skip("no backend runs the Triton kernels here")
+    name, device = found[0]
+    monkeypatch.setenv(registry.ENV_BACKEND, name)
+    return device
+
+
+def test_negative_views_are_read_as_their_values(backend_device):
+    """A Triton kernel reads memory through an address, where torch ops read values: a
+    negative view handed to a kernel was quantized with its sign flipped, silently (found
+    by probing the kernel backends with lazy views; the reference was right). Every op
+    now gives for such a tensor what it gives for a plain copy of its values: quantize,
+    decompose, A4W4 and W4A16 matmul, MXLinear's no-grad path, MXTensor parts (the grouped
+    GEMM's input, bias and router weights: the next test)."""
+    dev = backend_device
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 64, generator=g).to(dev)
+    w = torch.randn(64, 32, generator=g).to(dev)
+    w_mx = pmx.quantize(w, axis=0)
+    w16 = pmx.quantize(w, QR(activations="bf16"), axis=0)
+    for name, lazy in _lazy_forms(x).items():
+        q, want = pmx.quantize(lazy), pmx.quantize(x)
+        assert torch.equal(q.qdata, want.qdata) and torch.equal(q.scales, want.scales), name
+        q2 = pmx.quantize(lazy, QR(macro_block=64, outliers_per_block=2))
+        want2 = pmx.quantize(x, QR(macro_block=64, outliers_per_block=2))
+        assert all(torch.equal(a, b) for a, b in zip(q2.parts(), want2.parts())), name
+        assert torch.equal(pmx.decompose(lazy).scale_bias, pmx.decompose(x).scale_bias), name
+        assert torch.equal(pmx.matmul(lazy, w_mx), pmx.matmul(x, w_mx)), name
+        assert torch.equal(pmx.matmul(lazy, w16, QR(activations="bf16")), pmx.matmul(x, w16, QR(activations="bf16")))
+        layer = MXLinear(64, 32, device=dev)
+        with torch.no_grad():
+            assert torch.equal(layer(lazy), layer(x)), name
+    # MXTensor parts given as negative views hold their values
+    parts = {n: getattr(want, n) for n in ("qdata", "scales")}
+    built = pmx.MXTensor(qdata=torch._neg_view(-parts["qdata"]), scales=torch._neg_view(-parts["scales"]),
+                         shape=want.shape, dtype=want.dtype, axis=want.axis, recipe=want.recipe)
+    assert torch.equal(pmx.dequantize(built), pmx.dequantize(want))
+
+
+def test_the_grouped_gemm_reads_lazy_views_as_their_values(backend_device):
+    dev = backend_device
+    g = torch.Generator().manual_seed(6)
+    e, n, k, t = 4, 8, 64, 3
+    w = pmx.quantize(torch.randn(e, n, k, generator=g).to(dev), axis=-1)
+    x, bias = torch.randn(t, k, generator=g).to(dev), torch.randn(e, n, generator=g).to(dev)
+    ids, rw = torch.tensor([[0, 1], [2, 3], [1, 1]], device=dev), torch.rand(t, 2, generator=g).to(dev)
+    r16 = QR(activations="bf16")
+
+    def layer(x, bias, rw):
+        return pmx.grouped_matmul(x, w, routing=pmx.route(ids, rw, e), gather=True, scatter=True, bias=bias,
+                                  recipe=r16)
+
+    want = layer(x, bias, rw)
+    assert torch.equal(layer(torch._neg_view(-x), bias, rw), want)
+    assert torch.equal(layer(x, torch._neg_view(-bias), rw), want)
+    assert torch.equal(layer(x, bias, torch._neg_view(-rw)), want)

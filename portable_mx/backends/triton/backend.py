@@ -34,7 +34,7 @@ import torch
 from ...decompose import Decomposition
 from ...recipe import QuantRecipe
 from ...registry import Backend
-from ...tensor import MXTensor
+from ...tensor import MXTensor, materialized
 from ...tuning import cache as config_cache
 from ..targets import Target, probe
 from . import launch as _launch
@@ -428,6 +428,8 @@ class TritonBackend(Backend):
     def quantize(self, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
         """x [R, K] (R, K > 0; unit stride along K, else copied) -> MXTensor (R, K), axis 1."""
         st = self._devices.get(x.device) or self._device(x.device)
+        if x.is_neg():  # materialized(x), inlined on the hot path
+            x = x.resolve_neg()
         if x.stride(-1) != 1:
             x = x.contiguous()
         r, k = x.shape
@@ -459,6 +461,7 @@ class TritonBackend(Backend):
         if recipe.macro_block is not None or recipe.outliers_per_block:
             raise ValueError(f"quantized_values: a recipe without macro blocks or outliers; got {recipe.describe()}")
         st = self._devices.get(x.device) or self._device(x.device)
+        x = materialized(x)
         if x.stride(-1) != 1:
             x = x.contiguous()
         r, k = x.shape
@@ -627,8 +630,9 @@ class TritonBackend(Backend):
 
         target = self._device(x.device).target
         config = self.tile_config("decompose-full" if full else "decompose", target, recipe)
+        x = _rows_contiguous(materialized(x))
         with self.running():
-            return decompose(_rows_contiguous(x), recipe, definition, full, config, self.options(config),
+            return decompose(x, recipe, definition, full, config, self.options(config),
                              warp_size=target.warp_size if target is not None else 32)
 
     def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32,
@@ -645,6 +649,8 @@ class TritonBackend(Backend):
             st.cache_generation = config_cache.generation()
         w = _weight_operand(b)
         if isinstance(a, torch.Tensor):
+            if a.is_neg():  # materialized(a), inlined on the hot path
+                a = a.resolve_neg()
             if not a.is_contiguous() and a.stride(-1) != 1:
                 a = a.contiguous()
             m, stride_am = a.shape[0], a.stride()[0]  # (stride(0) costs twice as much)
@@ -676,7 +682,10 @@ class TritonBackend(Backend):
         grouped_gemm = _module(".grouped_gemm")
         st = self._devices.get(w.device) or self._device(w.device)
         wop = _weight_operand(w)
+        if bias is not None:
+            bias = materialized(bias)
         if isinstance(a, torch.Tensor):
+            a = materialized(a)
             if a.stride(-1) != 1:
                 a = a.contiguous()
             s = wop.parts[1]
@@ -715,6 +724,7 @@ class TritonBackend(Backend):
     def combine(self, rows, index, weights, k, out_dtype):
         """:meth:`Backend.combine` with grouped_gemm.combine_kernel (one launch)."""
         st = self._devices.get(rows.device) or self._device(rows.device)
+        weights = None if weights is None else materialized(weights)  # the router's (rows and index are ours)
         return _module(".grouped_gemm").run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)
 
     def _plan_gemm(self, st: _Device, key: tuple, a, w: _Operand, m: int, stride_am: int,

@@ -130,12 +130,12 @@ def test_functional_call_without_a_transform_works():
 # ----------------------------------------------------------------------------- lazy views
 
 
-def _lazy_forms(t: torch.Tensor) -> dict:
-    """Tensors whose values equal ``t``'s but whose memory does not hold them: a negative
-    view (``is_neg()``; what ``complex.conj().imag`` returns)."""
-    forms = {"negative view": torch._neg_view(-t)}
-    assert forms["negative view"].is_neg() and torch.equal(forms["negative view"], t)
-    return forms
+def _negative_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose values equal ``t``'s but whose memory holds ``-t``: a negative view
+    (``is_neg()``; what ``complex.conj().imag`` returns)."""
+    lazy = torch._neg_view(-t)
+    assert lazy.is_neg() and torch.equal(lazy, t)
+    return lazy
 
 
 @pytest.fixture(params=["reference", "kernels"])
@@ -168,18 +168,18 @@ def test_negative_views_are_read_as_their_values(backend_device):
     w = torch.randn(64, 32, generator=g).to(dev)
     w_mx = pmx.quantize(w, axis=0)
     w16 = pmx.quantize(w, QR(activations="bf16"), axis=0)
-    for name, lazy in _lazy_forms(x).items():
-        q, want = pmx.quantize(lazy), pmx.quantize(x)
-        assert torch.equal(q.qdata, want.qdata) and torch.equal(q.scales, want.scales), name
-        q2 = pmx.quantize(lazy, QR(macro_block=64, outliers_per_block=2))
-        want2 = pmx.quantize(x, QR(macro_block=64, outliers_per_block=2))
-        assert all(torch.equal(a, b) for a, b in zip(q2.parts(), want2.parts())), name
-        assert torch.equal(pmx.decompose(lazy).scale_bias, pmx.decompose(x).scale_bias), name
-        assert torch.equal(pmx.matmul(lazy, w_mx), pmx.matmul(x, w_mx)), name
-        assert torch.equal(pmx.matmul(lazy, w16, QR(activations="bf16")), pmx.matmul(x, w16, QR(activations="bf16")))
-        layer = MXLinear(64, 32, device=dev)
-        with torch.no_grad():
-            assert torch.equal(layer(lazy), layer(x)), name
+    name, lazy = "negative view", _negative_view(x)
+    q, want = pmx.quantize(lazy), pmx.quantize(x)
+    assert torch.equal(q.qdata, want.qdata) and torch.equal(q.scales, want.scales), name
+    q2 = pmx.quantize(lazy, QR(macro_block=64, outliers_per_block=2))
+    want2 = pmx.quantize(x, QR(macro_block=64, outliers_per_block=2))
+    assert all(torch.equal(a, b) for a, b in zip(q2.parts(), want2.parts())), name
+    assert torch.equal(pmx.decompose(lazy).scale_bias, pmx.decompose(x).scale_bias), name
+    assert torch.equal(pmx.matmul(lazy, w_mx), pmx.matmul(x, w_mx)), name
+    assert torch.equal(pmx.matmul(lazy, w16, QR(activations="bf16")), pmx.matmul(x, w16, QR(activations="bf16")))
+    layer = MXLinear(64, 32, device=dev)
+    with torch.no_grad():
+        assert torch.equal(layer(lazy), layer(x)), name
     # MXTensor parts given as negative views hold their values
     parts = {n: getattr(want, n) for n in ("qdata", "scales")}
     built = pmx.MXTensor(qdata=torch._neg_view(-parts["qdata"]), scales=torch._neg_view(-parts["scales"]),

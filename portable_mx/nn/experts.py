@@ -170,8 +170,8 @@ class MXExperts(torch.nn.Module):
                  "macro_scales": None if w.macro_scales is None else w.macro_scales.view(torch.int32),
                  "outlier_values": None if w.outlier_values is None else w.outlier_values.view(torch.int16),
                  "outlier_indices": w.outlier_indices}
-        for part in _PARTS:
-            self.register_buffer(f"{proj}_{part}", parts[part])
+        for part, name in zip(_PARTS, _BUFFERS[proj]):
+            self.register_buffer(name, parts[part])
         self._mx_meta[proj] = (w.shape, w.dtype, w.recipe)
         self._mx_memo.pop(proj, None)
 

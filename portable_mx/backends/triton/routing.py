@@ -133,8 +133,9 @@ def route_tensors(topk_ids: torch.Tensor, num_experts: int, tile_m: int, slots: 
     """(counts, offsets, gather_index, scatter_index, tile_schedule, ok) of the routing
     (moe/routing.Routing's fields; ok: int32 [1], 1 when every id lies in [0, E)), in one
     launch on the ids' device. ``topk_ids`` int32/int64 [T, k] contiguous, ``slots`` =
-    moe.routing.max_tiles(T k, E, tile_m); :func:`fits` must hold. ``launch(None, args)`` runs the kernel (the backend's
-    planned launch of :func:`make_plan`; default: the JIT's ``kernel[grid]``)."""
+    moe.routing.max_tiles(T k, E, tile_m); :func:`fits` must hold. ``launch(None, args)``
+    runs the kernel (the backend's planned launch of :func:`make_plan`; default: the JIT's
+    ``kernel[grid]``)."""
     t, k = topk_ids.shape
     rows = t * k
     device = topk_ids.device

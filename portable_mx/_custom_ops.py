@@ -10,17 +10,19 @@ travels as its JSON (``QuantRecipe.model_dump_json()``), computed once per recip
 by :func:`recipe_json`, which dynamo treats as a constant.
 
 ``portable_mx::mm(Tensor a, Tensor b, Tensor[] a_parts, Tensor[] b_parts, str recipe,
-str a_recipe, str b_recipe) -> Tensor``
-    The forward GEMM ``a @ b``: a float ``[M, K]``, b float ``[K, N]``, same dtype (fp32,
-    bf16, fp16 or fp64) and device; returns ``[M, N]`` in that dtype. An operand with
-    empty parts is quantized inside with ``recipe`` (a along K, its last axis, or rounded
-    to 16 bits for W4A16 recipes; b along K, axis 0). Non-empty parts are the tensors of
+str a_recipe, str b_recipe, Tensor? bias=None) -> Tensor``
+    The forward GEMM ``a @ b`` (+ ``bias``): a float ``[M, K]``, b float ``[K, N]``, bias
+    None or ``[N]``, same dtype (fp32, bf16, fp16 or fp64) and device; returns ``[M, N]``
+    in that dtype. An operand with empty parts is quantized inside with ``recipe`` (a
+    along K, its last axis, or rounded to 16 bits for W4A16 recipes; b along K, axis 0).
+    Non-empty parts are the tensors of
     that operand's MXTensor quantized along K (:meth:`MXTensor.parts`; rows layout,
     a: ``[M, ...]``, b: ``[N, ...]``) with ``a_recipe`` / ``b_recipe`` the JSON of its
     recipe; the forward then uses those bytes and ignores the operand's values, which only
     serve the backward as its high-precision copy. Exact up to fp32 accumulation order:
-    the fp32 product of the dequantized operands, rounded once to the dtype.
-    Differentiable in a and b (never in the parts).
+    the fp32 product of the dequantized operands plus the bias (added in fp32, in the
+    GEMM's epilogue where the backend has one), rounded once to the dtype.
+    Differentiable in a, b and bias (never in the parts).
 
 ``portable_mx::grad_mm(Tensor a, Tensor b, str recipe, bool quantized) -> Tensor``
     One backward GEMM ``a @ b`` (a ``[M, K]``, b ``[K, N]``, same dtype and device) in
@@ -45,7 +47,8 @@ str a_recipe, str b_recipe) -> Tensor``
     (:data:`DECOMPOSE_ENERGIES`), non_finite int64 0-d] and, when ``full``, the element
     tensors fp32 ``[4, R, Kp]`` (:data:`DECOMPOSE_ELEMENTS`).
 
-Backward of ``mm`` (straight-through: the quantizer's derivative is taken as 1), with
+Backward of ``mm`` (straight-through: the quantizer's derivative is taken as 1; the bias's
+gradient is ``dY.sum(0)``, as for ``y + bias``), with
 ``W`` = b ``[K, N]``, ``X`` = a ``[M, K]``, ``dY`` ``[M, N]``, and the operands' float
 values (for an MXTensor operand: its dequantized values) as the high-precision copies
 that MX training recipes re-quantize from:
@@ -160,8 +163,12 @@ def _check_parts(parts: list[Tensor], recipe_text: str, rows: int, k: int, devic
             )
 
 
-def _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe) -> None:
+def _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe, bias) -> None:
     _check_pair(a, b, "mm")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1] or bias.dtype != a.dtype
+                             or bias.device != a.device):
+        raise ValueError(f"mm: bias must be a {a.dtype} [{b.shape[1]}] on {a.device} (the output's columns, "
+                         f"dtype and device); got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
     recipe_from_json(recipe)
     _check_parts(a_parts, a_recipe, a.shape[0], a.shape[1], a.device, "a")
     _check_parts(b_parts, b_recipe, b.shape[1], b.shape[0], b.device, "b")
@@ -181,25 +188,25 @@ def _high_precision_mm(a: Tensor, b: Tensor) -> Tensor:
 
 _LIB = torch.library.Library("portable_mx", "DEF")
 _LIB.define("mm(Tensor a, Tensor b, Tensor[] a_parts, Tensor[] b_parts, str recipe, str a_recipe, "
-            "str b_recipe) -> Tensor")
+            "str b_recipe, Tensor? bias=None) -> Tensor")
 _LIB.define("grad_mm(Tensor a, Tensor b, str recipe, bool quantized) -> Tensor")
 _LIB.define("quantize(Tensor x, str recipe) -> Tensor[]")
 _LIB.define("dequantize(Tensor[] parts, str recipe, SymInt k, ScalarType dtype) -> Tensor")
 _LIB.define("decompose(Tensor x, str recipe, str definition, bool full) -> Tensor[]")
 
 
-def _mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe):
-    _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe)
+def _mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe, bias=None):
+    _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe, bias)
     (m, k), n = a.shape, b.shape[1]
-    if m == 0 or n == 0 or k == 0:
-        return a.new_zeros(m, n)
+    if m == 0 or n == 0 or k == 0:  # no product: zeros, or the bias's rows
+        return _dispatch.gemm(a, b, recipe_from_json(recipe), a.dtype, bias)
     a_op = MXTensor.from_parts(a_parts, (m, k), a.dtype, 1, recipe_from_json(a_recipe)) if a_parts else a
     b_op = MXTensor.from_parts(b_parts, (k, n), b.dtype, 0, recipe_from_json(b_recipe)) if b_parts else b
-    return _dispatch.gemm(a_op, b_op, recipe_from_json(recipe), a.dtype)
+    return _dispatch.gemm(a_op, b_op, recipe_from_json(recipe), a.dtype, bias)
 
 
-def _mm_fake(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe):
-    _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe)
+def _mm_fake(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe, bias=None):
+    _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe, bias)
     return a.new_empty(a.shape[0], b.shape[1])
 
 
@@ -304,10 +311,13 @@ for _name, _impl, _fake in (("mm", _mm, _mm_fake), ("grad_mm", _grad_mm, _grad_m
 
 
 def _mm_setup_context(ctx, inputs, output) -> None:
-    a, b, a_parts, b_parts, recipe, _, _ = inputs
+    a, b, a_parts, b_parts, recipe, _, _ = inputs[:7]
     ctx.save_for_backward(a, b)
     ctx.recipe = recipe
     ctx.num_parts = (len(a_parts), len(b_parts))
+    # the dispatcher drops a bias of None from the arguments autograd sees (it is the
+    # schema's default): the backward returns a gradient for the bias only when there is one
+    ctx.biased = inputs[7] is not None
 
 
 def _mm_backward(ctx, grad: Tensor):
@@ -320,7 +330,9 @@ def _mm_backward(ctx, grad: Tensor):
         quantized = recipe.grad_weight == "mxfp4" and recipe.quantizes_activations
         grad_b = torch.ops.portable_mx.grad_mm(a.T, grad, ctx.recipe, quantized)
     no_grads = [[None] * n for n in ctx.num_parts]  # the parts are never differentiated
-    return grad_a, grad_b, *no_grads, None, None, None
+    if not ctx.biased:
+        return grad_a, grad_b, *no_grads, None, None, None
+    return grad_a, grad_b, *no_grads, None, None, None, grad.sum(0) if ctx.needs_input_grad[-1] else None
 
 
 torch.library.register_autograd("portable_mx::mm", _mm_backward, setup_context=_mm_setup_context, lib=_LIB)

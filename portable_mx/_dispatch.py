@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -131,19 +131,27 @@ def right_operand(b: Operand, recipe: QuantRecipe) -> "MXTensor":
     return b.rows()
 
 
-def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` in ``out_dtype``: a [M, K] (float, or an MXTensor along axis 1), b [K, N]
-    (float, or an MXTensor along axis 0), quantized per ``recipe`` (see
-    :func:`portable_mx.matmul`); the fp32 accumulation rounded once to ``out_dtype``."""
+def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype,
+         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b`` (+ ``bias``) in ``out_dtype``: a [M, K] (float, or an MXTensor along
+    axis 1), b [K, N] (float, or an MXTensor along axis 0), quantized per ``recipe`` (see
+    :func:`portable_mx.matmul`); bias None or a float [N] on b's device, added in fp32
+    to the fp32 accumulation, which is rounded once to ``out_dtype``."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or k == 0 or n == 0:
-        return torch.zeros(m, n, dtype=out_dtype, device=b.device)
+        out = torch.zeros(m, n, dtype=out_dtype, device=b.device)
+        return out if bias is None or m == 0 or n == 0 else out.copy_(bias.to(torch.float32).expand(m, n))
     b_rows = right_operand(b, recipe)
     backend = _select("matmul", b_rows.device)
     if recipe.activations == "mxfp4" and isinstance(a, _Tensor) and backend.left_values(m, n, recipe, a.device):
-        return backend.matmul_on_values(a, recipe, b_rows, out_dtype)  # (the W4A16 GEMM on a's values)
-    return backend.matmul(left_operand(a, recipe), b_rows, out_dtype)
+        # (the W4A16 GEMM on a's values)
+        if bias is None:
+            return backend.matmul_on_values(a, recipe, b_rows, out_dtype)
+        return backend.matmul_on_values(a, recipe, b_rows, out_dtype, bias=bias)
+    if bias is None:
+        return backend.matmul(left_operand(a, recipe), b_rows, out_dtype)
+    return backend.matmul(left_operand(a, recipe), b_rows, out_dtype, bias=bias)
 
 
 def backend_left_operand(backend, a: Operand, recipe: QuantRecipe, m: int, n: int) -> Operand:

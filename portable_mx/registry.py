@@ -91,11 +91,14 @@ class Backend:
         return values if values.shape[1] == k else values[:, :k]
 
     def matmul_on_values(self, a: torch.Tensor, recipe: "QuantRecipe", b: "MXTensor",
-                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         out_dtype: torch.dtype = torch.float32, *,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``matmul`` of float tokens a [M, K] quantized with ``recipe`` (one that
-        :meth:`left_values` accepted) by b: the W4A16 GEMM on :meth:`token_values`.
-        This default is the exact twin a backend's own form (one launch) is held to."""
-        return self.matmul(self.token_values(a, recipe), b, out_dtype)
+        :meth:`left_values` accepted) by b (plus ``bias``, as :meth:`matmul`): the W4A16
+        GEMM on :meth:`token_values`. This default is the exact twin a backend's own form
+        (one launch) is held to."""
+        values = self.token_values(a, recipe)
+        return self.matmul(values, b, out_dtype) if bias is None else self.matmul(values, b, out_dtype, bias=bias)
 
     def left_values(self, m: int, n: int, recipe: "QuantRecipe", device: torch.device) -> bool:
         """Whether ``matmul`` of an M-row float left operand quantized with ``recipe`` by an
@@ -111,14 +114,17 @@ class Backend:
         raise NotImplementedError
 
     def matmul(
-        self, a: "MXTensor | torch.Tensor", b: "MXTensor", out_dtype: torch.dtype = torch.float32
+        self, a: "MXTensor | torch.Tensor", b: "MXTensor", out_dtype: torch.dtype = torch.float32, *,
+        bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """a: MXTensor (M, K) axis 1, or a bf16/fp16 tensor [M, K] (W4A16); b: MXTensor
         (N, K) axis 1 (b transposed); M, N, K > 0 -> [M, N] in ``out_dtype`` (fp32, bf16,
         fp16 or fp64): the product of the dequantized operands accumulated in fp32 (up to
-        accumulation order) and rounded once to ``out_dtype``. A backend writes
-        ``out_dtype`` directly where it can: a separate cast is one more kernel and one more
-        M x N round trip."""
+        accumulation order), plus ``bias`` (None, or a float [N] on b's device, converted
+        to fp32) added in fp32, rounded once to ``out_dtype``. A backend writes
+        ``out_dtype`` directly where it can, and adds the bias in its store: a separate
+        cast or add is one more kernel and one more M x N round trip. The dispatch layer
+        passes ``bias`` only when there is one."""
         raise NotImplementedError
 
     def grouped_matmul(

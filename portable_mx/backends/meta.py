@@ -41,7 +41,8 @@ class MetaBackend(Backend):
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         return zeros_decomposition(x.shape[0], x.shape[1], recipe, definition, full, x.device)
 
-    def matmul(self, a: "MXTensor | torch.Tensor", b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def matmul(self, a: "MXTensor | torch.Tensor", b: MXTensor, out_dtype: torch.dtype = torch.float32, *,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=b.device)
 
     def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):

@@ -179,11 +179,14 @@ class ReferenceBackend(Backend):
             full=full,
         )
 
-    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32, *,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         bq = decode_rows(b)[:, : b.k]
         aq = a.to(torch.float32) if isinstance(a, torch.Tensor) else decode_rows(a)[:, : a.k]
         with HighestPrecision():
             c = aq @ bq.T
+        if bias is not None:  # in fp32, before the one rounding
+            c = c + bias.to(torch.float32)
         return c if out_dtype == torch.float32 else c.to(out_dtype)
 
     def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):

@@ -335,25 +335,25 @@ class MXGathered(Tensor):
             "MXLinear's forward uses; read the high-precision weight from the sharded parameter "
             "(model.state_dict(), or outside the forward), or leave the layer out of the MXFP4 all-gather")
 
-    def __pmx_linear__(self, x2: Tensor, layer: MXLinear) -> Tensor:
-        """MXLinear's GEMM ``x2 @ W^T`` (x2 ``[M, K]``) on the gathered bytes."""
-        return _GatheredLinear.apply(x2, self, layer._recipe_json)
+    def __pmx_linear__(self, x2: Tensor, layer: MXLinear, bias: Optional[Tensor]) -> Tensor:
+        """MXLinear's GEMM ``x2 @ W^T + bias`` (x2 ``[M, K]``) on the gathered bytes."""
+        return _GatheredLinear.apply(x2, self, layer._recipe_json, bias)
 
 
 class _GatheredLinear(torch.autograd.Function):
-    """``y = x @ W^T`` with W an :class:`MXGathered`: the same GEMMs, on the same bytes,
-    as MXLinear's custom op on the high-precision weight (see
+    """``y = x @ W^T + bias`` with W an :class:`MXGathered`: the same GEMMs, on the same
+    bytes, as MXLinear's custom op on the high-precision weight (see
     :mod:`portable_mx._custom_ops`): forward ``portable_mx::mm`` with the forward copy
-    as the weight's parts; dX ``portable_mx::mm(dY, ., [], dX copy)``, i.e. dY
+    as the weight's parts and the bias in its epilogue; d(bias) dY summed over rows; dX ``portable_mx::mm(dY, ., [], dX copy)``, i.e. dY
     quantized (or rounded) per the recipe against W quantized along N; dW the
     ``portable_mx::grad_mm`` of X^T and dY, returned ``[N, K]`` for the gathered leaf."""
 
     @staticmethod
-    def forward(ctx, x2: Tensor, w: MXGathered, rj: str) -> Tensor:
+    def forward(ctx, x2: Tensor, w: MXGathered, rj: str, bias: Optional[Tensor]) -> Tensor:
         n, k = w.shape
         payload = w._payload
         b = torch.zeros((), dtype=x2.dtype, device=x2.device).expand(k, n)  # never read: the parts are
-        y = torch.ops.portable_mx.mm(x2, b, [], payload.k_parts, rj, "", rj)
+        y = torch.ops.portable_mx.mm(x2, b, [], payload.k_parts, rj, "", rj, bias)
         ctx.save_for_backward(x2)
         ctx.payload, ctx.rj = payload, rj  # the dX copy is read at backward (FSDP2 may re-gather it)
         return y
@@ -373,7 +373,7 @@ class _GatheredLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             quantized = recipe.grad_weight == "mxfp4" and recipe.quantizes_activations
             dw = torch.ops.portable_mx.grad_mm(x2.T, dy, rj, quantized).T.contiguous()
-        return dx, dw, None
+        return dx, dw, None, dy.sum(0) if ctx.needs_input_grad[3] else None
 
 
 # ----------------------------------------------------------------------------- state dicts

@@ -5,7 +5,7 @@ An MXLinear forward that needs a gradient (or runs under ``torch.compile``) is t
 documents the op and its backward GEMMs); one that needs none (``torch.no_grad()``,
 inference) calls the dispatch layer directly: validation, the weight's quantize (or the
 cached quantized weight inside :func:`~portable_mx.nn.weight_cache`), one GEMM launch
-(plus the quantize of x for A4W4 recipes) and the bias add.
+(plus the quantize of x for A4W4 recipes), the bias added in the GEMM's epilogue.
 
 ``torch.compile``: the custom ops trace without graph breaks (dynamo sees their fake
 implementations, AOTAutograd traces the backward through ``grad_mm``), and a model of
@@ -54,10 +54,11 @@ class MXLinear(torch.nn.Linear):
 
     Forward: x ``[..., in_features]`` in the weight's dtype -> ``[..., out_features]``
     in that dtype. ``x @ W^T`` with W quantized along ``in_features`` (K) and x per
-    ``recipe.activations``; the bias is added afterwards in the output dtype. With a
-    gradient to compute (or under ``torch.compile``) the GEMM is ``portable_mx::mm``
-    (backward: :mod:`portable_mx._custom_ops`; bias: exact, by autograd); without one it
-    is the same GEMM called directly, on the cached weight.
+    ``recipe.activations``, accumulated in fp32; the bias is added to the fp32 sum (in
+    the GEMM's epilogue), which is rounded once to the output dtype. With a gradient to
+    compute (or under ``torch.compile``) the GEMM is ``portable_mx::mm`` (backward:
+    :mod:`portable_mx._custom_ops`; the bias's gradient is exact, dY summed over the
+    rows); without one it is the same GEMM called directly, on the cached weight.
 
     The quantized weight: outside a :func:`~portable_mx.nn.weight_cache` block the
     weight is quantized on every forward, so a forward always uses the weight's current
@@ -72,8 +73,9 @@ class MXLinear(torch.nn.Linear):
     Double backward (``create_graph=True`` and differentiating the gradient) is not
     supported: differentiating a gradient of the MXFP4 GEMM raises a RuntimeError.
 
-    A weight whose type defines ``__pmx_linear__(weight, x2, layer) -> y2`` (x2 and y2
-    2-D, no bias) brings its own GEMM operands and runs the GEMM itself: the
+    A weight whose type defines ``__pmx_linear__(weight, x2, layer, bias) -> y2`` (x2 and
+    y2 2-D, bias None or ``[out_features]``) brings its own GEMM operands and runs the
+    GEMM itself, the bias added as above: the
     MXFP4-gathered weights of :func:`~portable_mx.nn.enable_fsdp_mx_all_gather`.
     """
 
@@ -144,29 +146,26 @@ class MXLinear(torch.nn.Linear):
         bias = _member(self, params, "bias")
         rj = self._recipe_json
         gemm = None if type(w) is _Parameter else getattr(type(w), "__pmx_linear__", None)
+        if bias is not None and bias.dtype != w.dtype:
+            raise TypeError(f"MXLinear: the bias is {bias.dtype} but the weight is {w.dtype}; give both one dtype")
         if gemm is not None:  # a weight that holds its own MXFP4 operands (pmx.nn.enable_fsdp_mx_all_gather)
-            y = gemm(w, x2, self)
+            y = gemm(w, x2, self, bias)
         elif torch.compiler.is_compiling():
             # the recipe read through its property: torch 2.11's dynamo records an assignment
             # to it inside the compiled function without running the setter (_recipe_json stale)
-            y = torch.ops.portable_mx.mm(x2, w.T, [], [], recipe_json(self.recipe), "", "")
+            y = torch.ops.portable_mx.mm(x2, w.T, [], [], recipe_json(self.recipe), "", "", bias)
         elif refuse_func_transforms("MXLinear") or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
                                           (bias is not None and bias.requires_grad)):
             if self._pmx_weight_cache.depth:
                 parts = self.quantized_weight().rows().parts()
-                y = torch.ops.portable_mx.mm(x2, w.T, [], parts, rj, "", rj)
+                y = torch.ops.portable_mx.mm(x2, w.T, [], parts, rj, "", rj, bias)
             else:  # the op quantizes the weight itself
-                y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "")
-        else:  # no autograd: the dispatch layer directly, the bias added in place
+                y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "", bias)
+        else:  # no autograd: the dispatch layer directly (the bias in the GEMM's epilogue)
             cache = self._pmx_weight_cache
             b = cache.get("weight", w, self._recipe, self._quantize_weight) if cache.depth else w.detach().T
-            y = _dispatch.gemm(x2, b, self._recipe, x.dtype)
-            if bias is not None:
-                y.add_(bias)
-                bias = None
-        if x2 is not x:
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if bias is None else y + bias
+            y = _dispatch.gemm(x2, b, self._recipe, x.dtype, bias)
+        return y if x2 is x else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe.describe()}"

@@ -475,7 +475,8 @@ class TritonBackend(Backend):
         return out
 
     def matmul_on_values(self, a: torch.Tensor, recipe: QuantRecipe, b: MXTensor,
-                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         out_dtype: torch.dtype = torch.float32, *,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """:meth:`Backend.matmul_on_values`; at decode sizes (M <= SMALL_M) with nearest
         rounding and bf16/fp16 tokens readable as words, in one launch: the upcast kernel
         quantizes the tokens itself (``gemm.Operand.quant``; the quantize kernel's values
@@ -484,8 +485,8 @@ class TritonBackend(Backend):
         two launches of the default."""
         rule = self.token_quant_rule(a, recipe, b)
         if rule is not None:
-            return self.matmul(a, b, out_dtype, rule)
-        return super().matmul_on_values(a, recipe, b, out_dtype)
+            return self.matmul(a, b, out_dtype, rule, bias=bias)
+        return super().matmul_on_values(a, recipe, b, out_dtype, bias=bias)
 
     def token_quant_rule(self, a: torch.Tensor, recipe: QuantRecipe, b: MXTensor) -> Optional[int]:
         """The scale rule's id with which :meth:`matmul_on_values` has the GEMM kernel
@@ -636,12 +637,13 @@ class TritonBackend(Backend):
                              warp_size=target.warp_size if target is not None else 32)
 
     def matmul(self, a: MXTensor | torch.Tensor, b: MXTensor, out_dtype: torch.dtype = torch.float32,
-               quant: Optional[int] = None) -> torch.Tensor:
+               quant: Optional[int] = None, *, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """a: MXTensor (M, K) axis 1 or bf16/fp16 [M, K]; b: MXTensor (N, K) axis 1 ->
         [M, N] in ``out_dtype``, stored by the kernel (fp32, bf16, fp16; not on the
         interpreter) or stored fp32 and cast. ``quant`` (a scale rule's id; the upcast
         route, 16-bit a readable as words): a quantized by the kernel, nearest rounding
-        (:meth:`matmul_on_values`)."""
+        (:meth:`matmul_on_values`). ``bias`` (float [N]): added by the kernel's epilogue
+        in fp32 (an fp64 bias is rounded to fp32 first)."""
         dev = b.qdata.device
         st = self._devices.get(dev) or self._device(dev)
         if st.cache_generation != config_cache.generation():  # the tuned configs changed
@@ -665,15 +667,19 @@ class TritonBackend(Backend):
             m, stride_am = a.qdata.shape[0], a.k_padded // 2
             a_parts = op.parts
             a_key = (op.kind, op.key[4])
-        key = (a_key, w.key, m, out_dtype)
+        if bias is None:
+            key = (a_key, w.key, m, out_dtype)
+        else:  # (its dtype and alignment specialise the launch)
+            bias = _bias_operand(bias)
+            key = (a_key, w.key, m, out_dtype, bias.dtype, bias.data_ptr() % 16 == 0)
         plan = st.gemm_plans.get(key)
         if plan is None:
-            plan = self._plan_gemm(st, key, a, w, m, stride_am, out_dtype)
+            plan = self._plan_gemm(st, key, a, w, m, stride_am, out_dtype, bias is not None)
         c = torch.empty(m, w.key[3], dtype=plan.store, device=dev)
         b_parts = w.parts if plan.weight is None else b.memo(plan.weight[0], plan.weight[1], True)
         part = c if plan.part is None else plan.part
         counts = c if plan.counts is None else plan.counts
-        self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, *plan.ints))
+        self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, c if bias is None else bias, *plan.ints))
         return c if plan.store is out_dtype else c.to(out_dtype)
 
     def grouped_matmul(self, a, w, num_experts, offsets, gather, bias, activation, out_dtype, schedule):
@@ -728,12 +734,12 @@ class TritonBackend(Backend):
         return _module(".grouped_gemm").run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)
 
     def _plan_gemm(self, st: _Device, key: tuple, a, w: _Operand, m: int, stride_am: int,
-                   out_dtype: torch.dtype) -> _GemmPlan:
-        """The launch :meth:`run_gemm` makes, decided once: the kernel of
-        :meth:`gemm_route` (``gemm.gemm_kernel`` or ``gemm_upcast.upcast_gemm_kernel``,
-        both taking ``(a, as, am, aov, aoi, b, bs, bm, bov, boi, [bsmax,] c, part, counts,
-        *ints, **constexprs)``, bsmax for the upcast kernel, and storing c's dtype), the
-        config with ``split_k = 0`` resolved
+                   out_dtype: torch.dtype, bias: bool = False) -> _GemmPlan:
+        """The launch :meth:`run_gemm` makes (with a bias in the epilogue or not), decided
+        once: the kernel of :meth:`gemm_route` (``gemm.gemm_kernel`` or
+        ``gemm_upcast.upcast_gemm_kernel``, both taking ``(a, as, am, aov, aoi, b, bs, bm,
+        bov, boi, [bsmax,] c, part, counts, bias, *ints, **constexprs)``, bsmax for the upcast
+        kernel, and storing c's dtype), the config with ``split_k = 0`` resolved
         for this device, the weight's layouts, and the split-K buffers."""
         from . import gemm, gemm_upcast, splitk
         from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES
@@ -755,14 +761,15 @@ class TritonBackend(Backend):
         nmb = -(-kp // ob.macro_block) if ob.macro_block else 1
         macros = (oa.macro_block or 32, ob.macro_block or 32)
         if route.kernel == "upcast":
-            consts = gemm_upcast.constexprs(oa, ob, k, kp, config, route.upcast, interpreted=st.target is None, m=m)
+            consts = gemm_upcast.constexprs(oa, ob, k, kp, config, route.upcast, interpreted=st.target is None, m=m,
+                                            bias=bias)
             values, scales = (HOPPER_VALUES, HOPPER) if consts["VALUES"] == 1 else (PLAIN_VALUES, PLAIN)
             strides = ((values.row_stride(kp), scales.padded(1, kp // 32)[1] * 64) if values is HOPPER_VALUES
                        else (kp // 2, kp // 32))
             ints = (m, n, k, kp, stride_am, n, *strides, nma, nmb, *macros)
             fn, name = gemm_upcast.upcast_gemm_kernel, "gemm-upcast"
         else:
-            consts = gemm.Plan.make(oa, ob, kp, config, route.scales).constexprs
+            consts = gemm.Plan.make(oa, ob, kp, config, route.scales, bias).constexprs
             values, scales = PLAIN_VALUES, route.scales
             ints = (m, n, k, kp, stride_am, n, nma, nmb, *macros)
             fn, name = gemm.gemm_kernel, "gemm"
@@ -827,18 +834,21 @@ class TritonBackend(Backend):
         return c if c.dtype == out_dtype else c.to(out_dtype)
 
     def gemm_launch_spec(self, target: Target, a, b, config: GemmConfig, m: int = SMALL_M, n: int = 8192,
-                         kp: int = 8192, out_dtype: torch.dtype = torch.float32) -> KernelLaunch:
+                         kp: int = 8192, out_dtype: torch.dtype = torch.float32,
+                         bias: Optional[torch.dtype] = None) -> KernelLaunch:
         """The launch :meth:`run_gemm` makes on ``target`` for operands like ``a``, ``b``
         (``gemm.Operand``) with ``config`` at M x N x ``kp`` (which resolves ``split_k = 0``
-        with the target's nominal SM count), as data for the compile matrix and the tuner."""
+        with the target's nominal SM count), as data for the compile matrix and the tuner;
+        with a bias of dtype ``bias`` in the epilogue (:meth:`matmul`) or none."""
         from . import gemm, gemm_upcast
 
         route = self.gemm_route(target, a, b)
         config = self.resolve_split_k(config, m, n, kp, self.gemm_sms.get(target.name, 132))
         if route.kernel == "upcast":
             return gemm_upcast.launch_spec(a, b, config, self.options(config), route.upcast, kp=kp, out_dtype=out_dtype,
-                                           m=m)
-        return gemm.launch_spec(a, b, config, self.options(config), route.scales, kp=kp, out_dtype=out_dtype)
+                                           m=m, bias=bias)
+        return gemm.launch_spec(a, b, config, self.options(config), route.scales, kp=kp, out_dtype=out_dtype,
+                                bias=bias)
 
     # ------------------------------------------------------------------- for AOT
 
@@ -890,14 +900,21 @@ class TritonBackend(Backend):
                 if launch.label not in seen:
                     seen.add(launch.label)
                     out.append(launch)
-        if self._a4w4_upcasts(target):  # A4W4 at decode in one launch: the kernel quantizes the tokens
-            from .gemm import Operand
+        from .gemm import Operand
 
-            for a, store in ((Operand(torch.bfloat16, None, 0, 0), torch.bfloat16),
-                             (Operand(torch.float16, None, 0, 1), torch.float16)):
+        # MXLinear's bias in the epilogue: W4A16 and A4W4 at decode and prefill
+        mx, bf16 = Operand(None, None, 0), Operand(torch.bfloat16, None, 0)
+        for a, m in ((bf16, 1), (bf16, 4096), (mx, 4096)):
+            config = self.default_gemm_config(target, m, a.format, False)
+            out.append(self.gemm_launch_spec(target, a, mx, config, m=m, out_dtype=torch.bfloat16,
+                                             bias=torch.bfloat16))
+        if self._a4w4_upcasts(target):  # A4W4 at decode in one launch: the kernel quantizes the tokens
+            for a, store, bias in ((Operand(torch.bfloat16, None, 0, 0), torch.bfloat16, None),
+                                   (Operand(torch.float16, None, 0, 1), torch.float16, None),
+                                   (Operand(torch.bfloat16, None, 0, 0), torch.bfloat16, torch.bfloat16)):
                 for m in (1, self.SMALL_M):
                     config = self.default_gemm_config(target, m, a.format, False)
-                    launch = self.gemm_launch_spec(target, a, Operand(None, None, 0), config, m=m, out_dtype=store)
+                    launch = self.gemm_launch_spec(target, a, mx, config, m=m, out_dtype=store, bias=bias)
                     if launch.label not in seen:
                         seen.add(launch.label)
                         out.append(launch)
@@ -957,6 +974,16 @@ class TritonBackend(Backend):
             out.append(grouped_gemm.combine_launch_spec(k, weights, store, self.options(config), config.block_r,
                                                         config.block_k))
         return out
+
+
+def _bias_operand(bias: torch.Tensor) -> torch.Tensor:
+    """A GEMM's bias [N] as the kernels read it: its values (a negative view resolved),
+    fp32, bf16 or fp16 (an fp64 bias rounded to fp32, as the epilogue adds in fp32), unit
+    stride."""
+    bias = materialized(bias)
+    if bias.dtype not in STORE_DTYPES:
+        bias = bias.to(torch.float32)
+    return bias if bias.stride(0) == 1 else bias.contiguous()
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,9 @@ The result equals the product of the dequantized operands up to fp32 accumulatio
 ``matrix_instr_nonkdim``) come in through :class:`~.launch.GemmConfig`. With
 ``split_k`` > 1 several programs share an output tile, each summing a contiguous range of
 its K tiles, and the last one to finish adds the partial sums in a fixed order (splitk.py):
-the decode path on targets with a native block-scaled MMA. The kernel's store writes the
-output dtype. Targets without one use gemm_upcast.py.
+the decode path on targets with a native block-scaled MMA (targets without one use
+gemm_upcast.py). The epilogue adds an optional bias (fp32, bf16 or fp16 [N], widened to
+fp32) to the fp32 sum, and the kernel's store writes the output dtype: one rounding.
 """
 
 from __future__ import annotations
@@ -150,6 +151,12 @@ def macro_factors(am_ptr, bm_ptr, rm, rn, M, N, NMA, NMB, ka, kb, A_MACRO: tl.co
 
 
 @triton.jit
+def bias_row(bias_ptr, rn, N):
+    """The bias of output columns ``rn`` (float [N] at bias_ptr) in fp32; 0 past N."""
+    return tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def scaled_k_loop(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
     rm, rn, first, last, M, N, K, KP, NB, stride_am, NMA, NMB, MACRO_A, MACRO_B,
@@ -194,15 +201,15 @@ def scaled_k_loop(
 def gemm_kernel(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
     b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
-    c_ptr, part_ptr, count_ptr,
+    c_ptr, part_ptr, count_ptr, bias_ptr,
     M, N, K, KP, stride_am, stride_cm, NMA, NMB, MACRO_A, MACRO_B,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     B_LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
 ):
-    """c [M, N] (row stride stride_cm) = A [M, K] @ B [N, K]^T, accumulated in fp32 and
-    stored in c's dtype (fp32, bf16 or fp16: one rounding).
+    """c [M, N] (row stride stride_cm) = A [M, K] @ B [N, K]^T (+ bias [N] with BIAS),
+    accumulated in fp32 and stored in c's dtype (fp32, bf16 or fp16: one rounding).
 
     A: codes uint8 [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32] when
     A_FORMAT is "e2m1", else bf16/fp16 [M, K] (row stride stride_am); B: codes uint8
@@ -211,7 +218,8 @@ def gemm_kernel(
     [rows, KP/32, k]. With macro factors each K tile lies inside one macro block of each
     operand; EPILOGUE: one macro block spans K and there are no outliers, so the factors
     scale the finished sum. With SPLIT_K > 1, part_ptr (fp32) and count_ptr (int32, zero)
-    are splitk.buffers."""
+    are splitk.buffers. BIAS: bias_ptr is a float [N] (fp32, bf16 or fp16), added in fp32
+    after the macro factors."""
     pid_m, pid_n, pid_k, grid_n = splitk.program_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -235,6 +243,8 @@ def gemm_kernel(
             ma, mb = macro_factors(am_ptr, bm_ptr, rm, rn, M, N, NMA, NMB, 0, 0, A_MACRO, B_MACRO,
                                    BLOCK_M, BLOCK_N)
             acc = acc * (ma[:, None] * mb[None, :])
+        if BIAS:
+            acc += bias_row(bias_ptr, rn, N)[None, :]
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -282,7 +292,8 @@ class Plan:
     constexprs: dict
 
     @staticmethod
-    def make(a: Operand, b: Operand, kp: int, config: GemmConfig, b_layout: ScaleLayout = PLAIN) -> "Plan":
+    def make(a: Operand, b: Operand, kp: int, config: GemmConfig, b_layout: ScaleLayout = PLAIN,
+             bias: bool = False) -> "Plan":
         if a.format not in FORMATS:
             raise TypeError(f"the GEMM's left operand must be MXFP4, bf16 or fp16; got {a.format}")
         macros = [m for m in (a.macro_block, b.macro_block) if m is not None]
@@ -296,7 +307,7 @@ class Plan:
             "B_MACRO": b.macro_block is not None, "A_OUT": a.outliers, "B_OUT": b.outliers,
             "EVEN_K": kp % block_k == 0, "EPILOGUE": epilogue, "B_LAYOUT": b_layout.layout_id,
             "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "GROUP_M": config.group_m,
-            "SPLIT_K": max(1, config.split_k),
+            "SPLIT_K": max(1, config.split_k), "BIAS": bool(bias),
         }
         return Plan(block_k, constexprs)
 
@@ -305,19 +316,20 @@ _INT_ARGS = ("M", "N", "K", "KP", "stride_am", "stride_cm", "NMA", "NMB", "MACRO
 
 
 def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, b_layout: ScaleLayout = PLAIN,
-                kp: int = 8192, out_dtype: torch.dtype = torch.float32) -> KernelLaunch:
+                kp: int = 8192, out_dtype: torch.dtype = torch.float32,
+                bias: Optional[torch.dtype] = None) -> KernelLaunch:
     """The launch :func:`matmul` makes for operands like ``a`` and ``b`` (K padded to
-    ``kp``, b's scales in ``b_layout``, output ``out_dtype``), as data (for AOT). A4W4
-    launches are marked ``multiplies_mx``: on a target with a native block-scaled
-    instruction the compile matrix requires it."""
-    plan = Plan.make(a, b, kp, config, b_layout)
+    ``kp``, b's scales in ``b_layout``, output ``out_dtype``, a bias of dtype ``bias``
+    or none), as data (for AOT). A4W4 launches are marked ``multiplies_mx``: on a target
+    with a native block-scaled instruction the compile matrix requires it."""
+    plan = Plan.make(a, b, kp, config, b_layout, bias is not None)
     a_ptr = "*u8" if a.format is None else POINTER_TYPES[a.format]
     signature = {
         "a_ptr": a_ptr, "as_ptr": "*u8", "am_ptr": "*fp32" if a.macro_block else "*u8",
         "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
         "b_ptr": "*u8", "bs_ptr": "*u8", "bm_ptr": "*fp32" if b.macro_block else "*u8",
         "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", "c_ptr": POINTER_TYPES[out_dtype],
-        "part_ptr": "*fp32", "count_ptr": "*i32",
+        "part_ptr": "*fp32", "count_ptr": "*i32", "bias_ptr": POINTER_TYPES[out_dtype if bias is None else bias],
         **{name: "i32" for name in _INT_ARGS},
     }
     signature.update({name: "constexpr" for name in plan.constexprs})
@@ -326,6 +338,8 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, b_lay
     extras += [f"{side}OF-{n}" for side, n in (("a:", a.outliers), ("b:", b.outliers)) if n]
     if b_layout is not PLAIN:
         extras.append(f"scales:{b_layout.name}")
+    if bias is not None:
+        extras.append(f"bias:{FORMATS.get(bias, str(bias))}")
     if out_dtype != torch.float32:
         extras.append(f"out:{FORMATS.get(out_dtype, str(out_dtype))}")
     label = " ".join([kind, *extras, config.label()])
@@ -344,7 +358,8 @@ def _parts(t: MXTensor) -> tuple[torch.Tensor, ...]:
 
 
 def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, b_layout: ScaleLayout = PLAIN,
-                out_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None):
+                out_dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None):
     """(kernel, grid, arguments, constexprs, output) of the launch :func:`matmul` makes:
     ``kernel[grid](*arguments, **constexprs, **options)`` computes it (or
     ``kernel.warmup(*arguments, grid=grid, **constexprs, **options)`` compiles it)."""
@@ -366,7 +381,7 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
     b_parts = _parts(b)
     b_parts = (b_parts[0], prepared(b_parts[1], b_layout), *b_parts[2:])
     nmb = 1 if b.macro_scales is None else b.macro_scales.shape[-1]
-    plan = Plan.make(oa, ob, kp, config, b_layout)
+    plan = Plan.make(oa, ob, kp, config, b_layout, bias is not None)
     c = out if out is not None else torch.empty(m, n, dtype=out_dtype, device=b.device)
     split = plan.constexprs["SPLIT_K"]
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
@@ -374,18 +389,20 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
         part, counts = splitk.buffers(b.device, tiles * split * config.block_m * config.block_n, tiles)
     else:
         part, counts = c, c
-    args = (*a_parts, *b_parts, c, part, counts,
+    args = (*a_parts, *b_parts, c, part, counts, c if bias is None else bias,
             m, n, b.k, kp, stride_am, c.stride(0), nma, nmb, oa.macro_block or 32, ob.macro_block or 32)
     return gemm_kernel, (tiles * split,), args, dict(plan.constexprs), c
 
 
 def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
            b_layout: ScaleLayout = PLAIN, out_dtype: torch.dtype = torch.float32,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
-    [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's scales are read
-    in ``b_layout``, swizzled once per scales tensor (:func:`layouts.prepared`). ``out``:
-    an [M, N] tensor of ``out_dtype`` to write (unit column stride)."""
-    kernel, grid, args, consts, c = launch_args(a, b, config, b_layout, out_dtype, out)
+           out: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[M, N] in ``out_dtype`` = a @ b^T (+ ``bias``) for a: MXTensor (M, K) axis 1 or
+    bf16/fp16 [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's
+    scales are read in ``b_layout``, swizzled once per scales tensor
+    (:func:`layouts.prepared`). ``out``: an [M, N] tensor of ``out_dtype`` to write (unit
+    column stride). ``bias``: fp32, bf16 or fp16 [N] (unit stride), added to the fp32
+    sum before the store's one rounding."""
+    kernel, grid, args, consts, c = launch_args(a, b, config, b_layout, out_dtype, out, bias)
     kernel[grid](*args, **consts, **options)
     return c

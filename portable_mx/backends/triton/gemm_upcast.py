@@ -18,7 +18,8 @@ the second (shared memory); the epilogue stores the transpose. So decode (M = 1.
 the tokens to BLOCK_M >= 16 on the MMA's N, not to 64 on its M.
 
 Split-K (``SPLIT_K``, splitk.py) divides the K tiles of an output tile among programs
-and combines their partial sums on the device in the same launch, in a fixed order.
+and combines their partial sums on the device in the same launch, in a fixed order. The
+epilogue adds an optional bias [N] to the fp32 sum before the store's one rounding.
 
 Exactness: the decoded operands equal the reference's fp32 dequantization (upcast.py);
 products of two of them (A4W4: both decoded to bf16) are exact in the fp32 accumulator,
@@ -42,7 +43,7 @@ import triton.language as tl
 
 from ...tensor import MXTensor
 from . import splitk
-from .gemm import FORMATS, Operand, _parts, macro_factors, outlier_tile
+from .gemm import FORMATS, Operand, _parts, bias_row, macro_factors, outlier_tile
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, largest_scale, prepared
 from .quantize import value_words
@@ -318,15 +319,16 @@ def upcast_k_loop(
 def upcast_gemm_kernel(
     a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr,
     b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr, bsmax_ptr,
-    c_ptr, part_ptr, count_ptr,
+    c_ptr, part_ptr, count_ptr, bias_ptr,
     M, N, K, KP, stride_am, stride_cm, stride_bv, stride_bs, NMA, NMB, MACRO_A, MACRO_B,
     A_FORMAT: tl.constexpr, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr,
     A_OUT: tl.constexpr, B_OUT: tl.constexpr, EVEN_K: tl.constexpr, EPILOGUE: tl.constexpr,
     VALUES: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr, SCALE_WORDS: tl.constexpr, FOLD: tl.constexpr,
     SPARSE_M: tl.constexpr, A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
 ):
-    """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T.
+    """c [M, N] (row stride stride_cm, c's dtype) = A [M, K] @ B [N, K]^T (+ bias [N]
+    with BIAS: fp32, bf16 or fp16, added in fp32 before the store's one rounding).
 
     A: bf16/fp16 [M, K] (row stride stride_am), or, when A_FORMAT is "e2m1", codes uint8
     [M, KP/2] (row stride stride_am) and scales uint8 [M, KP/32]. B: codes and scales in
@@ -355,16 +357,16 @@ def upcast_gemm_kernel(
             rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
             MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
             False, SPARSE_M, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
-        _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
-                stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
+        _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M,
+                N, NMA, NMB, stride_cm, A_MACRO, B_MACRO, EPILOGUE, BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
     else:
         acc = upcast_k_loop(
             a_ptr, as_ptr, am_ptr, aov_ptr, aoi_ptr, b_ptr, bs_ptr, bm_ptr, bov_ptr, boi_ptr,
             rm, rn, pid_n, first, last, M, N, K, KP, NB, stride_am, stride_bv, stride_bs, NMA, NMB, MACRO_A,
             MACRO_B, A_FORMAT, A_MACRO, B_MACRO, A_OUT, B_OUT, EVEN_K, EPILOGUE, VALUES, ASM, DOT, SCALE_WORDS,
             True, SPARSE_M, A_QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
-        _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
-                stride_cm, A_MACRO, B_MACRO, EPILOGUE, BLOCK_M, BLOCK_N, SPLIT_K)
+        _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M,
+                N, NMA, NMB, stride_cm, A_MACRO, B_MACRO, EPILOGUE, BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 @triton.jit
@@ -396,11 +398,11 @@ def after_k_loop():
 
 
 @triton.jit
-def _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N, NMA, NMB,
-            stride_cm, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr, EPILOGUE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+def _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, bias_ptr, rm, rn, pid_m, pid_n, pid_k, grid_n, M, N,
+            NMA, NMB, stride_cm, A_MACRO: tl.constexpr, B_MACRO: tl.constexpr, EPILOGUE: tl.constexpr,
+            BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
     """The end of :func:`upcast_gemm_kernel`: split-K partials combined, the epilogue's
-    macro factors, the transposed tile stored in c's dtype."""
+    macro factors, the bias, the transposed tile stored in c's dtype."""
     after_k_loop()
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K > 1:
@@ -414,6 +416,8 @@ def _finish(acc, am_ptr, bm_ptr, c_ptr, part_ptr, count_ptr, rm, rn, pid_m, pid_
             ma, mb = macro_factors(am_ptr, bm_ptr, rm, rn, M, N, NMA, NMB, 0, 0, A_MACRO, B_MACRO,
                                    BLOCK_M, BLOCK_N)
             acc = acc * (mb[:, None] * ma[None, :])
+        if BIAS:
+            acc += bias_row(bias_ptr, rn, N)[:, None]
         tl.store(c_ptr + rm[None, :] * stride_cm + rn[:, None], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -496,9 +500,10 @@ def dot_format(a: Operand, interpreted: bool) -> str:
 
 
 def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, route: UpcastRoute,
-               interpreted: bool, dot: Optional[str] = None, m: Optional[int] = None) -> dict:
+               interpreted: bool, dot: Optional[str] = None, m: Optional[int] = None, bias: bool = False) -> dict:
     """The kernel's constexprs for operands like ``a``, ``b`` (K = ``k``, padded ``kp``,
-    ``m`` rows of ``a`` where known); ``dot`` overrides :func:`dot_format` (tests)."""
+    ``m`` rows of ``a`` where known, a bias or not); ``dot`` overrides
+    :func:`dot_format` (tests)."""
     if a.format not in FORMATS:
         raise TypeError(f"the GEMM's left operand must be MXFP4, bf16 or fp16; got {a.format}")
     if a.quant is not None and (a.format is None or a.macro_block or a.outliers or k % 2):
@@ -514,7 +519,7 @@ def constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, rout
         "SCALE_WORDS": kp % 128 == 0 and block_k % 128 == 0, "FOLD": route.fold and folds(values, dot, config.block_m),
         "SPARSE_M": sparse_rows(a, b, m) if route.sparse else 0, "A_QUANT": -1 if a.quant is None else a.quant,
         "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": block_k, "GROUP_M": config.group_m,
-        "SPLIT_K": max(1, config.split_k),
+        "SPLIT_K": max(1, config.split_k), "BIAS": bool(bias),
     }
 
 
@@ -548,16 +553,19 @@ _INT_ARGS = ("M", "N", "K", "KP", "stride_am", "stride_cm", "stride_bv", "stride
 
 
 def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route: UpcastRoute = PLAIN_ROUTE,
-                kp: int = 8192, out_dtype: torch.dtype = torch.float32, m: Optional[int] = None) -> KernelLaunch:
+                kp: int = 8192, out_dtype: torch.dtype = torch.float32, m: Optional[int] = None,
+                bias: Optional[torch.dtype] = None) -> KernelLaunch:
     """The launch :func:`matmul` makes for operands like ``a`` and ``b`` (K = Kp =
-    ``kp``), as data (for AOT). Not ``multiplies_mx``: this kernel upcasts by design."""
-    consts = constexprs(a, b, kp, kp, config, route, interpreted=False, m=m)
+    ``kp``, a bias of dtype ``bias`` or none), as data (for AOT). Not ``multiplies_mx``:
+    this kernel upcasts by design."""
+    consts = constexprs(a, b, kp, kp, config, route, interpreted=False, m=m, bias=bias is not None)
     signature = {
         "a_ptr": "*u8" if a.format is None else POINTER_TYPES[a.format], "as_ptr": "*u8",
         "am_ptr": "*fp32" if a.macro_block else "*u8", "aov_ptr": "*i16" if a.outliers else "*u8", "aoi_ptr": "*u8",
         "b_ptr": "*u8", "bs_ptr": "*u8", "bm_ptr": "*fp32" if b.macro_block else "*u8",
         "bov_ptr": "*i16" if b.outliers else "*u8", "boi_ptr": "*u8", "bsmax_ptr": "*u8",
         "c_ptr": POINTER_TYPES[out_dtype], "part_ptr": "*fp32", "count_ptr": "*i32",
+        "bias_ptr": POINTER_TYPES[out_dtype if bias is None else bias],
         **{name: "i32" for name in _INT_ARGS},
     }
     signature.update({name: "constexpr" for name in consts})
@@ -569,6 +577,8 @@ def launch_spec(a: Operand, b: Operand, config: GemmConfig, options: dict, route
     extras.append(f"upcast:{values.name}{'+asm' if consts['ASM'] else ''}{'+fold' if consts['FOLD'] else ''}")
     if consts["SPARSE_M"]:
         extras.append(f"sparse-outliers:m{consts['SPARSE_M']}")
+    if bias is not None:
+        extras.append(f"bias:{FORMATS.get(bias, str(bias))}")
     if out_dtype != torch.float32:
         extras.append(f"out:{FORMATS.get(out_dtype, str(out_dtype))}")
     label = " ".join([kind, *extras, config.label()])
@@ -611,7 +621,7 @@ def decode_tiles(b: MXTensor, block_n: int, block_k: int, route: UpcastRoute = P
 
 def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, route: UpcastRoute = PLAIN_ROUTE,
                 out_dtype: torch.dtype = torch.float32, interpreted: bool = False, out: Optional[torch.Tensor] = None,
-                dot: Optional[str] = None, quant: Optional[int] = None):
+                dot: Optional[str] = None, quant: Optional[int] = None, bias: Optional[torch.Tensor] = None):
     """(kernel, grid, arguments, constexprs, output) of the launch :func:`matmul` makes:
     ``kernel[grid](*arguments, **constexprs, **options)`` computes it (or
     ``kernel.warmup(*arguments, grid=grid, **constexprs, **options)`` compiles it)."""
@@ -632,7 +642,7 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
         a_parts = (a, b.scales, b.scales, b.scales, b.scales)
         stride_am = a.stride(0)
         nma = 1
-    consts = constexprs(oa, ob, k, kp, config, route, interpreted, dot, m)
+    consts = constexprs(oa, ob, k, kp, config, route, interpreted, dot, m, bias is not None)
     values = HOPPER_VALUES if consts["VALUES"] == 1 else PLAIN_VALUES
     _, _, macro, ov, oi = _parts(b)
     codes, scales, stride_bv, stride_bs, smax = _weight_storage(b, values)
@@ -644,7 +654,7 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
         part, counts = splitk.buffers(b.device, tiles * split * config.block_m * config.block_n, tiles)
     else:
         part, counts = c, c
-    args = (*a_parts, codes, scales, macro, ov, oi, smax, c, part, counts,
+    args = (*a_parts, codes, scales, macro, ov, oi, smax, c, part, counts, c if bias is None else bias,
             m, n, k, kp, stride_am, c.stride(0), stride_bv, stride_bs, nma, nmb, oa.macro_block or 32,
             ob.macro_block or 32)
     return upcast_gemm_kernel, (tiles * split,), args, consts, c
@@ -653,7 +663,7 @@ def launch_args(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfi
 def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, options: dict,
            route: UpcastRoute = PLAIN_ROUTE, out_dtype: torch.dtype = torch.float32,
            interpreted: bool = False, out: Optional[torch.Tensor] = None, dot: Optional[str] = None,
-           quant: Optional[int] = None) -> torch.Tensor:
+           quant: Optional[int] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[M, N] in ``out_dtype`` = a @ b^T for a: MXTensor (M, K) axis 1 or bf16/fp16
     [M, K], and b: MXTensor (N, K) axis 1, all on the kernel's device. b's codes and
     scales are read in the route's layout, swizzled once per weight
@@ -661,7 +671,8 @@ def matmul(a: Union[MXTensor, torch.Tensor], b: MXTensor, config: GemmConfig, op
     (fp32 IEEE dot). ``out``: an [M, N] tensor of ``out_dtype`` to write (row stride free,
     unit column stride). ``dot``: the dot's dtype instead of :func:`dot_format`'s (tests).
     ``quant``: a 16-bit a is quantized by the kernel with this scale rule's id (nearest
-    rounding): the product of its MXFP4 values."""
-    kernel, grid, args, consts, c = launch_args(a, b, config, route, out_dtype, interpreted, out, dot, quant)
+    rounding): the product of its MXFP4 values. ``bias``: fp32, bf16 or fp16 [N] (unit
+    stride), added to the fp32 sum before the store's one rounding."""
+    kernel, grid, args, consts, c = launch_args(a, b, config, route, out_dtype, interpreted, out, dot, quant, bias)
     kernel[grid](*args, **consts, **options)
     return c

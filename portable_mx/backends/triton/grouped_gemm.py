@@ -288,8 +288,11 @@ class Epilogue:
 
 
 def scaled_constexprs(a: Operand, b: Operand, kp: int, config: GemmConfig, layout, epi: Epilogue) -> dict:
-    """The :func:`grouped_kernel` constexprs (gemm.Plan's plus the epilogue's)."""
-    return {**Plan.make(a, b, kp, config, layout).constexprs, **epi.constexprs()}
+    """The :func:`grouped_kernel` constexprs (gemm.Plan's plus the epilogue's, whose
+    ``BIAS`` takes the place of the dense kernel's)."""
+    consts = Plan.make(a, b, kp, config, layout).constexprs
+    consts.pop("BIAS")
+    return {**consts, **epi.constexprs()}
 
 
 def upcast_kernel_constexprs(a: Operand, b: Operand, k: int, kp: int, config: GemmConfig, route, interpreted: bool,
@@ -304,6 +307,7 @@ def upcast_kernel_constexprs(a: Operand, b: Operand, k: int, kp: int, config: Ge
 
         consts = upcast_constexprs(a, b, k, kp, config, UpcastRoute(PLAIN_VALUES, route.asm), interpreted, dot)
     consts.pop("SPARSE_M")  # the tokens of a tile are gathered rows: the dense outlier tile
+    consts.pop("BIAS")  # (the epilogue's, below)
     if consts.pop("A_QUANT") != -1:  # (the grouped kernel reads its tokens' values from a values pass)
         raise ValueError(f"the grouped GEMM does not quantize its tokens in the kernel; got {a}")
     return {**consts, **epi.constexprs()}

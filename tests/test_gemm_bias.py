@@ -265,3 +265,15 @@ def test_mxlinear_on_the_kernels_with_a_bias(gemm_kernel, monkeypatch):
     ulp = want.abs().double() * 2.0**-8  # bf16 rounding of each side
     assert ((y0.cpu().double() - want.double()).abs() <= 2 * bound + ulp).all()
 
+
+def test_mxlinear_refuses_operands_on_other_devices():
+    """x or the bias on another device than the weight is refused with the devices named
+    (on a GPU the kernel would otherwise be launched with another device's address)."""
+    lin = _linear()
+    with pytest.raises(ValueError, match="x is on meta but the weight is on cpu"):
+        with torch.no_grad():
+            lin(torch.zeros(3, 96, dtype=torch.bfloat16, device="meta"))
+    lin.bias = torch.nn.Parameter(torch.zeros(40, dtype=torch.bfloat16, device="meta"))
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="bias is on meta but the weight is on cpu"):
+            lin(randn(3, 96, seed=114).bfloat16())

@@ -146,8 +146,12 @@ class MXLinear(torch.nn.Linear):
         bias = _member(self, params, "bias")
         rj = self._recipe_json
         gemm = None if type(w) is _Parameter else getattr(type(w), "__pmx_linear__", None)
-        if bias is not None and bias.dtype != w.dtype:
-            raise TypeError(f"MXLinear: the bias is {bias.dtype} but the weight is {w.dtype}; give both one dtype")
+        if x.device != w.device:  # (a kernel launched with the address of another device's memory faults)
+            raise ValueError(f"MXLinear: x is on {x.device} but the weight is on {w.device}; move one of them")
+        if bias is not None and (bias.dtype != w.dtype or bias.device != w.device):
+            if bias.dtype != w.dtype:
+                raise TypeError(f"MXLinear: the bias is {bias.dtype} but the weight is {w.dtype}; give both one dtype")
+            raise ValueError(f"MXLinear: the bias is on {bias.device} but the weight is on {w.device}")
         if gemm is not None:  # a weight that holds its own MXFP4 operands (pmx.nn.enable_fsdp_mx_all_gather)
             y = gemm(w, x2, self, bias)
         elif torch.compiler.is_compiling():

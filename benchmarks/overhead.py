@@ -98,7 +98,8 @@ def profile_kernels(fn: Callable[[], Any], calls: int) -> dict:
 
 
 def decode_problem(device: Any, *, m: int = M, n: int = N, k: int = K, bias: bool = False) -> dict:
-    """The decode-size operands: x bf16 [m, k], w [k, n] and its MXFP4 forms, an MXLinear."""
+    """The decode-size operands: x bf16 [m, k], w [k, n] and its MXFP4 forms, MXLinears
+    (``bias``: theirs; ``lin_biased``: one with a bias whatever ``bias`` says)."""
     import torch
 
     import portable_mx as pmx
@@ -111,8 +112,9 @@ def decode_problem(device: Any, *, m: int = M, n: int = N, k: int = K, bias: boo
         lin = pmx.nn.MXLinear(k, n, bias=bias, device=device, dtype=torch.bfloat16, recipe=r16)
         lin_cached = pmx.nn.MXLinear(k, n, bias=bias, device=device, dtype=torch.bfloat16, recipe=r16)
         lin_cached.load_state_dict(lin.state_dict())
+        lin_biased = pmx.nn.MXLinear(k, n, device=device, dtype=torch.bfloat16, recipe=r16)
     return {"x": x, "w": w, "r16": r16, "w16": pmx.quantize(w, r16, axis=0), "w4": pmx.quantize(w, axis=0),
-            "x_mx": pmx.quantize(x), "lin": lin, "lin_cached": lin_cached}
+            "x_mx": pmx.quantize(x), "lin": lin, "lin_cached": lin_cached, "lin_biased": lin_biased}
 
 
 MOE = {"experts": 32, "top_k": 4, "hidden": 2880, "inter": 2880}
@@ -184,13 +186,18 @@ def portable_calls(p: dict, uncached: bool = True) -> dict[str, Callable[[], Any
 
     x, lin = p["x"], p["lin"]
     block = p.get("_weight_cache_block")
-    if block is None:  # opened once per problem, never closed: its layer caches for good
-        block = p["_weight_cache_block"] = pmx.nn.weight_cache(p["lin_cached"])
+    if block is None:  # opened once per problem, never closed: its layers cache for good
+        block = p["_weight_cache_block"] = pmx.nn.weight_cache(torch.nn.ModuleList([p["lin_cached"],
+                                                                                    p["lin_biased"]]))
         block.__enter__()
 
     def mxlinear():
         with torch.no_grad():
             return p["lin_cached"](x)
+
+    def mxlinear_biased():
+        with torch.no_grad():
+            return p["lin_biased"](x)
 
     def mxlinear_uncached():
         with torch.no_grad():
@@ -202,6 +209,7 @@ def portable_calls(p: dict, uncached: bool = True) -> dict[str, Callable[[], Any
         "pmx.matmul W4A16": lambda: pmx.matmul(x, p["w16"], p["r16"]),
         "pmx.matmul A4W4": lambda: pmx.matmul(x, p["w4"]),
         "MXLinear W4A16": mxlinear,
+        "MXLinear W4A16 + bias": mxlinear_biased,
     }
     if uncached:
         calls["MXLinear W4A16 uncached"] = mxlinear_uncached

@@ -176,11 +176,15 @@ def _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe, bias) -> None:
 
 def _high_precision_mm(a: Tensor, b: Tensor) -> Tensor:
     """CPU: fp32 (fp64 for fp64 tensors) at the highest matmul precision, rounded once to
-    a's dtype; GPU: ``a @ b`` in the tensors' dtype."""
+    a's dtype; GPU: ``a @ b`` in the tensors' dtype. Never narrowed by the caller's
+    autocast (the op's output is in a's dtype)."""
     if a.device.type == "cpu":
         dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
         with HighestPrecision():
             return (a.to(dtype) @ b.to(dtype)).to(a.dtype)
+    if torch.is_autocast_enabled(a.device.type):
+        with torch.autocast(a.device.type, enabled=False):
+            return a @ b
     return a @ b
 
 

@@ -1,17 +1,69 @@
 """Matmul precision control shared by the reference backend and the high-precision
-backward GEMM: torch's fp32 matmuls in full fp32, never TF32 or bf16 internally."""
+backward GEMM: torch's fp32 matmuls in full fp32, never TF32 or bf16 internally, and
+never narrowed by an autocast region of the caller."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
+
+_LOCK = threading.Lock()
+_depth = 0
+_restore = None  # how to put back the caller's precision when the last context leaves
+
+
+def _backends_with_precision() -> list:
+    """The per-backend precision settings of torch's newer API (torch >= 2.9), if any."""
+    found = []
+    for name in ("cuda", "mkldnn"):
+        matmul = getattr(getattr(torch.backends, name, None), "matmul", None)
+        if matmul is not None and hasattr(matmul, "fp32_precision"):
+            found.append(matmul)
+    return found
+
+
+def _set_highest():
+    """Full-fp32 matmuls now; returns what puts the caller's setting back. Through the
+    legacy API where torch can read it, else (the caller set only the per-backend API,
+    whose mix with the legacy getter raises) through the per-backend settings."""
+    try:
+        prev = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        backends = _backends_with_precision()
+        saved = [(m, m.fp32_precision) for m in backends]
+        for m in backends:
+            m.fp32_precision = "ieee"
+        return lambda: [setattr(m, "fp32_precision", v) for m, v in saved]
+    torch.set_float32_matmul_precision("highest")
+    return lambda: torch.set_float32_matmul_precision(prev)
 
 
 class HighestPrecision:
-    """Context: fp32 matmuls in full fp32 (no TF32) while inside."""
+    """Context: fp32 matmuls in full fp32 (no TF32, no bf16) and no autocast while inside.
+
+    The precision is a process-wide torch setting: the first thread to enter sets it and
+    the last to leave restores the caller's (threads inside at the same time all see full
+    fp32; none leaves the process at "highest"). Autocast is turned off for this thread
+    only (an autocast region of the caller would otherwise run these matmuls in bf16)."""
 
     def __enter__(self) -> None:
-        self._prev = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
+        global _depth, _restore
+        self._autocast = contextlib.ExitStack()
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                self._autocast.enter_context(torch.autocast(device_type, enabled=False))
+        with _LOCK:
+            if _depth == 0:
+                _restore = _set_highest()
+            _depth += 1
 
     def __exit__(self, *exc) -> None:
-        torch.set_float32_matmul_precision(self._prev)
+        global _depth, _restore
+        with _LOCK:
+            _depth -= 1
+            if _depth == 0:
+                restore, _restore = _restore, None
+                restore()
+        self._autocast.close()

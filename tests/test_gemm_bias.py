@@ -277,3 +277,21 @@ def test_mxlinear_refuses_operands_on_other_devices():
     for grad in (False, True):
         with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="bias is on meta but the weight is on cpu"):
             lin(randn(3, 96, seed=114).bfloat16())
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "autograd"])
+def test_mxlinear_refuses_a_bias_or_weight_of_another_shape(grad):
+    """A bias that is not [out_features] of the weight (shorter, longer, 2-D, a broadcast
+    [1]) and a replaced weight whose in_features differ from x's are refused with the
+    shapes named, on the no-grad path too (the epilogue would read past a short bias)."""
+    for shape in ((16,), (80,), (1,), (1, 40)):
+        lin = _linear()
+        lin.bias = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"the bias must be \[40\]"):
+            lin(randn(3, 96, seed=115).bfloat16())
+    lin = _linear()
+    lin.weight = torch.nn.Parameter(torch.zeros(40, 64, dtype=torch.bfloat16))  # in_features left at 96
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+        lin(randn(3, 96, seed=116).bfloat16())
+    y = lin(randn(2, 3, 64, seed=117).bfloat16())  # the weight's shape is what counts
+    assert y.shape == (2, 3, 40)

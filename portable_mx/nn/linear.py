@@ -135,23 +135,30 @@ class MXLinear(torch.nn.Linear):
         w = _member(self, params, "weight")
         if not isinstance(x, Tensor):
             raise TypeError(f"MXLinear expects a torch.Tensor; got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"MXLinear: x must be [..., {self.in_features}]; got shape {tuple(x.shape)}")
+        if w.dim() != 2:
+            raise ValueError(f"MXLinear: the weight must be 2-D [out_features, in_features]; got {tuple(w.shape)}")
+        n, k = w.shape  # (the weight's, not the attributes': a replaced weight may differ from them)
+        if x.dim() == 0 or x.shape[-1] != k:
+            raise ValueError(f"MXLinear: x must be [..., {k}] (the weight is {tuple(w.shape)}); got shape "
+                             f"{tuple(x.shape)}")
         if x.dtype != w.dtype:
             raise TypeError(
                 f"MXLinear: x is {x.dtype} but the weight is {w.dtype}; cast one of them "
                 "(autocast does not apply to the MXFP4 GEMM)"
             )
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
         bias = _member(self, params, "bias")
         rj = self._recipe_json
         gemm = None if type(w) is _Parameter else getattr(type(w), "__pmx_linear__", None)
         if x.device != w.device:  # (a kernel launched with the address of another device's memory faults)
             raise ValueError(f"MXLinear: x is on {x.device} but the weight is on {w.device}; move one of them")
-        if bias is not None and (bias.dtype != w.dtype or bias.device != w.device):
+        if bias is not None and (bias.dtype != w.dtype or bias.device != w.device or bias.dim() != 1
+                                 or bias.shape[0] != n):
             if bias.dtype != w.dtype:
                 raise TypeError(f"MXLinear: the bias is {bias.dtype} but the weight is {w.dtype}; give both one dtype")
-            raise ValueError(f"MXLinear: the bias is on {bias.device} but the weight is on {w.device}")
+            if bias.device != w.device:
+                raise ValueError(f"MXLinear: the bias is on {bias.device} but the weight is on {w.device}")
+            raise ValueError(f"MXLinear: the bias must be [{n}] (the weight's out_features); got {tuple(bias.shape)}")
         if gemm is not None:  # a weight that holds its own MXFP4 operands (pmx.nn.enable_fsdp_mx_all_gather)
             y = gemm(w, x2, self, bias)
         elif torch.compiler.is_compiling():
@@ -169,7 +176,7 @@ class MXLinear(torch.nn.Linear):
             cache = self._pmx_weight_cache
             b = cache.get("weight", w, self._recipe, self._quantize_weight) if cache.depth else w.detach().T
             y = _dispatch.gemm(x2, b, self._recipe, x.dtype, bias)
-        return y if x2 is x else y.reshape(*x.shape[:-1], self.out_features)
+        return y if x2 is x else y.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self._recipe.describe()}"

@@ -43,6 +43,12 @@ def part_specs(recipe: QuantRecipe, rows: Any, k: Any) -> list[tuple[str, torch.
     return spec
 
 
+def _rows_fresh(kept: tuple) -> bool:
+    """Whether a kept :meth:`MXTensor.rows` value still holds its parts' values: no part
+    it copied was written in place since."""
+    return kept[1] is None or all(t._version == v for t, v in kept[1])
+
+
 @dataclass(frozen=True)
 class MXTensor:
     """An MXFP4 tensor in the plain (unswizzled) layout.
@@ -158,22 +164,31 @@ class MXTensor:
 
     def rows(self) -> "MXTensor":
         """The (R, K), axis 1 view backends work on, R = prod(lead_shape): this MXTensor
-        when it is one already, else views of its tensors, made once per MXTensor."""
+        when it is one already, else views of its tensors, made once per MXTensor. A part
+        whose layout allows no such view (e.g. a slice of a wider buffer along a lead
+        dimension) is copied, and the copy made again after an in-place write of that
+        part (its version counter)."""
         if self.axis == 1 and len(self.shape) == 2:
             return self
-        return self.memo("rows", MXTensor._rows)
+        return self.memo("rows", MXTensor._rows, valid=_rows_fresh)[0]
 
-    def _rows(self) -> "MXTensor":
+    def _rows(self) -> tuple["MXTensor", Optional[tuple]]:
+        """(the rows MXTensor, None or the (part, version) pairs of the parts it copied)."""
         r = math.prod(self.lead_shape)
+        copied = []
 
         def flat(t: Optional[torch.Tensor], extra: int) -> Optional[torch.Tensor]:
             if t is None or t.dim() == extra + 1:  # one lead dim: already rows
                 return t
-            return t.reshape(r, *t.shape[t.dim() - extra:])
+            out = t.reshape(r, *t.shape[t.dim() - extra:])
+            if not _is_compiling() and out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():  # a copy
+                copied.append((t, t._version))
+            return out
 
-        return MXTensor._make(flat(self.qdata, 1), flat(self.scales, 1), torch.Size((r, self.k)), self.dtype, 1,
+        rows = MXTensor._make(flat(self.qdata, 1), flat(self.scales, 1), torch.Size((r, self.k)), self.dtype, 1,
                               self.recipe, flat(self.macro_scales, 1), flat(self.outlier_values, 2),
                               flat(self.outlier_indices, 2))
+        return rows, tuple(copied) or None
 
     def unrows(self, shape: torch.Size, axis: int) -> "MXTensor":
         """This rows-layout MXTensor (R, K), axis 1, as the MXTensor of a tensor of

@@ -68,3 +68,35 @@ def test_a_hand_built_mxtensor_is_normalised_and_usable():
     with pytest.raises(ValueError, match=r"qdata must be torch.uint8 \(6, 32\)"):  # one row short
         MXTensor(qdata=mx.qdata, scales=mx.scales, shape=(6, 40), dtype=torch.float32, axis=1,
                  recipe=pmx.QuantRecipe())
+
+
+def test_rows_of_parts_that_need_a_copy_follow_in_place_writes():
+    """An MXTensor [E, N, K] whose parts allow no rows view (an N-slice of wider buffers;
+    transposed lead dims): after an in-place write of the buffers, dequantize, matmul and
+    the grouped GEMM see the new bytes (the rows copy was kept before and went stale), and
+    a second call without a write reuses the kept rows."""
+    e, n, k = 2, 32, 64
+    big = pmx.quantize(_x(e, 2 * n, k, seed=20), axis=-1)
+    sliced = MXTensor(qdata=big.qdata[:, :n], scales=big.scales[:, :n], shape=torch.Size((e, n, k)),
+                      dtype=torch.float32, axis=2, recipe=big.recipe)
+    q = torch.empty(n, e, k // 2, dtype=torch.uint8).transpose(0, 1)
+    s = torch.empty(n, e, k // 32, dtype=torch.uint8).transpose(0, 1)
+    q.copy_(big.qdata[:, :n])
+    s.copy_(big.scales[:, :n])
+    transposed = MXTensor(qdata=q, scales=s, shape=torch.Size((e, n, k)), dtype=torch.float32, axis=2,
+                          recipe=big.recipe)
+    x = _x(4, k, seed=21)
+    offsets = torch.tensor([2, 4], dtype=torch.int32)
+    for mx, write in ((sliced, lambda new: (big.qdata.copy_(new.qdata), big.scales.copy_(new.scales))),
+                      (transposed, lambda new: (q.copy_(new.qdata[:, :n]), s.copy_(new.scales[:, :n])))):
+        pmx.dequantize(mx)
+        pmx.grouped_matmul(x, mx, offsets=offsets)
+        assert mx.rows() is mx.rows()  # kept while nothing is written
+        new = pmx.quantize(_x(e, 2 * n, k, seed=22) * 100, axis=-1)
+        write(new)
+        fresh = MXTensor(qdata=mx.qdata.clone(), scales=mx.scales.clone(), shape=mx.shape, dtype=mx.dtype, axis=2,
+                         recipe=mx.recipe)  # the same bytes, nothing kept
+        assert torch.equal(pmx.dequantize(mx), pmx.dequantize(fresh))
+        assert torch.equal(pmx.grouped_matmul(x, mx, offsets=offsets), pmx.grouped_matmul(x, fresh, offsets=offsets))
+        b = _x(k, 8, seed=23)
+        assert torch.equal(pmx.matmul(mx, b), pmx.matmul(fresh, b))

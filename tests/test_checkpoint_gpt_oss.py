@@ -237,3 +237,43 @@ def test_writer_keeps_or_checks_quantization_config(tmp_path):
         gpt_oss.save(tmp_path / "b", q, {**config(), "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ValueError, match="macro-block"):
         gpt_oss.unwrap(pmx.quantize(torch.randn(2, 4, 64), pmx.QuantRecipe(macro_block=64), axis=-1), name="w")
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(outliers_per_block=1), pmx.QuantRecipe(macro_block=64)],
+                         ids=["outliers", "macro-blocks"])
+def test_a_state_dict_with_outliers_or_macro_factors_is_refused(tmp_path, recipe):
+    """The state dict of frozen MXExperts whose weights carry outliers or macro-block
+    factors: writing it raises, naming the part (it wrote the outliers as stray tensors
+    that reading ignored, so the experts read back without them), and so does reading a
+    file that holds such a part."""
+    g = torch.Generator().manual_seed(3)
+    w1 = pmx.quantize(torch.randn(E, 2 * I, H, generator=g), recipe, axis=-1)
+    w2 = pmx.quantize(torch.randn(E, H, I, generator=g), recipe, axis=-1)
+    experts = pmx.nn.MXExperts.from_mx(w1, w2, torch.zeros(E, 2 * I).bfloat16(), torch.zeros(E, H).bfloat16())
+    sd = {f"{PREFIX.format(0)}.{name}": t for name, t in experts.state_dict().items()}
+    part = "outliers" if recipe.outliers_per_block else "macro-block factors"
+    with pytest.raises(ValueError, match=rf"gate_up_proj_\w+: the experts .* carry {part}, which a gpt-oss"):
+        gpt_oss.save(tmp_path / "out", sd, config())
+    assert not (tmp_path / "out").exists()
+    write_raw(tmp_path / "c", {n: t.contiguous() for n, t in sd.items()})
+    with pytest.raises(ValueError, match=rf"carry {part}"):
+        gpt_oss.GptOssCheckpoint(tmp_path / "c")
+
+
+def test_load_experts_refuses_to_drop_a_bias_the_model_has(tmp_path):
+    """A checkpoint without a projection's bias, loaded into a model whose experts have
+    that bias: refused, naming it (the experts came back without it)."""
+    g = torch.Generator().manual_seed(4)
+    w1 = pmx.quantize(torch.randn(E, 2 * I, H, generator=g), axis=-1)
+    w2 = pmx.quantize(torch.randn(E, H, I, generator=g), axis=-1)
+    full = pmx.nn.MXExperts.from_mx(w1, w2, torch.zeros(E, 2 * I).bfloat16(), torch.zeros(E, H).bfloat16())
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = torch.nn.Module()
+    model.model.layers[0].mlp.experts = full
+    sd = {f"{PREFIX.format(0)}.{n}": t for n, t in full.state_dict().items() if n != "down_proj_bias"}
+    gpt_oss.save(tmp_path / "c", sd, config())
+    with pytest.raises(ValueError, match=r"experts\.down_proj_bias: the model's MXExperts has this bias but the "
+                                         r"checkpoint stores none"):
+        gpt_oss.load_experts(model, tmp_path / "c")

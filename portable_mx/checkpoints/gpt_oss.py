@@ -225,6 +225,11 @@ def _expected_shapes(config: Optional[Mapping[str, Any]]) -> dict[str, tuple[int
 
 
 _BIAS_RE = re.compile(r"^(?P<base>.*\.experts\.(?:gate_up_proj|down_proj))_bias$")
+_EXTRA_PART_RE = re.compile(r"^(?P<base>.*\.experts\.(?:gate_up_proj|down_proj))_"
+                            r"(?P<part>macro_scales|outlier_values|outlier_indices)$")
+"""The names under which a module's state dict holds an expert weight's macro-block factors
+or outliers (:class:`~portable_mx.nn.MXExperts`' frozen buffers): parts the layout has no
+place for."""
 
 
 def check_layout(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optional[Mapping[str, Any]]) -> None:
@@ -234,10 +239,20 @@ def check_layout(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optio
     :func:`save` before writing: each ``X_blocks`` has its ``X_scales`` and the reverse,
     both uint8 and shaped [E, N, K/32, 16] and [E, N, K/32]; the expert weights as the
     config says (E = ``num_local_experts``; gate_up N = 2 ``intermediate_size``, K =
-    ``hidden_size``; down the other way round); an expert bias float [E, N]. Raises a
+    ``hidden_size``; down the other way round); an expert bias float [E, N]; no
+    macro-block factors or outliers of an expert weight (a frozen MXExperts' state dict
+    names them ``X_macro_scales``, ``X_outlier_values``, ``X_outlier_indices``). Raises a
     ValueError naming the first tensor that does not fit."""
     expected = _expected_shapes(config)
     for name, (dtype, shape) in infos.items():
+        extra = _EXTRA_PART_RE.match(name)
+        if extra:  # (before the pairing check: "..._macro_scales" ends like scales)
+            what = "macro-block factors" if extra["part"] == "macro_scales" else "outliers"
+            raise CheckpointError(
+                f"{name}: the experts {extra['base']} carry {what}, which a gpt-oss checkpoint cannot hold (it "
+                "stores plain MXFP4: _blocks, _scales and _bias only; written, they would be ignored on reading "
+                "and the experts read back without them). Quantize the experts without macro blocks or "
+                "outliers to save them in this layout, or save this state dict with torch.save")
         for suffix, partner in ((_BLOCKS, _SCALES), (_SCALES, _BLOCKS)):
             if name.endswith(suffix) and name[: -len(suffix)] + partner not in infos:
                 base = name[: -len(suffix)]
@@ -531,8 +546,9 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
     Each module the checkpoint quantizes (``model.layers.N.mlp.experts``,
     :meth:`GptOssCheckpoint.expert_modules`) is replaced by a frozen
     :class:`portable_mx.nn.MXExperts` holding the checkpoint's bytes (read one tensor
-    at a time, never dequantized) and biases, on the device and with the bias dtype of
-    the module it replaces. That module (transformers' ``GptOssExperts``, or an
+    at a time, never dequantized) and biases (in the checkpoint's dtype, so that
+    :func:`save` writes them back unchanged), on the device of the module it replaces; a
+    bias that module has and the checkpoint lacks raises. That module (transformers' ``GptOssExperts``, or an
     MXExperts) gives the activation (gpt-oss's clamped SwiGLU, its ``alpha`` and
     ``limit``); its weights are dropped. ``recipe``: the experts' GEMM recipe (default
     ``QuantRecipe(activations="bf16")``, W4A16: the activations rounded to bf16, the
@@ -556,6 +572,11 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
             raise KeyError(f"{qualified}: the checkpoint quantizes it, but the model has no module of that name")
         old = modules[qualified]
         tensors = ckpt.experts(qualified)
+        for proj in ("gate_up_proj", "down_proj"):
+            if getattr(old, f"{proj}_bias", None) is not None and f"{proj}_bias" not in tensors:
+                raise CheckpointError(
+                    f"{qualified}.{proj}_bias: the model's {type(old).__name__} has this bias but the checkpoint "
+                    "stores none (a gpt-oss checkpoint stores both projections' biases); loading would drop it")
         new = experts_from_module(old, recipe, weights=tensors)
         parent_name, _, child = qualified.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)

@@ -456,3 +456,31 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(out, eager)
     for t, ref in zip((x, *model.parameters()), grads):
         torch.testing.assert_close(t.grad, ref)
+
+
+def test_convert_keeps_the_hooks_of_a_linear_and_refuses_old_weight_norm():
+    """A Linear's forward, pre-forward and backward hooks are the MXLinear's after convert
+    (a masking pre-hook still masks; handles still remove them); an old-style weight_norm
+    or spectral_norm Linear (weight computed by a pre-hook, not a Parameter) is refused
+    with the layer's name instead of failing inside the swap."""
+    lin = torch.nn.Linear(64, 16)
+    seen = []
+    pre = lin.register_forward_pre_hook(lambda m, inp: (inp[0] * 0,))
+    lin.register_forward_hook(lambda m, inp, out: seen.append("forward"))
+    lin.register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
+    model = torch.nn.Sequential(lin)
+    pmx.nn.convert(model)
+    assert isinstance(model[0], pmx.nn.MXLinear)
+    x = torch.randn(4, 64, requires_grad=True)
+    y = model(x)
+    assert torch.equal(y, lin.bias.detach().expand(4, 16)) and seen == ["forward"]  # the input masked to 0
+    y.sum().backward()
+    assert seen == ["forward", "backward"]
+    pre.remove()
+    assert not torch.equal(model(x), y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for norm in (torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm):
+            model = torch.nn.Sequential(torch.nn.ReLU(), norm(torch.nn.Linear(64, 16)))
+            with pytest.raises(TypeError, match=r"convert: layer '1': .*not a Parameter.*parametrizations"):
+                pmx.nn.convert(model)

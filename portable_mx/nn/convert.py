@@ -63,9 +63,12 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     linear_names: list[str] = []  # every Linear the rules were asked about
     matched: set[str] = set()  # the patterns that matched one of them
 
-    def converted(module: torch.nn.Module) -> Any:
+    def converted(module: torch.nn.Module, name: str) -> Any:
         if type(module) is torch.nn.Linear:
-            return MXLinear.from_linear(module, recipe)
+            try:
+                return MXLinear.from_linear(module, recipe)
+            except TypeError as err:  # (the layer named; skip=[name] keeps it)
+                raise TypeError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
         return experts_from_module(module, recipe)
 
     def keep(name: str, module: torch.nn.Module) -> bool:
@@ -76,7 +79,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
         return any(fnmatch.fnmatchcase(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
 
     if not keep("", model):
-        return converted(model)
+        return converted(model, "")
     swapped: dict[int, torch.nn.Module] = {}
     for parent_name, parent in list(model.named_modules()):
         # _modules, not named_children(): that skips a child registered twice in one parent
@@ -87,7 +90,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             if id(child) in swapped:
                 setattr(parent, child_name, swapped[id(child)])
             elif not keep(name, child):
-                swapped[id(child)] = converted(child)
+                swapped[id(child)] = converted(child, name)
                 setattr(parent, child_name, swapped[id(child)])
     unmatched = [p for p in patterns if p not in matched]
     if unmatched:

@@ -44,6 +44,13 @@ def mx_parts(mx: MXTensor) -> list[Tensor]:
     return [p.detach() for p in mx.parts()]
 
 
+_HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+                "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks",
+                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+"""The ``nn.Module`` attributes that hold a module's hooks (those this torch has)."""
+
+
 class MXLinear(torch.nn.Linear):
     """``torch.nn.Linear`` whose GEMM is MXFP4: ``y = x @ W^T + bias``.
 
@@ -109,15 +116,31 @@ class MXLinear(torch.nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None) -> "MXLinear":
-        """An MXLinear that shares ``linear``'s weight and bias Parameters (no copy) and
-        its training mode."""
+        """An MXLinear that shares ``linear``'s weight and bias Parameters (no copy), its
+        training mode and its hooks (forward, pre-forward, backward and state-dict hooks:
+        the same hook tables, so their handles remove them from the new layer).
+
+        A Linear whose weight or bias is not a Parameter (computed before each forward by
+        a pre-forward hook: the old ``torch.nn.utils.weight_norm`` / ``spectral_norm``)
+        is refused: its Parameters are others (``weight_g``, ``weight_v``, ...), which
+        this layer would not use. Their ``torch.nn.utils.parametrizations`` forms work."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear expects a torch.nn.Linear; got {type(linear).__name__}")
+        bias = linear.bias
+        if not isinstance(linear.weight, _Parameter) or not (bias is None or isinstance(bias, _Parameter)):
+            raise TypeError(
+                "from_linear: this Linear's weight or bias is not a Parameter but a tensor computed before each "
+                "forward (the old torch.nn.utils.weight_norm / spectral_norm; its Parameters: "
+                f"{sorted(linear._parameters)}): use torch.nn.utils.parametrizations.weight_norm / spectral_norm "
+                "instead, or leave the layer unconverted")
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   device="meta", dtype=linear.weight.dtype, recipe=recipe)
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
+        for table in _HOOK_TABLES:
+            if hasattr(linear, table):
+                setattr(new, table, getattr(linear, table))
         return new
 
     def quantized_weight(self) -> MXTensor:

@@ -43,6 +43,16 @@ def part_specs(recipe: QuantRecipe, rows: Any, k: Any) -> list[tuple[str, torch.
     return spec
 
 
+def _is_copy(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``out`` (a reshape of ``t``) holds a copy of t's data rather than a view;
+    True where the storages cannot be compared (a wrapper subclass), which only makes the
+    kept rows check t's version counter on reuse."""
+    try:
+        return out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+
+
 def _rows_fresh(kept: tuple) -> bool:
     """Whether a kept :meth:`MXTensor.rows` value still holds its parts' values: no part
     it copied was written in place since."""
@@ -181,7 +191,7 @@ class MXTensor:
             if t is None or t.dim() == extra + 1:  # one lead dim: already rows
                 return t
             out = t.reshape(r, *t.shape[t.dim() - extra:])
-            if not _is_compiling() and out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():  # a copy
+            if not _is_compiling() and _is_copy(out, t):
                 copied.append((t, t._version))
             return out
 

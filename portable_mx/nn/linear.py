@@ -48,7 +48,8 @@ _HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_
                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
                 "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks",
                 "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-"""The ``nn.Module`` attributes that hold a module's hooks (those this torch has)."""
+"""The ``nn.Module`` attributes that hold a module's hooks and their kind (those this torch
+has)."""
 
 
 class MXLinear(torch.nn.Linear):
@@ -133,10 +134,10 @@ class MXLinear(torch.nn.Linear):
                 "forward (the old torch.nn.utils.weight_norm / spectral_norm; its Parameters: "
                 f"{sorted(linear._parameters)}): use torch.nn.utils.parametrizations.weight_norm / spectral_norm "
                 "instead, or leave the layer unconverted")
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+        new = cls(linear.in_features, linear.out_features, bias=bias is not None,
                   device="meta", dtype=linear.weight.dtype, recipe=recipe)
         new.weight = linear.weight
-        new.bias = linear.bias
+        new.bias = bias
         new.train(linear.training)
         for table in _HOOK_TABLES:
             if hasattr(linear, table):

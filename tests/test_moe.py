@@ -504,3 +504,28 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(x.grad, grads[0])
     torch.testing.assert_close(w2.grad, grads[1])
+
+
+def test_no_tokens_give_zero_gradients_not_none():
+    """T = 0 (a rank or micro-batch with no tokens): the output is in the graph, and
+    backward gives x, the expert weights, the bias and the router weights gradients of
+    zeros of their shapes (a distributed reduction expects them), through grouped_matmul
+    and MXExperts; the forward is empty as before."""
+    e, h, n, k = 3, 64, 32, 2
+    x = torch.zeros(0, h, requires_grad=True)
+    w = torch.randn(e, n, h, requires_grad=True)
+    bias = torch.randn(e, n, requires_grad=True)
+    weights = torch.zeros(0, k, requires_grad=True)
+    routing = pmx.route(torch.zeros(0, k, dtype=torch.long), weights, e)
+    y = pmx.grouped_matmul(x, w, routing=routing, gather=True, scatter=True, bias=bias)
+    assert y.shape == (0, n)
+    y.sum().backward()
+    assert x.grad.shape == (0, h) and weights.grad.shape == (0, k)
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(bias.grad, torch.zeros_like(bias))
+    experts = pmx.nn.MXExperts(e, h, n)
+    out = experts(torch.zeros(0, h, requires_grad=True), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))
+    out.sum().backward()
+    for name, p in experts.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)), name
+    with torch.no_grad():
+        assert not pmx.grouped_matmul(x, w, routing=routing, gather=True, scatter=True).requires_grad

@@ -150,7 +150,12 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
     out_rows = tokens if scatter else rows
     n_out = n // 2 if activation else n
     if out_rows == 0 or rows == 0:
-        return torch.zeros(out_rows, n_out, dtype=x.dtype, device=device)
+        out = torch.zeros(out_rows, n_out, dtype=x.dtype, device=device)
+        if torch.is_grad_enabled():  # in the graph: zero gradients (not none) for what needs one
+            for t in (None if x_mx else x, None if w_mx else w, bias, routing.weights if scatter else None):
+                if t is not None and t.requires_grad:
+                    out = out + t.reshape(-1)[:0].sum().to(out.dtype)  # (an empty sum: 0, never NaN)
+        return out
 
     grad = torch.is_grad_enabled() and (
         (not x_mx and x.requires_grad) or (not w_mx and w.requires_grad)

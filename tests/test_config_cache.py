@@ -278,7 +278,7 @@ def test_a_shipped_cache_with_an_invalid_config_falls_back_to_the_default(tmp_pa
 # (M, N, K, broken config field): each breaks the interpreted GEMM on the old code in its own
 # way: uninitialised output, wrong tiles, an InterpreterError, a TypeError, a ZeroDivisionError
 BROKEN = [(40, 48, 128, {"block_m": -16}), (40, 32, 128, {"group_m": 0}), (24, 48, 64, {"block_n": 24}),
-          (8, 16, 64, {"block_m": "16"}), (16, 16, 64, {"block_k": 0})]
+          (8, 16, 64, {"block_m": "16"}), (16, 16, 64, {"block_k": 0}), (5, 48, 96, {"group_m": 2**31 - 1})]
 
 
 @interpreted
@@ -321,6 +321,7 @@ def test_matmul_with_an_invalid_tuned_config_is_right_and_warns_once(monkeypatch
     ({"block_m": 16.0}, "block_m must be an int"), ({"num_warps": True}, "num_warps must be an int"),
     ({"num_warps": 0}, "num_warps 0"), ({"num_warps": 3}, "num_warps 3"), ({"num_warps": 64}, "1024 threads"),
     ({"num_stages": 0}, "num_stages 0"), ({"group_m": 0}, "group_m 0"), ({"group_m": -1}, "group_m -1"),
+    ({"group_m": 2**31 - 1}, "group_m 2147483647 is not in 1 .. 64"),
     ({"split_k": -2}, "split_k -2"), ({"split_k": 5}, "split_k 5"), ({"block_m": 2048, "block_n": 1024}, "2097152"),
     ({"extra": [["waves_per_eu", 2]]}, "AMD's"), ({"extra": [["foo", 1]]}, "'foo'"), ({"extra": "kpack"}, "extra"),
     ({"persistent": 1}, "no field persistent"),

@@ -30,7 +30,7 @@ sees; the shape bucket is M rounded up to a power of two, N and K exact.
   or Triton release.
 - Each entry is checked on its own: its :class:`ConfigEntry` fields, and its config
   against what the GEMM kernels can launch (``backends/triton/config_rules.py``: this
-  version's GemmConfig fields, ints, power-of-two tiles, warps, ``group_m`` >= 1,
+  version's GemmConfig fields, ints, power-of-two tiles, warps, ``group_m`` in 1 .. 64,
   ``split_k`` within the shape's K tiles, ...). An entry that fails is not used, with one
   warning naming the file, the entry and why; its shape takes the next file's entry or the
   backend's default config. The other entries are used.

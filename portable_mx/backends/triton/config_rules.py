@@ -25,7 +25,9 @@ comes from:
   1024 threads per program (``num_warps`` x the target's warp size: 32 on NVIDIA and in
   the interpreter, 64 on AMD).
 - **num_stages:** >= 1 (pipeline stages; 1 is no pipelining).
-- **group_m:** >= 1 (``splitk.program_tile`` divides by ``GROUP_M`` x the tiles along N).
+- **group_m:** 1 .. :data:`MAX_GROUP_M` (``splitk.program_tile`` divides by ``GROUP_M`` x
+  the tiles along N, an int32 product: a huge group_m wraps it, and some output tiles are
+  then never written, silently; the tuner's own choices are 1 .. 16).
 - **split_k:** >= 0 (0: chosen per shape, ``TritonBackend.resolve_split_k``) and, for a
   shape with padded K ``kp``, at most ``max(1, kp // block_k)``: every split has a K
   tile, the tuner's own rule (``GemmSpace.violation``); a larger split only adds programs
@@ -52,6 +54,10 @@ MAX_TILE_ELEMENTS = 1 << 20
 """Triton's ``TRITON_MAX_TENSOR_NUMEL``: the most elements one block tensor may have."""
 MAX_THREADS = 1024
 """Threads per program (CUDA block, HIP workgroup) at most."""
+MAX_GROUP_M = 64
+"""The largest ``group_m``: GROUP_M x (tiles along N) stays far inside int32 for any N a
+GEMM has (64 x 2**24 tiles), and a larger group orders no program differently in
+practice (it exceeds the row tiles of any but the largest M)."""
 AMD_OPTIONS = ("kpack", "matrix_instr_nonkdim", "waves_per_eu")
 """The vendor launch options a GemmConfig's ``extra`` may carry (on AMD targets)."""
 
@@ -118,8 +124,8 @@ def problems(fields: Mapping[str, Any], arch: Optional[str] = None, kp: Optional
             out.append(f"num_warps {w} x warp size {warp} is more than {MAX_THREADS} threads per program")
     if "num_stages" in ints and ints["num_stages"] < 1:
         out.append(f"num_stages {ints['num_stages']} is below 1")
-    if "group_m" in ints and ints["group_m"] < 1:
-        out.append(f"group_m {ints['group_m']} is below 1")
+    if "group_m" in ints and not 1 <= ints["group_m"] <= MAX_GROUP_M:
+        out.append(f"group_m {ints['group_m']} is not in 1 .. {MAX_GROUP_M}")
     if "split_k" in ints:
         split = ints["split_k"]
         if split < 0:

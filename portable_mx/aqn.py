@@ -145,7 +145,7 @@ def refresh_rollout_copy(
         raise ValueError(f"trained and rollout models differ in their parameters: {missing}")
     for name, t in dst.items():
         s = src[name]
-        if t.data_ptr() == s.data_ptr():
+        if t.numel() and t.data_ptr() == s.data_ptr():  # (empty tensors all have address 0)
             raise ValueError(f"the rollout copy shares {name!r} with the trained model; deep-copy it first")
         if t.shape != s.shape:
             raise ValueError(f"{name}: shape {tuple(t.shape)} in the rollout copy, {tuple(s.shape)} trained")

@@ -126,3 +126,12 @@ def test_refresh_rejects_shared_parameters():
         refresh_rollout_copy(trained, shallow, 1e-2)
     with pytest.raises(ValueError):
         add_rmsnorm_noise(trained, -1.0)
+
+
+def test_refresh_accepts_a_deep_copy_with_empty_tensors():
+    """A zero-size parameter or buffer (an empty cache, a pruned layer) has address 0 in
+    both models: the deep copy is not taken for a shared one."""
+    trained = Tiny()
+    trained.register_buffer("kv_cache", torch.zeros(0, 4))
+    rollout = copy.deepcopy(trained)
+    assert refresh_rollout_copy(trained, rollout, 1e-2, generator=torch.Generator().manual_seed(1)) > 0

@@ -368,6 +368,10 @@ def test_tune_replay_command(decode_recording, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert cli.main(["tune", "--replay", str(bad)]) == 2
+    for empty in ("[]", json.dumps({"results": [{"shape": "16x8192x8192"}]})):  # (tune --json without a recording)
+        bad.write_text(empty)
+        assert cli.main(["tune", "--replay", str(bad)]) == 2  # not "goal met" over nothing
+    assert not replay.within_goal([])
 
 
 # ----------------------------------------------------------------------------- real recordings

@@ -70,9 +70,10 @@ def load(path: Union[str, Path]) -> list[dict[str, Any]]:
         doc = doc["recordings"]
     elif isinstance(doc, dict) and "results" in doc:
         doc = [r["recording"] for r in doc["results"] if r.get("recording")]
-    if not isinstance(doc, list) or not all(isinstance(r, dict) and r.get("schema") == search.RECORDING_SCHEMA
-                                            for r in doc):
-        raise ValueError(f"{path}: no tuning recording (schema {search.RECORDING_SCHEMA}) in it")
+    if not isinstance(doc, list) or not doc or not all(
+            isinstance(r, dict) and r.get("schema") == search.RECORDING_SCHEMA for r in doc):
+        raise ValueError(f"{path}: no tuning recording (schema {search.RECORDING_SCHEMA}) in it" +
+                         ("" if doc else " (an empty list: tune --json without --exhaustive records none)"))
     return doc
 
 
@@ -179,5 +180,6 @@ def table(results: list[ReplayResult], recordings: Optional[list[dict[str, Any]]
 
 
 def within_goal(results: list[ReplayResult], goal: float = 0.20) -> bool:
-    """Whether every result came within the tolerance in at most ``goal`` of its survivors."""
-    return all(r.fraction is not None and r.fraction <= goal + 1e-12 for r in results)
+    """Whether every result came within the tolerance in at most ``goal`` of its survivors
+    (False for no results: nothing was shown to meet it)."""
+    return bool(results) and all(r.fraction is not None and r.fraction <= goal + 1e-12 for r in results)

@@ -371,3 +371,29 @@ def test_every_shipped_cache_entry_launches():
         for key, value in doc["entries"].items():
             entry, why = cache.check_entry(key, value, doc["arch"])
             assert entry is not None, f"{path.name}: {key}: {why}"
+
+
+def test_a_written_cache_file_keeps_its_permissions(tmp_path):
+    """A cache file shared through a group-readable directory stays readable to the group
+    after a write (the temporary file the write renames was owner-only: the others then
+    found the file unreadable and set it aside), and a new file takes open()'s mode under
+    the umask."""
+    import os
+    import stat
+
+    from portable_mx.tuning import files
+
+    path = tmp_path / "c.json"
+    path.write_text("{}")
+    os.chmod(path, 0o664)
+    files.write_atomic(path, '{"a": 1}')
+    assert stat.S_IMODE(path.stat().st_mode) == 0o664 and path.read_text() == '{"a": 1}'
+    umask = os.umask(0o022)
+    try:
+        files.write_atomic(tmp_path / "new.json", "{}")
+        aside = files.write_aside(path, "old", "{}")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE(aside.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "c.old.json", "new.json"]  # no temporaries left

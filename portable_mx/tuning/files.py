@@ -9,7 +9,7 @@ import contextlib
 import itertools
 import os
 import re
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -34,11 +34,16 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` in one rename (readers see the old or the new file)."""
+    """Replace ``path`` by ``text`` in one rename (readers see the old or the new file).
+    The new file keeps the old one's permission bits, or takes a new file's under the
+    process's umask (a temporary file is created owner-only: renamed as it is, a cache
+    shared through a group-readable directory became unreadable to the others)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temporary(path)
     try:
+        with contextlib.suppress(OSError):  # the old file's bits (a file system without modes: none)
+            os.fchmod(fd, path.stat().st_mode & 0o7777)
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
@@ -48,6 +53,18 @@ def write_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _new_temporary(path: Path) -> tuple[int, str]:
+    """(descriptor, name) of a new file next to ``path``, created as ``open`` creates one
+    (mode 0o666 under the umask; ``tempfile.mkstemp`` makes it owner-only)."""
+    for _ in range(100):
+        tmp = str(path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp"))
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name next to {path}")
 
 
 def aside_path(path: Path, why: str, n: int = 1) -> Path:
@@ -87,7 +104,7 @@ def write_aside(path: Path, why: str, text: str) -> Path:
     ``why`` (complete or absent, never replacing a file), and return its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temporary(path)
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)

@@ -14,6 +14,8 @@ Contract
   plus the noise (a bf16 weight near 1 has a 2^-7 ulp and would swallow sigma < ~2e-3);
   :func:`refresh_rollout_copy` copies the trained weights into the rollout copy first, so
   the noise never reaches the trained weights and never accumulates across updates.
+  Such a norm's output is cast back to its input's dtype by a forward hook (the product
+  formed in fp32, rounded once), so the 16-bit layers after it take it as before.
 """
 
 from __future__ import annotations
@@ -117,8 +119,28 @@ def add_rmsnorm_noise(
             w.copy_(w32)
         else:
             module.weight = torch.nn.Parameter(w32, requires_grad=w.requires_grad)
+            if not getattr(module, _CAST_HOOK, False):
+                module.register_forward_hook(_output_in_input_dtype)
+                setattr(module, _CAST_HOOK, True)
         n += 1
     return n
+
+
+_CAST_HOOK = "_pmx_aqn_casts_output"
+"""Marks a norm whose 16-bit weight :func:`add_rmsnorm_noise` made fp32 (and hooked)."""
+
+
+def _output_in_input_dtype(module: torch.nn.Module, args: tuple, out):
+    """Forward hook of a norm whose 16-bit weight was made fp32: its output in its input's
+    dtype, as before the noise. transformers' Llama / Qwen RMSNorm return ``weight *
+    h.to(input_dtype)``, which an fp32 weight makes fp32, and the model's next 16-bit layer
+    then refuses; the product is still formed in fp32 (the noise kept at fp32 precision)
+    and rounded once to the input's dtype."""
+    x = args[0] if args else None
+    if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and x.is_floating_point() \
+            and out.dtype != x.dtype:
+        return out.to(x.dtype)
+    return out
 
 
 @torch.no_grad()

@@ -135,3 +135,35 @@ def test_refresh_accepts_a_deep_copy_with_empty_tensors():
     trained.register_buffer("kv_cache", torch.zeros(0, 4))
     rollout = copy.deepcopy(trained)
     assert refresh_rollout_copy(trained, rollout, 1e-2, generator=torch.Generator().manual_seed(1)) > 0
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """transformers' Llama / Qwen RMSNorm, as they write it: ``weight * h.to(input_dtype)``."""
+
+    def __init__(self, n, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n, dtype=dtype))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def test_noised_16_bit_norms_keep_their_output_dtype():
+    """A bf16 model with Llama-style norms: after AQN (its norm weights fp32 plus noise)
+    the norms still return bf16, equal to the fp32 product of the noised weight and the
+    normalised input rounded once to bf16, so the bf16 layers after them run (they
+    refused the fp32 output before); refreshing again keeps one hook per norm."""
+    trained = torch.nn.Sequential(LlamaRMSNorm(64, torch.bfloat16), torch.nn.Linear(64, 8, dtype=torch.bfloat16))
+    rollout = copy.deepcopy(trained)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        assert refresh_rollout_copy(trained, rollout, 1e-2, generator=g) == 1
+    norm = rollout[0]
+    assert norm.weight.dtype == torch.float32 and len(norm._forward_hooks) == 1
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, (norm.weight * h.bfloat16()).bfloat16())
+    assert rollout(x).dtype == torch.bfloat16

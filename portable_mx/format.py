@@ -21,6 +21,10 @@ The stochastic-rounding stream (:func:`uniform_u24`)
   element: the same seed now gives other, equally distributed, draws.)
 - The code rounds up iff ``u_i < 2**24 * (|y| - lo) / (hi - lo)`` (exact; see
   :func:`e2m1_round_stochastic`).
+- A GEMM that quantizes a float left operand itself (the activations; dY in dX = dY W^T;
+  X^T in dW = X^T dY) draws with key ``seed ^`` :data:`LEFT_STREAM`, its right operand
+  with ``seed``: on one key a[i, k] and b[k, i] round with the same u (the same counter
+  i * Kp + k in both rows views) and the product's diagonal is biased (since 2026-11-26).
 """
 
 from __future__ import annotations
@@ -314,6 +318,10 @@ def _philox_rounds(seed: int, off: torch.Tensor, rounds: int) -> torch.Tensor:
 
 PHILOX_WORDS = 4
 """Elements that share one Philox4x32 call in the stochastic-rounding stream."""
+
+LEFT_STREAM = 0x6A09E667F3BCC908
+"""XORed into the seed, the key of a GEMM's left-operand stream (the module docstring):
+the first 64 bits of the fraction of sqrt(2), below 2**63, so a valid seed stays valid."""
 
 
 def uniform_u24(seed: int, index: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,18 @@ def dq(x, recipe, axis=-1):
     return pmx.dequantize(pmx.quantize(x.detach(), recipe, axis=axis), dtype=torch.float32)
 
 
+LEFT_STREAM = 0x6A09E667F3BCC908  # README: a GEMM's left operand draws on key seed ^ this
+
+
 def left_values(x, recipe):
-    """The left operand's values as the GEMM multiplies them: x quantized along K, or
-    rounded to 16 bits (W4A16), or an MXTensor's dequantized."""
+    """The left operand's values as the GEMM multiplies them: x quantized along K (with
+    stochastic rounding, on the left operand's stream), or rounded to 16 bits (W4A16), or
+    an MXTensor's dequantized."""
     if isinstance(x, MXTensor):
         return pmx.dequantize(x, dtype=torch.float32)
     if recipe.quantizes_activations:
+        if recipe.rounding == "stochastic":
+            recipe = recipe.model_copy(update={"seed": recipe.seed ^ LEFT_STREAM})
         return dq(x, recipe)
     half = torch.bfloat16 if recipe.activations == "bf16" else torch.float16
     return x.detach().to(half).float()

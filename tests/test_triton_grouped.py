@@ -119,7 +119,6 @@ def test_a4w4_through_the_tokens_quantized_values(gemm_kernel, monkeypatch):
     within the bound of the exact product of the quantized operands, and bit for bit the
     grouped W4A16 GEMM of the reference's dequantized tokens. Narrow outputs with more
     rows, and macro blocks, keep the A4W4 GEMM."""
-    from test_moe import dq
 
     backend, device = on_route(gemm_kernel, monkeypatch, "default")
     calls = values_route_spy(backend, device, monkeypatch)
@@ -142,7 +141,7 @@ def test_a4w4_through_the_tokens_quantized_values(gemm_kernel, monkeypatch):
             out = pmx.grouped_matmul(x.to(device), w_mx.to(device), routing=r, gather=True, scatter=True,
                                      activation="swiglu_oai", recipe=recipe)
         assert calls == ([(t, kk)] if values else []), (t, n, recipe)
-        aq = dq(x, recipe)
+        aq = left_values(x, recipe)
         exact, bound = grouped_oracle(aq[pr["gather"]], pmx.dequantize(w_mx, dtype=torch.float32),
                                       pr["expert_of_row"], None, "swiglu_oai", pr["scatter"], weights, k)
         assert_within(out.cpu(), exact, bound)

@@ -253,7 +253,7 @@ def _grad_w(dh, x, x_op, r: QuantRecipe, offsets, gather_index, gather, dtype) -
         # without macro factors every dequantized value is a bf16 number: bf16 operands
         # where the gradient is bf16 (k_product then rounds the fp32 sums once)
         vdtype = torch.bfloat16 if dtype is torch.bfloat16 and r.macro_block is None else torch.float32
-        aq = _dispatch.dequantize(_dispatch.quantize(ap, r, 0), vdtype)
+        aq = _dispatch.dequantize(_dispatch.quantize(ap, _dispatch.left_recipe(r), 0), vdtype)  # (X^T: the left)
         gq = _dispatch.dequantize(_dispatch.quantize(gp, r, 0), vdtype)
         dw = _ragged.k_product(gq, aq, poffs, dtype)
     else:

@@ -105,25 +105,41 @@ def add_rmsnorm_noise(
     place; a 16-bit weight becomes an fp32 Parameter (see the module doc). The noise is
     drawn on the CPU from ``generator`` (the global generator when None) so that a seed
     gives the same noise on every device. sigma = 0 still converts the weights to fp32
-    and adds nothing. Returns the number of norm weights touched."""
+    and adds nothing. A weight that several norms share (tied) gets one draw of noise,
+    and stays shared (a 16-bit one becomes one fp32 Parameter of them all). Returns the
+    number of distinct norm weights touched."""
     if not math.isfinite(sigma) or sigma < 0:
         raise ValueError(f"sigma must be finite and >= 0; got {sigma!r}")
-    n = 0
+    became: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, what it became)
     for _, module in rmsnorm_weights(model, match):
         w = module.weight
+        if id(w) in became:  # tied to a norm already noised: the same tensor, no second draw
+            new = became[id(w)][1]
+            if new is not w:
+                module.weight = new
+                _hook_cast(module)
+            continue
         w32 = w.detach().to(torch.float32)
         if sigma > 0:
             noise = torch.randn(w32.shape, generator=generator, dtype=torch.float32)
             w32 = w32 + sigma * noise.to(w32.device)
         if w.dtype == torch.float32:
             w.copy_(w32)
+            became[id(w)] = (w, w)
         else:
-            module.weight = torch.nn.Parameter(w32, requires_grad=w.requires_grad)
-            if not getattr(module, _CAST_HOOK, False):
-                module.register_forward_hook(_output_in_input_dtype)
-                setattr(module, _CAST_HOOK, True)
-        n += 1
-    return n
+            new = torch.nn.Parameter(w32, requires_grad=w.requires_grad)
+            became[id(w)] = became[id(new)] = (w, new)  # (a norm seen later may hold either)
+            module.weight = new
+            _hook_cast(module)
+    return len({id(new) for _, new in became.values()})
+
+
+def _hook_cast(module: torch.nn.Module) -> None:
+    """Give a norm whose weight became fp32 the forward hook :func:`_output_in_input_dtype`
+    (once)."""
+    if not getattr(module, _CAST_HOOK, False):
+        module.register_forward_hook(_output_in_input_dtype)
+        setattr(module, _CAST_HOOK, True)
 
 
 _CAST_HOOK = "_pmx_aqn_casts_output"

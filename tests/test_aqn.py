@@ -167,3 +167,22 @@ def test_noised_16_bit_norms_keep_their_output_dtype():
     out = norm(x)
     assert out.dtype == torch.bfloat16 and torch.equal(out, (norm.weight * h.bfloat16()).bfloat16())
     assert rollout(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_norm_weight_gets_one_draw_and_stays_tied(dtype):
+    """Two norms sharing one weight (tied): one draw of noise, not two (the fp32 weight
+    got sigma * sqrt(2) before), and still one tensor (a 16-bit one became two fp32
+    Parameters with different noise, and the next refresh refused the untied copy)."""
+    trained = torch.nn.Sequential(torch.nn.RMSNorm(64, dtype=dtype), torch.nn.Linear(64, 64, dtype=dtype),
+                                  torch.nn.RMSNorm(64, dtype=dtype))
+    with torch.no_grad():
+        trained[0].weight.uniform_(0.5, 1.5)
+    trained[2].weight = trained[0].weight
+    rollout = copy.deepcopy(trained)
+    sigma = 1e-2
+    for seed in (4, 5):  # twice: the second refresh meets the weight the first made
+        assert refresh_rollout_copy(trained, rollout, sigma, generator=torch.Generator().manual_seed(seed)) == 1
+        assert rollout[0].weight is rollout[2].weight and rollout[0].weight.dtype == torch.float32
+        want = trained[0].weight.float() + sigma * torch.randn(64, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(rollout[0].weight, want)

@@ -397,3 +397,78 @@ def test_a_written_cache_file_keeps_its_permissions(tmp_path):
     assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
     assert stat.S_IMODE(aside.stat().st_mode) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "c.old.json", "new.json"]  # no temporaries left
+
+
+def test_retuning_some_shapes_never_makes_the_others_look_fresh(monkeypatch):
+    """Entries tuned with an older GEMM kernel source stay marked so after new shapes are
+    recorded under this one: the file's hash becomes this version's, each carried entry
+    keeps the old hash as its own, the reader still warns about them (and only them), and
+    re-tuning one replaces it even when slower (its old time was another kernel's). Before,
+    the file's hash alone said it: one new entry made every old one look fresh, silenced
+    the warning, and a slower re-tune of an old shape was refused."""
+    path = cache.cache_file("interpret", "cpu")
+    old_key, other_key = (cache.entry_key("matmul", "e2m1", "e2m1", 32, n, 128) for n in (16, 32))
+    _write(path, _doc({old_key: _entry(ms=1.0), other_key: _entry(ms=1.0)}, kernel_hash="0123456789abcdef"))
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    doc = json.loads(path.read_text())
+    assert doc["kernel_hash"] == cache.kernel_hash() != "0123456789abcdef"
+    assert doc["entries"][old_key]["kernel_hash"] == doc["entries"][other_key]["kernel_hash"] == "0123456789abcdef"
+    assert "kernel_hash" not in doc["entries"][KEY]
+    cache.clear()
+    _, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert [m for m in messages if "2 of its 3 entries" in m and "kernel source" in m], messages
+    # a slower re-tune of a stale shape replaces it and makes it current
+    _caught(lambda: cache.record("interpret", "cpu", {old_key: cache.make_entry(GemmConfig(16, 16, 32), 5.0)}))
+    doc = json.loads(path.read_text())
+    assert doc["entries"][old_key]["time_ms"] == 5.0 and "kernel_hash" not in doc["entries"][old_key]
+    assert doc["entries"][other_key]["kernel_hash"] == "0123456789abcdef"
+    # a slower re-tune of a current shape does not replace it
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 16, 32), 9.0)}))
+    assert json.loads(path.read_text())["entries"][KEY]["time_ms"] == 2.0
+    cache.clear()
+    _, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert [m for m in messages if "1 of its 3 entries" in m], messages
+
+
+def test_a_repeated_entry_key_hides_nothing_for_good():
+    """A file holding one key twice (merged by hand or by a tool): the last is used, as
+    JSON says, with a warning; recording keeps the hidden one in <name>.duplicates.json
+    (before, the rewrite dropped it without a word)."""
+    path = cache.cache_file("interpret", "cpu")
+    first, last = _entry(GemmConfig(16, 16, 32, group_m=1), 1.0), _entry(GemmConfig(32, 32, 64, group_m=1), 3.0)
+    other = cache.entry_key("matmul", "e2m1", "e2m1", 32, 16, 128)
+    text = json.dumps(_doc({"@": 0}))  # (a placeholder: json.dumps cannot write a repeated key)
+    text = text.replace('{"@": 0}', "{%s: %s, %s: %s}" % (json.dumps(KEY), json.dumps(first), json.dumps(KEY),
+                                                          json.dumps(last)))
+    _write(path, text.encode())
+    _, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+    assert [m for m in messages if repr(KEY) in m and "more than once" in m], messages
+    _caught(lambda: cache.record("interpret", "cpu", {other: cache.make_entry(GemmConfig(16, 16, 32), 2.0)}))
+    kept = json.loads(path.with_name(path.name[:-len(".json")] + ".duplicates.json").read_text())
+    assert kept["entries"] == {KEY: first}
+    doc = json.loads(path.read_text())
+    assert doc["entries"][KEY] == last and other in doc["entries"]
+
+
+def test_a_symlinked_cache_file_is_updated_where_it_points(tmp_path):
+    """A cache file that links to a shared one: recording writes the shared file and
+    leaves the link a link (os.replace over the link replaced the link with a copy)."""
+    path = cache.cache_file("interpret", "cpu")
+    shared = tmp_path / "shared" / "team.json"
+    _write(shared, _doc({}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(shared)
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    assert path.is_symlink() and KEY in json.loads(shared.read_text())["entries"]
+
+
+def test_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(blocker / "sub"))
+    with pytest.raises(NotADirectoryError, match="not-a-dir is a file"):
+        cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)})
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(blocker))
+    with pytest.raises(NotADirectoryError, match="not-a-dir"):
+        cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)})

@@ -34,8 +34,12 @@ sees; the shape bucket is M rounded up to a power of two, N and K exact.
   ``split_k`` within the shape's K tiles, ...). An entry that fails is not used, with one
   warning naming the file, the entry and why; its shape takes the next file's entry or the
   backend's default config. The other entries are used.
-- A different kernel source hash is warned about once and the entries are still used
-  (they are configs that compiled and ran correctly; re-tuning refreshes them).
+- A key the file holds more than once: the last of its entries is used (JSON's rule),
+  with one warning.
+- Entries measured with another GEMM kernel source (an entry's own ``kernel_hash``, or
+  else the file's, differs from this version's :func:`kernel_hash`) are warned about once
+  per file and still used (they are configs that compiled and ran correctly; re-tuning
+  refreshes them).
 
 **Writing** (:func:`record`) never deletes what it could not read. Under an exclusive
 lock on a sidecar ``.lock`` file the current file is read, the new entries are merged and
@@ -43,8 +47,10 @@ the result is written atomically (temp file + fsync + rename), so concurrent tun
 processes lose nothing and adding an entry never invalidates the others.
 
 - New entries are checked like the ones read; an invalid one is refused (ValueError).
-  An entry with the same key as a readable one replaces it only when faster (or when the
-  kernel source changed).
+  An entry with the same key as a readable one replaces it only when faster, or when the
+  old one was measured with another kernel source. The file's ``kernel_hash`` becomes
+  this version's; a carried entry measured with another one gets that hash as its own
+  ``kernel_hash``, so that re-tuning some shapes never makes the others look fresh.
 - Entries this version cannot use (a field it lacks, written by a newer portable_mx;
   values the kernels cannot launch; a malformed entry) and top-level fields it does not
   know are carried through verbatim. When a new entry takes the key of such an entry, the
@@ -54,6 +60,11 @@ processes lose nothing and adding an entry never invalidates the others.
   ``triton-3.5.0``), then a fresh file is written; ``<name>`` is the file's name without
   ``.json``. An earlier file set aside is never replaced: the next one is
   ``<name>.<why>.2.json``, and so on.
+- The entries a repeated key hid (all but its last) are first written to
+  ``<name>.duplicates.json`` (one more file per further repetition).
+- A file that is a symbolic link stays one: the file it points to is replaced. A cache
+  dir that is a file is a NotADirectoryError naming it (``portable-mx tune`` checks
+  before it searches).
 
 **Lookup order:** the user cache dir's file of this release, its older-named file, then the
 package's two, then the backend's heuristics. Files are read once per process into a dict;
@@ -70,6 +81,7 @@ import os
 import re
 import threading
 import warnings
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -96,7 +108,10 @@ class ConfigEntry(BaseModel):
     """One tuned config: the GemmConfig's fields, its median time, the time of the
     baseline it was compared with (the backend's default config, measured in the same
     run), the configs measured (``trials``) out of the ``survivors`` of static pruning,
-    and the search ``strategy`` ("ranked", "ranked-tpe", "tpe" or "exhaustive")."""
+    the search ``strategy`` ("ranked", "ranked-tpe", "tpe" or "exhaustive"), and the
+    ``kernel_hash`` of the GEMM kernel source it was measured with where that is not the
+    file's (empty: the file's ``kernel_hash``; :func:`record` writes it on the entries it
+    carries over from an earlier kernel source)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -108,6 +123,7 @@ class ConfigEntry(BaseModel):
     survivors: int = Field(default=0, ge=0)
     strategy: str = ""
     tuned_at: str = ""
+    kernel_hash: str = ""
 
 
 class ConfigCache(BaseModel):
@@ -233,6 +249,9 @@ class CacheFile:
     raw: dict[str, Any]
     entries: dict[str, ConfigEntry]
     unreadable: dict[str, str]
+    duplicates: list = dataclasses.field(default_factory=list)
+    """(key, value) of every entry whose key the file holds again later, in file order:
+    JSON's rule (and this reader's) uses the last; :func:`record` keeps these aside."""
 
 
 @dataclass(frozen=True)
@@ -275,8 +294,9 @@ def read(path: Path, arch: str) -> tuple[Optional[CacheFile], Optional[Problem]]
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         return None, Problem(f"not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})", "corrupt")
+    repeated: dict[int, tuple[dict, list]] = {}
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, repeated))
     except (ValueError, RecursionError) as err:
         return None, Problem(f"not JSON ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
                              "corrupt")
@@ -305,7 +325,23 @@ def read(path: Path, arch: str) -> tuple[Optional[CacheFile], Optional[Problem]]
             unreadable[key] = why
         else:
             entries[key] = entry
-    return CacheFile(path, header, dict(raw), entries, unreadable), None
+    duplicates = repeated[id(raw)][1] if id(raw) in repeated else []
+    return CacheFile(path, header, dict(raw), entries, unreadable, duplicates), None
+
+
+def _object(pairs: list, repeated: dict) -> dict:
+    """A JSON object as ``json`` makes it (a repeated name: the last value), noting the
+    values that a repeated name hid in ``repeated`` (id of the object -> (it, [(name,
+    value), ...]))."""
+    out: dict = {}
+    hidden = []
+    for key, value in pairs:
+        if key in out:
+            hidden.append((key, out[key]))
+        out[key] = value
+    if hidden:
+        repeated[id(out)] = (out, hidden)
+    return out
 
 
 _warned: set[str] = set()
@@ -337,16 +373,34 @@ def load(path: Path, arch: str, quiet_mismatch: bool = False, written_here: bool
         return None
     if cache is None:
         return None
+    for key in dict.fromkeys(key for key, _ in cache.duplicates):
+        _warn_once(f"{path}: {key}: repeated",
+                   f"portable_mx config cache {path}: entry {key!r} appears more than once; the last one is used "
+                   f"(the next tuning run on this device keeps the others in "
+                   f"{files.aside_path(path, 'duplicates').name})")
     for key, why in cache.unreadable.items():
         _warn_once(f"{path}: {key}: {why}",
                    f"portable_mx config cache {path}: entry {key!r} ignored ({why}); that shape uses the next cache "
                    "file's entry or the default config. Re-tune it (portable-mx tune) or correct the entry; "
                    "the entry is kept in the file as it is")
-    if cache.header.get("kernel_hash") != kernel_hash():
-        _warn_once(f"{path}: kernel",
-                   f"portable_mx config cache {path} was tuned for another version of the GEMM kernel source; "
-                   "its configs are used, re-tune to refresh them")
+    stale = stale_keys(cache)
+    if stale:
+        _warn_once(f"{path}: kernel: {len(stale)}",
+                   f"portable_mx config cache {path}: {len(stale)} of its {len(cache.entries)} entries were tuned "
+                   "for another version of the GEMM kernel source; their configs are used, re-tune to refresh them")
     return cache
+
+
+def measured_with(entry: ConfigEntry, header: dict[str, Any]) -> Any:
+    """The kernel source hash ``entry`` was measured with: its own, else its file's."""
+    return entry.kernel_hash or header.get("kernel_hash")
+
+
+def stale_keys(cache: CacheFile) -> list[str]:
+    """The keys of the usable entries of ``cache`` measured with another GEMM kernel
+    source than this version's."""
+    current = kernel_hash()
+    return [key for key, entry in cache.entries.items() if measured_with(entry, cache.header) != current]
 
 
 # ----------------------------------------------------------------------------- the index
@@ -434,7 +488,13 @@ def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
             out.append({"file": str(path), "entries": 0, "unreadable": 0,
                         "why": f"ignored: {problem.why if problem else 'unreadable'}"})
         else:
-            why = f"{len(cache.unreadable)} entries not readable by this version, kept" if cache.unreadable else ""
+            notes = []
+            if cache.unreadable:
+                notes.append(f"{len(cache.unreadable)} entries not readable by this version, kept")
+            stale = stale_keys(cache)
+            if stale:
+                notes.append(f"{len(stale)} entries tuned for another kernel source, used; re-tune to refresh")
+            why = "; ".join(notes)
             out.append({"file": str(path), "entries": len(cache.entries), "unreadable": len(cache.unreadable),
                         "why": why})
     release = _other_release(arch, device_name)
@@ -506,18 +566,37 @@ def record(
             current, _ = read(legacy_file(arch, device_name, directory), arch)
         if current is None:
             current = CacheFile(path, {"device_name": device_name}, {}, {}, {})
-        stale = current.header.get("kernel_hash") != kernel_hash()
+        now, file_hash = kernel_hash(), current.header.get("kernel_hash")
         out, replaced = dict(current.raw), {}
+        for key in stale_keys(current):  # carried over: keep the hash they were measured with
+            if not current.entries[key].kernel_hash and isinstance(out[key], dict):
+                out[key] = {**out[key], "kernel_hash": str(file_hash)}
         for key, entry in checked.items():
             old = current.entries.get(key)
             if key in current.unreadable:
                 replaced[key] = current.raw[key]
-            elif old is not None and not (entry.time_ms <= old.time_ms or stale):
+            elif old is not None and not (entry.time_ms <= old.time_ms or measured_with(old, current.header) != now):
                 continue
-            out[key] = entry.model_dump(mode="json")
+            fields = entry.model_dump(mode="json")
+            if fields["kernel_hash"] in ("", now):
+                fields.pop("kernel_hash")  # (the file's)
+            out[key] = fields
         header = {"schema_version": SCHEMA_VERSION, "device_name": current.header.get("device_name", device_name),
-                  "arch": arch, "triton_version": triton_version(), "kernel_hash": kernel_hash()}
+                  "arch": arch, "triton_version": triton_version(), "kernel_hash": now}
         header.update({k: v for k, v in current.header.items() if k not in header})
+        hidden = list(current.duplicates) if current.path == path else []
+        while hidden:  # the values a repeated key hid, one file per repetition (a JSON object holds one)
+            batch, rest = {}, []
+            for key, value in hidden:
+                if key in batch:
+                    rest.append((key, value))
+                else:
+                    batch[key] = value
+            hidden = rest
+            aside = files.write_aside(path, "duplicates", _document(header, batch))
+            warnings.warn(f"portable_mx config cache {path}: entries {', '.join(map(repr, batch))} appeared more "
+                          f"than once; the earlier ones, which JSON's last-wins rule hid, are kept in {aside.name}",
+                          RuntimeWarning, stacklevel=2)
         if replaced:
             aside = files.write_aside(path, "replaced", _document(header, replaced))
             warnings.warn(f"portable_mx config cache {path}: entries {', '.join(map(repr, replaced))}, which this "

@@ -19,7 +19,7 @@ def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path``'s sidecar ``<name>.lock`` (POSIX
     flock; where there is none, the atomic rename alone keeps the file whole)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
     with open(path.with_name(path.name + ".lock"), "a+") as fh:
         try:
             import fcntl
@@ -33,13 +33,28 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def make_dir(directory: Path) -> None:
+    """Create ``directory`` (and its parents) unless it is one; a clear
+    NotADirectoryError when it, or a parent, is a file."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), directory)
+        raise NotADirectoryError(f"{directory} cannot be a directory: {blocker} is a file") from None
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` in one rename (readers see the old or the new file).
     The new file keeps the old one's permission bits, or takes a new file's under the
     process's umask (a temporary file is created owner-only: renamed as it is, a cache
-    shared through a group-readable directory became unreadable to the others)."""
+    shared through a group-readable directory became unreadable to the others). A
+    ``path`` that is a symbolic link stays one: the file it points to is replaced (a
+    cache file linked from a shared place is updated there, not copied over the link)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    make_dir(path.parent)
     fd, tmp = _new_temporary(path)
     try:
         with contextlib.suppress(OSError):  # the old file's bits (a file system without modes: none)
@@ -103,7 +118,7 @@ def write_aside(path: Path, why: str, text: str) -> Path:
     """Write ``text`` to a new file, the first free :func:`aside_path` of ``path`` and
     ``why`` (complete or absent, never replacing a file), and return its path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
     fd, tmp = _new_temporary(path)
     try:
         with os.fdopen(fd, "w") as fh:

@@ -416,3 +416,31 @@ def test_compiled_decompose_traces_as_one_op_and_equals_eager():
     assert got.summary() == want.summary()
     torch.library.opcheck(torch.ops.portable_mx.decompose.default,
                           (x[0], recipe.model_dump_json(), "counterfactual", True))
+
+
+GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # numerics.md section 2
+HALFWAY = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e-38, 1e-39, 1e-41, 1e-43])
+def test_counterfactual_ideal_scale_below_the_fp32_normals(scale):
+    """Definition C's Q* = s* g(x / s*), s* = amax / 6, against float64: scale_bias = Q - Q*
+    within Q*'s and its own fp32 rounding (2**-149 below the normals, 2 eps above) at every
+    scale. An fp32 s* = amax / 6 that is subnormal keeps fewer bits: at 1e-41 Q* was off
+    by up to 17% of amax. Elements whose x / s* lies within 1e-5 of a rounding boundary
+    are left out (the fp32 division may fall on either side there)."""
+    g = torch.Generator().manual_seed(21)
+    x = (torch.rand(64, 32, generator=g, dtype=torch.float64) * 2 - 1)
+    x = (x / x.abs().amax(-1, keepdim=True) * scale).float()
+    d = pmx.decompose(x, definition="counterfactual")
+    x64 = x.double()
+    s = x64.abs().amax(-1, keepdim=True) / 6.0
+    y = (x64 / s).abs()
+    grid = torch.tensor(GRID, dtype=torch.float64)
+    q_star = torch.sign(x64) * s * grid[(y.unsqueeze(-1) - grid).abs().argmin(-1)]
+    want = d.dequantized.double() - q_star
+    near = (y.unsqueeze(-1) - torch.tensor(HALFWAY, dtype=torch.float64)).abs().le(1e-5 * y.unsqueeze(-1)).any(-1)
+    err = (d.scale_bias.double() - want).abs()
+    bound = 2.0**-149 + 4 * EPS * (q_star.abs() + want.abs())
+    assert (err.le(bound) | near).all(), f"max error {(err / scale).max():.3g} of amax"
+    assert near.double().mean() < 0.01

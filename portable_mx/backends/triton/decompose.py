@@ -118,13 +118,15 @@ def _dead(q, x):
 
 
 @triton.jit
-def _counterfactual(q, x, s, lane, idx1, idx2, N_OUT: tl.constexpr):
+def _counterfactual(q, x, s, up, lane, idx1, idx2, N_OUT: tl.constexpr):
     """Q* bits of one half (decompose.ideal_quantize with the ideal scale s = amax/6 per
-    block; Q* = Q at outlier positions): sign from y < 0, as the reference's where."""
+    block, of the block scaled by ``up``, 2**64 or 1, and Q* scaled back; Q* = Q at outlier
+    positions): sign from y < 0, as the reference's where."""
     sb = tl.broadcast_to(s[:, :, None], q.shape)
-    y = tl.math.div_rn(as_f32(x), tl.where(sb > 0, sb, 1.0))
+    ub = tl.broadcast_to(up[:, :, None], q.shape)
+    y = tl.math.div_rn(as_f32(x) * ub, tl.where(sb > 0, sb, 1.0))
     g = e2m1_magnitude(e2m1_code_nearest(f32_bits(y) & F32_ABS))
-    qs = f32_bits(sb * g) | tl.where(y < 0, F32_SIGN, 0)
+    qs = f32_bits((sb * g) * tl.where(ub > 1.0, 5.421010862427522e-20, 1.0)) | tl.where(y < 0, F32_SIGN, 0)
     qs = tl.where(sb > 0, qs, 0)
     if N_OUT >= 1:
         qs = tl.where(lane == idx1[:, :, None], q, qs)
@@ -387,9 +389,11 @@ def _chunk(w_ptr, rows, col0, c, R, KW_IN, KW, stride_w, NB, m_span, seed, lane_
     dead_lo = gdead_lo
     dead_hi = gdead_hi
     if COUNTERFACTUAL:
-        s = tl.math.div_rn(as_f32(amax), tl.full([BLOCK_R, NBK], 6.0, tl.float32))  # rest_amax / 6
-        qs_lo = _counterfactual(q_lo, lo, s, lane_lo, idx1, idx2, N_OUT)
-        qs_hi = _counterfactual(q_hi, hi, s, lane_lo + 1, idx1, idx2, N_OUT)
+        # rest_amax / 6, of the block scaled by 2**64 where that would be an fp32 subnormal
+        up = tl.where(as_f32(amax) < 7.888609052210118e-31, 1.8446744073709552e19, 1.0)  # 2**-100, 2**64
+        s = tl.math.div_rn(as_f32(amax) * up, tl.full([BLOCK_R, NBK], 6.0, tl.float32))
+        qs_lo = _counterfactual(q_lo, lo, s, up, lane_lo, idx1, idx2, N_OUT)
+        qs_hi = _counterfactual(q_hi, hi, s, up, lane_lo + 1, idx1, idx2, N_OUT)
         dead_lo = _dead(qs_lo, lo)
         dead_hi = _dead(qs_hi, hi)
     w, u = _units(amax, ob1, ob2, N_OUT)

@@ -48,9 +48,12 @@ def _recipe(recipe: Any) -> QuantRecipe:
     raise TypeError(f"recipe must be a QuantRecipe, a mapping of its fields or None; got {type(recipe).__name__}")
 
 
-def _check_float_tensor(x: Any, name: str) -> torch.Tensor:
+def _check_float_tensor(x: Any, name: str, mx_ok: bool = True) -> torch.Tensor:
     if not isinstance(x, _Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or an MXTensor; got {type(x).__name__}")
+        if isinstance(x, MXTensor) and not mx_ok:
+            raise TypeError(f"{name} is already an MXTensor: this op takes a float torch.Tensor "
+                            "(pmx.dequantize(mx) gives its values)")
+        raise TypeError(f"{name} must be a torch.Tensor{' or an MXTensor' if mx_ok else ''}; got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be a floating-point tensor (float32, bfloat16, float16 or float64); got {x.dtype}"
@@ -73,7 +76,9 @@ def _prepare(op: str, x: Any, recipe: Any, axis: Any, compiling: bool) -> tuple[
         recipe = DEFAULT_RECIPE
     elif compiling or id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
         recipe = _recipe(recipe)
-    x = _check_float_tensor(x, "x")
+    x = _check_float_tensor(x, "x", mx_ok=False)
+    if x.layout != torch.strided:
+        raise TypeError(f"{op}: x must be a dense (strided) tensor; got layout {x.layout} (x.to_dense() gives one)")
     nd = x.dim()
     if nd == 0:
         raise ValueError(f"{op} needs a tensor with at least one dimension; got a 0-d tensor")

@@ -50,8 +50,9 @@ class QuantRecipe(BaseModel):
     - ``rounding``: "nearest" (ties to the even code) or "stochastic".
     - ``seed``: key of the counter-based generator used by stochastic rounding, in
       [0, 2**63). The counter of an element is its flat index in the [rows, K_padded] view.
-    - ``macro_block``: None, or the macro-block length along K, a multiple of 32 from 64
-      to :data:`MAX_MACRO_BLOCK` (65,536). A macro block as long as the padded K or
+    - ``macro_block``: None, or the macro-block length along K, a multiple of 32 up to
+      :data:`MAX_MACRO_BLOCK` (65,536): numerics.md names 64, 128, 256, ...; 32 (a
+      factor per block, on top of its E8M0 scale) is allowed too. A macro block as long as the padded K or
       longer holds the whole row: one macro factor per row, the same bytes whatever its
       length beyond that (``macro_scales`` is then ``[*lead, 1]``).
     - ``outliers_per_block``: 0, 1 or 2 elements per 32-block kept exactly in bf16.
@@ -66,11 +67,12 @@ class QuantRecipe(BaseModel):
       (weight-only quantization quantizes no activation).
 
     Construction: ``QuantRecipe(**fields)`` validates and interns (equal arguments, same
-    object). ``model_copy(update=...)`` is ``QuantRecipe(**fields_set, **update)``: the
-    fields this recipe was given explicitly plus the update, validated like the
-    constructor (so ``QuantRecipe().model_copy(update={"macro_block": 64})`` selects
-    "rceil", and a copy of an explicit "floor" recipe with a macro block is rejected);
-    ``model_construct(**fields)`` validates too. Inside ``torch.compile`` a recipe built
+    object). ``model_copy(update=...)`` is ``QuantRecipe(**fields, **update)`` with the
+    recipe's non-default values as ``fields`` (a macro block's implied "rceil" left out),
+    validated like the constructor: so ``QuantRecipe().model_copy(update={"macro_block":
+    64})`` selects "rceil", ``QuantRecipe(macro_block=64).model_copy(update={"macro_block":
+    None})`` equals ``QuantRecipe()`` again (floor), and an update asking for a macro block
+    with "floor" is rejected; ``model_construct(**fields)`` validates too. Inside ``torch.compile`` a recipe built
     from constant arguments is a constant of the graph.
     """
 
@@ -114,12 +116,18 @@ class QuantRecipe(BaseModel):
         return cls(**values)
 
     def model_copy(self, *, update: Optional[dict[str, Any]] = None, deep: bool = False) -> "QuantRecipe":
-        """``QuantRecipe(**fields_set, **update)``: the fields this recipe was given
-        explicitly, updated, validated like the constructor. Without an update, the recipe
-        itself (it is immutable)."""
+        """``QuantRecipe(**fields, **update)``, validated like the constructor: ``fields``
+        are this recipe's values that differ from the defaults, less the "rceil" that a
+        macro block implies. Equal recipes give equal copies, however they were made (the
+        constructor, JSON, a checkpoint's metadata: pydantic counts every field of those as
+        set), and the scale rule follows the copy's macro block. Without an update, the
+        recipe itself (it is immutable)."""
         if not update:
             return self
-        return type(self)(**{**{k: self.__dict__[k] for k in self.model_fields_set}, **update})
+        fields = {k: v for k, v in self.__dict__.items() if v != _DEFAULTS[k]}
+        if self.macro_block is not None:
+            fields.pop("scale_rule", None)  # "rceil", implied by the macro block
+        return type(self)(**{**fields, **update})
 
     def __copy__(self) -> "QuantRecipe":
         return self
@@ -148,7 +156,7 @@ class QuantRecipe(BaseModel):
         if v is not None and (isinstance(v, bool) or v <= 0 or v % BLOCK_SIZE):
             raise ValueError(
                 f"macro_block must be None or a positive multiple of {BLOCK_SIZE} "
-                f"(64, 128, 256, ...); got {v!r}"
+                f"(32, 64, 128, 256, ...); got {v!r}"
             )
         if v is not None and v > MAX_MACRO_BLOCK:
             raise ValueError(
@@ -300,3 +308,4 @@ def validated(recipe: Any) -> QuantRecipe:
 
 
 DEFAULT_RECIPE = QuantRecipe()
+_DEFAULTS = {name: field.default for name, field in QuantRecipe.model_fields.items()}

@@ -46,6 +46,8 @@ def _meta(mx: MXTensor) -> torch.Tensor:
 def state_dict(tensors: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
     """``tensors`` (names -> MXTensor or tensor) as a dict of plain tensors (see the
     module doc for the names). Shares storage with the MXTensors (no copies)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"state_dict takes a mapping of names to MXTensors or tensors; got {type(tensors).__name__}")
     out: dict[str, torch.Tensor] = {}
 
     def put(key: str, value: torch.Tensor) -> None:
@@ -72,10 +74,19 @@ def state_dict(tensors: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
 def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
     raw = state[f"{name}.{META}"]
     try:
+        if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.dim() != 1:
+            raise TypeError(f"{META} must be a 1-D uint8 tensor (UTF-8 JSON); got {_what(raw)}")
         meta = json.loads(bytes(raw.cpu().tolist()).decode())
+        if not isinstance(meta, dict):
+            raise TypeError(f"the JSON is a {type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT:
             raise ValueError(f"unknown format {meta.get('format')!r} (this version reads {FORMAT!r})")
-        shape, dtype, axis = torch.Size(meta["shape"]), _DTYPES[meta["dtype"]], int(meta["axis"])
+        dims, axis = meta["shape"], meta["axis"]
+        if not (isinstance(dims, list) and dims and all(type(d) is int and 0 <= d < 2**62 for d in dims)):
+            raise ValueError(f"shape must be a non-empty list of sizes >= 0; got {dims!r}")
+        if type(axis) is not int or not 0 <= axis < len(dims):
+            raise ValueError(f"axis must be an int in [0, {len(dims)}); got {axis!r}")
+        shape, dtype = torch.Size(dims), _DTYPES[meta["dtype"]]
         recipe = QuantRecipe.model_validate(meta["recipe"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ValueError(f"load_state_dict: {name!r}: unreadable MXTensor metadata ({e})") from None
@@ -96,9 +107,15 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
     return MXTensor(shape=shape, dtype=dtype, axis=axis, recipe=recipe, **{p: parts[p] for p in _PARTS})
 
 
+def _what(x: Any) -> str:
+    return f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def load_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
     """The inverse of :func:`state_dict`: names -> MXTensor (for every ``name.mx_meta``)
     or tensor (everything else), sharing the tensors' storage."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"load_state_dict takes a mapping of names to tensors; got {type(state).__name__}")
     names = [k[: -len(META) - 1] for k in state if k.endswith("." + META)]
     taken = {f"{n}.{p}" for n in names for p in (*_PARTS, META)}
     out: dict[str, Entry] = {n: _mx_from(n, state) for n in names}

@@ -59,7 +59,7 @@ def _rows_fresh(kept: tuple) -> bool:
     return kept[1] is None or all(t._version == v for t, v in kept[1])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # equality and hash by identity, as torch.Tensor's hash (a field-wise == of tensors raised)
 class MXTensor:
     """An MXFP4 tensor in the plain (unswizzled) layout.
 
@@ -126,7 +126,11 @@ class MXTensor:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def to(self, device: torch.device | str) -> "MXTensor":
-        """The same MXTensor with every tensor moved to ``device``."""
+        """The same MXTensor with every tensor moved to ``device`` (a device only: its
+        bytes are MXFP4; :meth:`dequantize` gives values in a float dtype)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"MXTensor.to takes a device, not a dtype ({device}): the parts are MXFP4 bytes; "
+                            f"mx.dequantize({device}) gives the values in {device}")
 
         def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device)

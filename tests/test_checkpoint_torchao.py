@@ -87,3 +87,13 @@ def test_what_torchao_cannot_hold_is_refused():
         to_torchao(pmx.quantize(torch.randn(8, 40)))
     with pytest.raises(TypeError, match="torchao's MXTensor"):
         from_torchao(torch.zeros(2))
+
+
+def test_from_torchao_takes_a_recipe_as_the_ops_do():
+    """A mapping of recipe fields, as pmx.quantize takes (it raised AttributeError), and
+    a clear TypeError for anything else."""
+    q = pmx.quantize(torch.randn(4, 64), pmx.QuantRecipe(scale_rule="rceil"))
+    back = from_torchao(to_torchao(q), recipe={"scale_rule": "rceil"})
+    assert back.recipe == pmx.QuantRecipe(scale_rule="rceil") and torch.equal(back.qdata, q.qdata)
+    with pytest.raises(TypeError, match="recipe must be"):
+        from_torchao(to_torchao(q), recipe="rceil")

@@ -100,3 +100,42 @@ def test_rows_of_parts_that_need_a_copy_follow_in_place_writes():
         assert torch.equal(pmx.grouped_matmul(x, mx, offsets=offsets), pmx.grouped_matmul(x, fresh, offsets=offsets))
         b = _x(k, 8, seed=23)
         assert torch.equal(pmx.matmul(mx, b), pmx.matmul(fresh, b))
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), MBS_OF], ids=lambda r: r.describe())
+def test_parts_in_any_layout_decode_alike_on_every_backend(mx_backend, recipe):
+    """An MXTensor whose scales are stored transposed (the constructor checks dtype,
+    shape and device, not strides) dequantizes and multiplies as the contiguous one: the
+    reference's decode raised 'view size is not compatible' while the Triton backend,
+    which makes its parts contiguous, answered."""
+    q = pmx.quantize(_x(4, 64), recipe)
+    odd = dataclasses.replace(q, scales=q.scales.t().contiguous().t())
+    assert not odd.scales.is_contiguous()
+    assert torch.equal(pmx.dequantize(odd), pmx.dequantize(q))
+    w = pmx.quantize(_x(64, 8, seed=1), recipe, axis=0)
+    w_odd = dataclasses.replace(w, scales=w.scales.t().contiguous().t())
+    a = _x(3, 64, seed=2)
+    assert torch.equal(pmx.matmul(a, w_odd, recipe), pmx.matmul(a, w, recipe))
+
+
+def test_mxtensors_compare_by_identity():
+    """== and `in` answer (by identity, as a torch.Tensor hashes): the dataclass's field-wise
+    == compared tensors and raised 'Boolean value of Tensor ... is ambiguous'."""
+    import copy
+
+    q = pmx.quantize(_x(4, 64))
+    twin = copy.deepcopy(q)
+    assert (q == twin) is False and q == q and q in [twin, q] and q not in [twin]
+    assert q != pmx.quantize(_x(2, 64)) and len({q, twin, q}) == 2
+
+
+def test_clear_errors_for_the_wrong_kind_of_input():
+    q = pmx.quantize(_x(4, 64))
+    with pytest.raises(TypeError, match="already an MXTensor"):
+        pmx.quantize(q)
+    with pytest.raises(TypeError, match="already an MXTensor"):
+        pmx.decompose(q)
+    with pytest.raises(TypeError, match="takes a device, not a dtype"):
+        q.to(torch.float16)
+    with pytest.raises(TypeError, match="dense"):
+        pmx.quantize(_x(4, 64).to_sparse())

@@ -55,7 +55,9 @@ def test_frozen_and_hashable():
 
 def test_model_copy_validates_like_the_constructor():
     with pytest.raises(pydantic.ValidationError, match="scale_rule must be 'rceil' when macro_block"):
-        pmx.QuantRecipe(scale_rule="floor").model_copy(update={"macro_block": 64})
+        pmx.QuantRecipe().model_copy(update={"macro_block": 64, "scale_rule": "floor"})
+    with pytest.raises(pydantic.ValidationError, match="scale_rule must be 'rceil' when macro_block"):
+        pmx.QuantRecipe(macro_block=64).model_copy(update={"scale_rule": "floor"})
     with pytest.raises(pydantic.ValidationError, match="outliers_per_block"):
         pmx.QuantRecipe().model_copy(update={"outliers_per_block": 40})
     with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
@@ -195,3 +197,19 @@ def test_interned_recipes_stay_bounded_and_compiled_ones_are_kept(monkeypatch):
     assert len(recipe_module._NAMES) <= recipe_module._MAX_INTERNED + len(recipe_module._PINNED)
     assert torch.equal(compiled(x), want) and counter.frame_count == 1
     torch._dynamo.reset()
+
+
+def test_equal_recipes_give_equal_copies_and_the_rule_follows_the_macro_block():
+    """model_copy works on the recipe's values: one read back from JSON (a checkpoint's
+    metadata; pydantic marks every field of it as set) copies like the one it was made
+    from (adding a macro block raised: its explicit-looking "floor"), and removing a macro
+    block gives the default rule back (the implied "rceil" stayed, other bytes)."""
+    r = pmx.QuantRecipe(outliers_per_block=1)
+    loaded = pmx.QuantRecipe.model_validate_json(r.model_dump_json())
+    assert loaded == r
+    for recipe in (r, loaded):
+        copied = recipe.model_copy(update={"macro_block": 64})
+        assert (copied.scale_rule, copied.macro_block, copied.outliers_per_block) == ("rceil", 64, 1)
+    assert pmx.QuantRecipe(macro_block=64).model_copy(update={"macro_block": None}) == pmx.QuantRecipe()
+    assert pmx.QuantRecipe(scale_rule="ceil").model_copy(update={"seed": 3}).scale_rule == "ceil"
+    assert pmx.QuantRecipe(scale_rule="rceil").model_copy(update={"macro_block": None}).scale_rule == "rceil"

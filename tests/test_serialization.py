@@ -5,6 +5,7 @@ the loaded weight serves the GEMM like the original, and bad files raise clear e
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -79,3 +80,38 @@ def test_bad_state_dicts_raise_clear_errors():
         serialization.state_dict({"w": pmx.quantize(torch.randn(4, 32)), "w.qdata": torch.zeros(1)})
     with pytest.raises(TypeError, match="must be an MXTensor or a torch.Tensor"):
         serialization.state_dict({"w": 1.0})
+
+
+def _tampered(**meta_update):
+    sd = serialization.state_dict({"w": pmx.quantize(torch.randn(3, 70))})
+    meta = json.loads(bytes(sd["w.mx_meta"].tolist()).decode())
+    meta.update(meta_update)
+    sd["w.mx_meta"] = torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)
+    return sd
+
+
+@pytest.mark.parametrize("update,why", [
+    (dict(axis=5), "axis must be an int in"), (dict(axis=-1), "axis must be an int in"),
+    (dict(axis=1.9), "axis must be an int in"), (dict(axis=True), "axis must be an int in"),
+    (dict(shape=[]), "shape must be"), (dict(shape=[-3, 70]), "shape must be"),
+    (dict(shape=[2**63, 70]), "shape must be"), (dict(shape=[True, 70]), "shape must be"),
+])
+def test_tampered_shape_or_axis_is_a_value_error_naming_the_entry(update, why):
+    """Each raised IndexError, RuntimeError, a C++ overflow, or a message about a nonsense
+    shape, from inside MXTensor.zeros."""
+    with pytest.raises(ValueError, match=f"'w': unreadable MXTensor metadata.*{why}"):
+        serialization.load_state_dict(_tampered(**update))
+
+
+def test_metadata_that_is_no_json_object_or_no_tensor_and_a_state_that_is_no_mapping():
+    sd = _tampered()
+    sd["w.mx_meta"] = torch.tensor(list(b"[1, 2]"), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not an object"):
+        serialization.load_state_dict(sd)
+    sd["w.mx_meta"] = "x"
+    with pytest.raises(ValueError, match="1-D uint8 tensor"):
+        serialization.load_state_dict(sd)
+    with pytest.raises(TypeError, match="mapping"):
+        serialization.load_state_dict([("w", torch.zeros(1))])
+    with pytest.raises(TypeError, match="mapping"):
+        serialization.state_dict([("w", pmx.quantize(torch.randn(3, 70)))])

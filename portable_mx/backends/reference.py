@@ -130,7 +130,7 @@ def decode_rows(mx: MXTensor) -> torch.Tensor:
     if mx.outlier_values is not None:
         q = q.scatter(-1, mx.outlier_indices.long(), mx.outlier_values.to(torch.float32))
     q = torch.where((mx.scales == fmt.E8M0_NAN).unsqueeze(-1), float("nan"), q)
-    return q.view(r, nb * B)
+    return q.reshape(r, nb * B)  # (a part in any layout: the product takes the scales' strides)
 
 
 def to_mxtensor(enc: Encoded, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from ..format import BLOCK_SIZE
+from ..ops import _recipe
 from ..recipe import QuantRecipe
 from ..tensor import MXTensor
 from ._optional import require
@@ -100,7 +101,7 @@ def from_torchao(t: Any, *, recipe: Optional[QuantRecipe] = None) -> MXTensor:
     if tuple(scale.shape) != tuple(shape[:-1]) + (shape[-1] // BLOCK_SIZE,):
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match data shape {tuple(shape)} "
                          f"(expected [..., {shape[-1] // BLOCK_SIZE}])")
-    recipe = QuantRecipe() if recipe is None else recipe
+    recipe = _recipe(recipe)  # (a mapping of fields, as the ops take, or a QuantRecipe)
     if recipe.macro_block is not None or recipe.outliers_per_block:
         raise ValueError(f"recipe {recipe.describe()} has macro-block factors or outliers, which torchao's bytes lack")
     return MXTensor(qdata=qdata, scales=scale.view(torch.uint8), shape=shape, dtype=t.orig_dtype,

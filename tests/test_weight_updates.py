@@ -10,6 +10,8 @@ block the tracked updates (optimizer steps of every kind, version-bumping in-pla
 load_state_dict, a new Parameter) must be seen as well, and the quantized weight must be
 reused between them."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -261,3 +263,32 @@ def test_random_tracked_updates_inside_weight_cache_match_a_fresh_layer(actions,
         for i, action in enumerate(actions):
             _apply(action, layer, opts, x, seed + 2 + i)
             assert_fresh(layer, x, f"{actions[: i + 1]} inside weight_cache")
+
+
+def test_weight_cache_under_swap_module_params_on_conversion():
+    """With torch.__future__.set_swap_module_params_on_conversion(True), module.half() and
+    load_state_dict swap the Parameter's contents in place (torch.utils.swap_tensors),
+    which refuses a tensor with a weakref: the cache held one and both raised inside a
+    weight_cache block. Each forward in the block equals the uncached forward of the same
+    weights."""
+    torch.manual_seed(0)
+    layer = pmx.nn.convert(nn.Linear(64, 32))
+    x = torch.randn(4, 64)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        outs = []
+        with torch.no_grad():
+            fresh = copy.deepcopy(layer)(x)
+            with pmx.nn.weight_cache(layer):
+                outs.append(layer(x))
+                assert torch.equal(outs[0], fresh)
+                layer.half()
+                outs.append(layer(x.half()))
+                layer.load_state_dict({k: v * 2 for k, v in layer.state_dict().items()})
+                outs.append(layer(x.half()))
+            assert torch.equal(outs[2], layer(x.half()))  # uncached: the same weights
+            layer.load_state_dict({k: v / 2 for k, v in layer.state_dict().items()})
+            assert torch.equal(outs[1], layer(x.half()))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)

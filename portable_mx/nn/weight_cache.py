@@ -38,7 +38,6 @@ serves many forwards::
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -87,13 +86,17 @@ class WeightCache:
             return build(w)
         key = _key(w, recipe)
         hit = self.entries.get(name)
-        if key is not None and hit is not None and hit[0] == key and hit[1]() is w:
+        if key is not None and hit is not None and hit[0] == key and hit[1] is w:
             return hit[2]
         value = build(w)
         if key is None:
             self.entries.pop(name, None)
         else:
-            self.entries[name] = (key, weakref.ref(w), value)
+            # the weight itself, held until the entry is replaced or the block ends: a
+            # weakref made torch.utils.swap_tensors (module.half(), load_state_dict under
+            # torch.__future__.set_swap_module_params_on_conversion) refuse the weight, and
+            # holding it keeps its id and address from being reused by another tensor
+            self.entries[name] = (key, w, value)
         return value
 
     def clear(self) -> None:

@@ -277,3 +277,36 @@ def test_load_experts_refuses_to_drop_a_bias_the_model_has(tmp_path):
     with pytest.raises(ValueError, match=r"experts\.down_proj_bias: the model's MXExperts has this bias but the "
                                          r"checkpoint stores none"):
         gpt_oss.load_experts(model, tmp_path / "c")
+
+
+def _one_layer_model(experts: torch.nn.Module) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = torch.nn.Module()
+    model.model.layers[0].mlp.experts = experts
+    return model
+
+
+@pytest.mark.parametrize("e,h,i", [(E + 2, H, I), (E, H, 2 * I), (E, 2 * H, I)])
+def test_load_experts_refuses_experts_of_another_size(tmp_path, e, h, i):
+    """A checkpoint of E=2, H=64, I=32 experts loaded into a model built for others: a
+    CheckpointError naming the module and both shapes, and the model left as it was (the
+    experts were swapped in, and the model ran on experts its config does not describe, or
+    failed later in forward with a message about token ids or x's width)."""
+    g = torch.Generator().manual_seed(5)
+    w1 = pmx.quantize(torch.randn(E, 2 * I, H, generator=g), axis=-1)
+    w2 = pmx.quantize(torch.randn(E, H, I, generator=g), axis=-1)
+    ckpt = pmx.nn.MXExperts.from_mx(w1, w2, torch.zeros(E, 2 * I).bfloat16(), torch.zeros(E, H).bfloat16())
+    gpt_oss.save(tmp_path / "c", {f"{PREFIX.format(0)}.{n}": t for n, t in ckpt.state_dict().items()}, config())
+    other = pmx.nn.MXExperts(e, h, i, activation="swiglu_oai", transposed=True, dtype=torch.bfloat16)
+    model = _one_layer_model(other)
+    with pytest.raises(gpt_oss.CheckpointError, match=r"experts: .*gate_up_proj weights of shape \[2, 64, 64\]"):
+        gpt_oss.load_experts(model, tmp_path / "c")
+    assert model.model.layers[0].mlp.experts is other
+
+
+def test_an_index_without_a_weight_map_is_a_checkpoint_error(tmp_path):
+    (tmp_path / gpt_oss.INDEX_FILE).write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(gpt_oss.CheckpointError, match="weight_map"):
+        gpt_oss.GptOssCheckpoint(tmp_path)

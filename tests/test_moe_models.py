@@ -190,3 +190,28 @@ def test_readme_gpt_oss_example_runs(gpt_oss_checkpoint, tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(layer0(scope["x"], scope["ids"], scope["top"].softmax(dim=-1)), scope["y"])
     assert digests(tmp_path / "gpt-oss-20b-copy") == digests(tmp_path / "gpt-oss-20b")
+
+
+def test_convert_skips_experts_it_cannot_run_and_names_them_otherwise():
+    """A Qwen3-MoE block with GELU experts (MXExperts' swiglu is SiLU): convert with
+    skip="*experts" keeps them and converts the rest (it raised before the skip rules were
+    asked); without the skip, the error names the layer and the skip that keeps it."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                      num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu")
+    model = torch.nn.Sequential(Qwen3MoeSparseMoeBlock(cfg), torch.nn.Linear(64, 64))
+    experts = model[0].experts
+    with pytest.raises(ValueError, match=r"layer '0\.experts': .*SiLU.*skip=\['0\.experts'\]"):
+        pmx.nn.convert(model)
+    assert model[0].experts is experts and type(model[1]) is torch.nn.Linear  # nothing half-converted
+    pmx.nn.convert(model, skip="*experts")
+    assert model[0].experts is experts and isinstance(model[1], pmx.nn.MXLinear)
+
+
+def test_mx_experts_bad_arguments_are_clear():
+    m = MXExperts.from_mx(pmx.quantize(torch.randn(4, 64, 64), axis=-1), pmx.quantize(torch.randn(4, 64, 32), axis=-1))
+    with pytest.raises(TypeError, match="top_k_weights must be a float tensor or None"):
+        m(torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), [[0.5, 0.5], [0.5, 0.5]])
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        MXExperts(True, 64, 32)

@@ -321,6 +321,9 @@ class GptOssCheckpoint(Mapping):
         elif (path / INDEX_FILE).is_file():
             root = path
             index = json.loads((path / INDEX_FILE).read_text())
+            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+                raise CheckpointError(f"{path / INDEX_FILE}: not a safetensors index (no \"weight_map\" object of "
+                                      "tensor names to files)")
             files = list(dict.fromkeys(index["weight_map"].values()))
         elif (path / SINGLE_FILE).is_file():
             root, files, index = path, [SINGLE_FILE], None
@@ -567,6 +570,7 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
             "not an MXFP4 gpt-oss checkpoint (a dequantized model saved by transformers' save_pretrained is not one; "
             "quantize its experts with quantize_experts and write them with save)"
         )
+    replaced = []  # (every module built before any is set: a mismatch leaves the model as it was)
     for qualified in ckpt.expert_modules():
         if qualified not in modules:
             raise KeyError(f"{qualified}: the checkpoint quantizes it, but the model has no module of that name")
@@ -577,7 +581,15 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
                 raise CheckpointError(
                     f"{qualified}.{proj}_bias: the model's {type(old).__name__} has this bias but the checkpoint "
                     "stores none (a gpt-oss checkpoint stores both projections' biases); loading would drop it")
-        new = experts_from_module(old, recipe, weights=tensors)
+        try:
+            new = experts_from_module(old, recipe, weights=tensors)
+        except ValueError as err:  # the checkpoint's experts are not the ones the model was built for
+            raise CheckpointError(f"{ckpt.path}: {qualified}: {err}") from None
+        if new is None:
+            raise CheckpointError(f"{qualified}: the checkpoint quantizes it, but the model's {type(old).__name__} "
+                                  "there is no expert module this library maps")
+        replaced.append((qualified, new))
+    for qualified, new in replaced:
         parent_name, _, child = qualified.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
     return model

@@ -11,7 +11,7 @@ from typing import Any, Union
 import torch
 
 from .. import ops
-from .hf_experts import experts_from_module, family_of
+from .hf_experts import experts_from_module, known_family
 from .linear import MXLinear
 
 SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
@@ -69,10 +69,15 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 return MXLinear.from_linear(module, recipe)
             except TypeError as err:  # (the layer named; skip=[name] keeps it)
                 raise TypeError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
-        return experts_from_module(module, recipe)
+        try:
+            return experts_from_module(module, recipe)
+        except ValueError as err:  # a configuration MXExperts cannot run; skip keeps it
+            raise ValueError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
 
     def keep(name: str, module: torch.nn.Module) -> bool:
-        if type(module) is not torch.nn.Linear and family_of(module) is None:
+        # (the class alone: an expert module in a configuration MXExperts cannot run is
+        # refused when converted, so that a skip rule can keep it)
+        if type(module) is not torch.nn.Linear and known_family(module) is None:
             return True
         linear_names.append(name)
         matched.update(p for p in patterns if fnmatch.fnmatchcase(name, p))
@@ -81,6 +86,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     if not keep("", model):
         return converted(model, "")
     swapped: dict[int, torch.nn.Module] = {}
+    places: list[tuple[torch.nn.Module, str, int]] = []  # set once every layer converted: an error changes nothing
     for parent_name, parent in list(model.named_modules()):
         # _modules, not named_children(): that skips a child registered twice in one parent
         for child_name, child in list(parent._modules.items()):
@@ -88,10 +94,12 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if id(child) in swapped:
-                setattr(parent, child_name, swapped[id(child)])
+                places.append((parent, child_name, id(child)))
             elif not keep(name, child):
                 swapped[id(child)] = converted(child, name)
-                setattr(parent, child_name, swapped[id(child)])
+                places.append((parent, child_name, id(child)))
+    for parent, child_name, key in places:
+        setattr(parent, child_name, swapped[key])
     unmatched = [p for p in patterns if p not in matched]
     if unmatched:
         _warn_unmatched(unmatched, [n for n in linear_names if n])

@@ -99,7 +99,7 @@ class MXExperts(torch.nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
         for what, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("intermediate_size", intermediate_size)):
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{what} must be a positive int; got {v!r}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation = activation
@@ -257,7 +257,10 @@ class MXExperts(torch.nn.Module):
             raise ValueError(f"MXExperts: top_k_index must be an integer tensor [..., k] with x's leading dims "
                              f"{tuple(shape[:-1])}; got {getattr(k_ids, 'dtype', None)} "
                              f"{tuple(getattr(k_ids, 'shape', ()))}")
-        if top_k_weights is not None and top_k_weights.shape != k_ids.shape:
+        if top_k_weights is not None and (not isinstance(top_k_weights, Tensor) or top_k_weights.shape != k_ids.shape):
+            if not isinstance(top_k_weights, Tensor):
+                raise TypeError(f"MXExperts: top_k_weights must be a float tensor or None; got "
+                                f"{type(top_k_weights).__name__}")
             raise ValueError(f"MXExperts: top_k_weights {tuple(top_k_weights.shape)} must have top_k_index's shape "
                              f"{tuple(k_ids.shape)}")
         params = self._parameters

@@ -38,15 +38,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
 _OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
 
 
-def family_of(module: torch.nn.Module) -> Optional[dict[str, Any]]:
-    """The :data:`FAMILIES` entry of a transformers expert module, or None for any other
-    module. Raises a ValueError for a known class in a configuration MXExperts cannot
-    run (expert parallelism, another SwiGLU clamp, another activation)."""
+def known_family(module: torch.nn.Module) -> Optional[dict[str, Any]]:
+    """The :data:`FAMILIES` entry of a transformers expert module's class, or None for any
+    other module; nothing about its configuration is checked (:func:`family_of` does)."""
     cls = type(module)
     family = FAMILIES.get(cls.__name__)
     if family is None or not cls.__module__.startswith("transformers."):
         return None
-    name = cls.__name__
+    return family
+
+
+def family_of(module: torch.nn.Module) -> Optional[dict[str, Any]]:
+    """The :data:`FAMILIES` entry of a transformers expert module, or None for any other
+    module. Raises a ValueError for a known class in a configuration MXExperts cannot
+    run (expert parallelism, another SwiGLU clamp, another activation)."""
+    family = known_family(module)
+    if family is None:
+        return None
+    name = type(module).__name__
     if getattr(module, "_is_expert_parallel", False):
         raise ValueError(f"{name}: expert-parallel experts (sentinel expert ids) are not supported by MXExperts")
     for attr, want in (("is_transposed", family["transposed"]), ("has_bias", family["bias"]),
@@ -85,16 +94,26 @@ def experts_from_module(module: torch.nn.Module, recipe: Any, *,
         activation = module.activation
         device = (module.gate_up_proj_bias if module.frozen else module.gate_up_proj)
         device = None if device is None else device.device
+        e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
     else:
         family = family_of(module)
         if family is None:
             return None
         activation = family["activation"]
         device = module.gate_up_proj.device
+        e, g, d = module.gate_up_proj.shape[0], module.gate_up_proj.shape, module.down_proj.shape
+        h, i = (g[1], d[1]) if family["transposed"] else (g[2], d[2])
     if weights is not None:
         missing = [p for p in ("gate_up_proj", "down_proj") if not isinstance(weights.get(p), MXTensor)]
         if missing:
             raise ValueError(f"{type(module).__name__}: no MXTensor for {missing} among the weights {sorted(weights)}")
+        # the weights [E, N, K] must be the experts this module was built for
+        for proj, want in (("gate_up_proj", (e, 2 * i, h)), ("down_proj", (e, h, i))):
+            got = tuple(weights[proj].shape)
+            if got != want:
+                raise ValueError(f"{type(module).__name__}: {proj} weights of shape {list(got)} (experts, out, in); "
+                                 f"this module has {e} experts of hidden size {h} and intermediate size {i}, "
+                                 f"which take {list(want)}")
         dev = weights["gate_up_proj"].device if device is None or device.type == "meta" else device
 
         def moved(x: Any) -> Any:

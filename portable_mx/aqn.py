@@ -50,8 +50,9 @@ class AQNSchedule:
             raise ValueError(f"total_steps must be a positive int; got {self.total_steps!r}")
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2 (one silent stage, then noisy ones); got {self.stages!r}")
-        if not (self.sigma_start > 0 and self.sigma_end > 0):
-            raise ValueError(f"sigma_start and sigma_end must be > 0; got {self.sigma_start}, {self.sigma_end}")
+        if not (0 < self.sigma_start < math.inf and 0 < self.sigma_end < math.inf):
+            raise ValueError(f"sigma_start and sigma_end must be finite and > 0; got {self.sigma_start}, "
+                             f"{self.sigma_end}")
 
     def stage(self, step: int) -> int:
         """The stage (0..K-1) of optimizer step ``step`` (0-based; negative steps are stage 0)."""
@@ -136,9 +137,9 @@ def add_rmsnorm_noise(
 
 def _hook_cast(module: torch.nn.Module) -> None:
     """Give a norm whose weight became fp32 the forward hook :func:`_output_in_input_dtype`
-    (once)."""
+    (once; with the call's keyword arguments, for a norm called as ``norm(hidden_states=h)``)."""
     if not getattr(module, _CAST_HOOK, False):
-        module.register_forward_hook(_output_in_input_dtype)
+        module.register_forward_hook(_output_in_input_dtype, with_kwargs=True)
         setattr(module, _CAST_HOOK, True)
 
 
@@ -146,13 +147,13 @@ _CAST_HOOK = "_pmx_aqn_casts_output"
 """Marks a norm whose 16-bit weight :func:`add_rmsnorm_noise` made fp32 (and hooked)."""
 
 
-def _output_in_input_dtype(module: torch.nn.Module, args: tuple, out):
+def _output_in_input_dtype(module: torch.nn.Module, args: tuple, kwargs: dict, out):
     """Forward hook of a norm whose 16-bit weight was made fp32: its output in its input's
     dtype, as before the noise. transformers' Llama / Qwen RMSNorm return ``weight *
     h.to(input_dtype)``, which an fp32 weight makes fp32, and the model's next 16-bit layer
     then refuses; the product is still formed in fp32 (the noise kept at fp32 precision)
     and rounded once to the input's dtype."""
-    x = args[0] if args else None
+    x = args[0] if args else next(iter(kwargs.values()), None)
     if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor) and x.is_floating_point() \
             and out.dtype != x.dtype:
         return out.to(x.dtype)

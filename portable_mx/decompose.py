@@ -111,7 +111,8 @@ class Decomposition:
         sums.append(bad.to(device=self.beta.device, dtype=torch.float64).reshape(()))
         values = torch.stack(sums).tolist()  # the one synchronisation
         if values[-1]:
-            raise ValueError(f"decompose needs finite input; x holds {int(values[-1])} NaN/Inf value(s)")
+            raise ValueError(f"decompose needs finite input; x holds {int(values[-1])} NaN/Inf value(s) in fp32, "
+                             "the precision it quantizes (a float64 |x| above 3.4e38 is Inf there)")
         return dict(zip(self._ENERGIES + ("beta_sum", "dead_count", "clip_count"), values))
 
     def totals(self) -> dict[str, float]:

@@ -691,7 +691,27 @@ def load_report(path: str) -> dict[str, Any]:
         )
     if not report["cases"]:
         raise ReportError(f"report {path} holds no cases: a comparison of nothing proves nothing")
+    for case_id, case in report["cases"].items():
+        why = _case_problem(case)
+        if why is not None:
+            raise ReportError(f"report {path}: case {case_id!r} {why}: not a parity report's case")
     return report
+
+
+def _case_problem(case: Any) -> Optional[str]:
+    """Why ``case`` is not a report's case (None when it is): an object with its "op" and
+    either an "error" or the op's results (quantize: "outputs"; decompose: "counts" and
+    "totals"), so that no comparison of cases that hold nothing passes."""
+    if not isinstance(case, dict):
+        return f"is a JSON {type(case).__name__}, not an object"
+    op = case.get("op")
+    if op not in ("quantize", "decompose"):
+        return f"has op {op!r}, not 'quantize' or 'decompose'"
+    if "error" in case:
+        return None
+    needed = ("outputs",) if op == "quantize" else ("counts", "totals")
+    missing = [k for k in needed if not (isinstance(case.get(k), dict) and case[k])]
+    return f"holds no {' or '.join(missing)}" if missing else None
 
 
 def _run_compare(paths: Sequence[str]) -> int:
@@ -726,12 +746,23 @@ def run(args: argparse.Namespace) -> int:
         return _run_compare(args.compare)
     from . import registry
 
-    device = torch.device(args.device or _default_device())
     try:
+        device = torch.device(args.device or _default_device())
         torch.empty(1, device=device)
     except Exception as err:  # no such device here: say so once, not once per case
-        print(f"parity: cannot use device {device}: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"parity: cannot use device {args.device or _default_device()}: {type(err).__name__}: {err}",
+              file=sys.stderr)
         return EXIT_UNAVAILABLE
+    if args.json:  # where the report goes, checked before the corpus runs
+        try:
+            from .tuning.files import make_dir
+
+            make_dir(os.path.dirname(os.path.abspath(args.json)))
+            if os.path.isdir(args.json):
+                raise IsADirectoryError(f"{args.json} is a directory; --json takes a file path")
+        except OSError as err:
+            print(f"parity: --json {args.json}: {err}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
     start = time.perf_counter()
     with forced_backend(args.backend):
         try:
@@ -749,7 +780,6 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_NOTHING_CHECKED
     errors = {k: e["error"] for k, e in report["cases"].items() if "error" in e}
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1, allow_nan=False)
             f.write("\n")

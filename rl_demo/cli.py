@@ -18,6 +18,55 @@ and decomposition parity across the backends on this machine. Writes results.jso
 report.md and report.png under --out."""
 
 
+def _int_at_least(low: int):
+    """argparse type: an int >= ``low`` (0 and negative counts were taken for the preset's
+    or failed deep inside torch)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}; got {v}")
+        return v
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+
+
+def _device_problem(device: str) -> Optional[str]:
+    """Why the demo cannot run on ``device`` (None when it can): a name torch does not
+    parse, the meta device (no data), a GPU torch does not see, one it cannot allocate on."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        return f"--device {device}: {err}"
+    if d.type == "meta":
+        return "--device meta holds no data: the demo trains and samples on a real device"
+    if d.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {device} asked for, but torch sees no GPU"
+    try:
+        torch.empty(1, device=d)
+    except Exception as err:  # noqa: BLE001  (a device torch knows but cannot use here)
+        return f"--device {device}: {type(err).__name__}: {err}"
+    return None
+
+
+def _path_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why --out or --checkpoint cannot be used (None when they can): --out must be a
+    folder (or not exist yet), --checkpoint a file (or not exist yet)."""
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        return f"--out {args.out} is a file; it must be a folder (made when missing)"
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint is not None and checkpoint.is_dir():
+        return f"--checkpoint {checkpoint} is a folder; it must be a file (written when missing)"
+    return None
+
+
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     from .config import ARM_NAMES
 
@@ -32,7 +81,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "writes results.json, timing.json, report.md, curves.png and forest.png")
     p.add_argument("--resume", action="store_true",
                    help="--study: reuse the units an interrupted run of the same settings left in OUT/units/")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_int_at_least(0), default=None,
                    help="--study: parallel worker processes (default: the CPU count; 0 runs every unit in this "
                         "process)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default out/rl_demo[-quick|-tiny])")
@@ -40,9 +89,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--task", choices=("add", "mul"), default=None, help="add (default) or mul")
     p.add_argument("--arms", nargs="+", choices=ARM_NAMES, default=None)
     p.add_argument("--seeds", nargs="+", type=int, default=None)
-    p.add_argument("--iterations", type=int, default=None, help="GRPO iterations per (arm, seed)")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--iterations", type=_positive_int, default=None, help="GRPO iterations per (arm, seed)")
+    p.add_argument("--d-model", type=_positive_int, default=None)
+    p.add_argument("--layers", type=_positive_int, default=None)
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="warm-up checkpoint to reuse when its configuration matches (else trained and saved there; "
                         "default OUT/warmup.pt)")
@@ -50,7 +99,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="train the warm-up from scratch even when a matching checkpoint exists (OUT/warmup.pt or "
                         "the one shipped in rl_demo/checkpoints/)")
     p.add_argument("--no-parity", action="store_true", help="skip the cross-backend parity check")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -70,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .model import ModelConfig
     from .run import run
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     name = "tiny" if args.tiny else "quick" if args.quick else "full"
     cfg = preset(name)
@@ -81,16 +130,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         changes["arms"] = tuple(args.arms)
     if args.seeds:
         changes["seeds"] = tuple(args.seeds)
-    if args.iterations:
+    if args.iterations is not None:
         changes["iterations"] = args.iterations
-    if args.d_model or args.layers:
+    if args.d_model is not None or args.layers is not None:
         m = cfg.model
-        changes["model"] = ModelConfig(**{**m.to_dict(), **({"d_model": args.d_model} if args.d_model else {}),
-                                          **({"n_layers": args.layers} if args.layers else {})})
-    if args.device != "cpu":
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            print(f"rl_demo: --device {args.device} asked for, but torch sees no GPU", file=sys.stderr)
+        try:
+            changes["model"] = ModelConfig(**{**m.to_dict(),
+                                              **({"d_model": args.d_model} if args.d_model is not None else {}),
+                                              **({"n_layers": args.layers} if args.layers is not None else {})})
+        except ValueError as err:
+            print(f"rl_demo: {err}", file=sys.stderr)
             return 2
+    problem = _device_problem(args.device) or _path_problem(args)
+    if problem:
+        print(f"rl_demo: {problem}", file=sys.stderr)
+        return 2
+    if args.device != "cpu":
         changes["device"] = args.device
     cfg = replace(cfg, **changes)
     out = args.out or Path("out") / ("rl_demo" if name == "full" else f"rl_demo-{name}")
@@ -142,13 +197,12 @@ def study_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         return 2
     if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("PORTABLE_MX_BACKEND"):
         os.environ["PORTABLE_MX_BACKEND"] = "reference"
-    import torch
-
     from .study.design import for_device
     from .study.runner import run_study
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"rl_demo: --device {args.device} asked for, but torch sees no GPU", file=sys.stderr)
+    problem = _device_problem(args.device) or _path_problem(args)
+    if problem:
+        print(f"rl_demo: {problem}", file=sys.stderr)
         return 2
     cfg = for_device(args.device, tiny=args.tiny)
     if args.seeds:

@@ -29,6 +29,13 @@ class ModelConfig:
     n_heads: int = 4
     mlp_ratio: int = 4
 
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int; got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"ModelConfig: d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -45,8 +46,13 @@ SHIPPED = Path(__file__).resolve().parent / "checkpoints"
 
 def _matching(path: Path, key: dict) -> Optional[dict]:
     if path.exists():
-        ck = torch.load(path, map_location="cpu")
-        if ck.get("key") == key:
+        try:
+            ck = torch.load(path, map_location="cpu")
+        except Exception as err:  # noqa: BLE001  (an empty, truncated or foreign file)
+            print(f"rl_demo: warm-up checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
+                  "warming up afresh and writing it", file=sys.stderr)
+            return None
+        if isinstance(ck, dict) and ck.get("key") == key:
             return ck
     return None
 

@@ -186,3 +186,24 @@ def test_tied_norm_weight_gets_one_draw_and_stays_tied(dtype):
         assert rollout[0].weight is rollout[2].weight and rollout[0].weight.dtype == torch.float32
         want = trained[0].weight.float() + sigma * torch.randn(64, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(rollout[0].weight, want)
+
+
+def test_a_noised_norm_called_with_a_keyword_keeps_its_output_dtype():
+    """norm(hidden_states=h): the cast-back hook read only positional arguments, and the
+    keyword call returned fp32 to the next bf16 layer."""
+    class KwNorm(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states)
+
+    model = torch.nn.Sequential(KwNorm(64, torch.bfloat16))
+    add_rmsnorm_noise(model, 1e-2, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(3, 64).bfloat16()
+    assert model[0](hidden_states=h).dtype == torch.bfloat16
+    assert torch.equal(model[0](hidden_states=h), model[0](h))
+
+
+def test_schedule_refuses_infinite_sigmas():
+    with pytest.raises(ValueError, match="finite"):
+        AQNSchedule(10, sigma_start=float("inf"))
+    with pytest.raises(ValueError, match="finite"):
+        AQNSchedule(10, sigma_end=float("inf"))

@@ -227,6 +227,20 @@ def test_cli_refuses_a_device_it_cannot_use(capsys):
     assert "cannot use device cuda:99" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_device_string_and_a_json_path_it_cannot_use_before_running(tmp_path, capsys, monkeypatch):
+    """A device torch cannot parse, a --json path that is a directory or lies under a file:
+    exit 2 with one line, before the corpus runs (they were tracebacks, with exit 1, the
+    paths only after the whole corpus)."""
+    monkeypatch.setattr(parity, "build_report", lambda *a, **k: pytest.fail("the corpus ran"))
+    (tmp_path / "afile").write_text("x")
+    for argv, words in ((["--device", "bogus"], "cannot use device bogus"),
+                        (["--json", str(tmp_path)], "is a directory"),
+                        (["--json", str(tmp_path / "afile" / "r.json")], "afile is a file")):
+        assert parity.run(_parser().parse_args(argv + ["--backend", "reference"])) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("parity: ") and words in err and "\n" not in err, err
+
+
 def test_compare_of_nothing_fails(tmp_path, capsys):
     """Two reports with no cases, or a report whose cases are gone, prove nothing: exit 3
     with a message, never 0."""
@@ -255,6 +269,9 @@ def test_a_filter_that_matches_nothing_fails(capsys):
     (b"\xff\xfe\x00", "is not UTF-8 text"),
     (b"[1, 2]", "is not a parity report"),
     (b'{"cases": {"c": {}}}', "is not a parity report"),
+    (b'{"schema": "portable_mx.parity/1", "cases": {"c": 5}}', "case 'c' is a JSON int"),  # (an AttributeError)
+    (b'{"schema": "portable_mx.parity/1", "cases": {"c": {}}}', "case 'c' has op None"),  # (compared as agreeing)
+    (b'{"schema": "portable_mx.parity/1", "cases": {"c": {"op": "quantize"}}}', "case 'c' holds no outputs"),
 ])
 def test_compare_of_an_unreadable_report_says_which_file(tmp_path, capsys, content, words):
     """Missing, corrupt or foreign files: one line naming the file and exit 3, which is

@@ -327,3 +327,40 @@ def test_study_tiny_end_to_end_and_reproducible(tmp_path):
     (b / "results.json").write_text(json.dumps(r))
     [(unit, diff)] = verify(b, ["aqn/1"])
     assert diff is not None and "curve.reward[2]" in diff
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--threads", "-1"], None), (["--threads", "0"], None), (["--iterations", "0"], None),
+    (["--iterations", "-3"], None), (["--layers", "-1"], None), (["--d-model", "0"], None),
+    (["--device", "bogus"], "--device bogus"), (["--device", "meta"], "--device meta holds no data"),
+    (["--d-model", "7"], "multiple of n_heads"),
+])
+def test_cli_refuses_bad_flags_before_running(argv, words, capsys):
+    """Each was a traceback deep in torch (negative threads, an unknown device, meta, a
+    d_model the heads do not divide), or silently the preset's value (0 is falsy), or a
+    run recorded with n_layers -1."""
+    if words is None:  # argparse: exit status 2 and the flag named
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["--tiny", "--no-parity", *argv])
+        assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+    else:
+        assert cli.main(["--tiny", "--no-parity", *argv]) == 2
+        assert words in capsys.readouterr().err
+
+
+def test_cli_refuses_an_out_that_is_a_file_and_a_checkpoint_that_is_a_folder(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["--tiny", "--no-parity", "--out", str(tmp_path / "f")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert cli.main(["--tiny", "--no-parity", "--out", str(tmp_path / "o"), "--checkpoint", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_model_config_refuses_sizes_it_cannot_build():
+    from rl_demo.model import ModelConfig
+
+    with pytest.raises(ValueError, match="n_layers must be a positive int"):
+        ModelConfig(n_layers=-1)
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        ModelConfig(d_model=7, n_heads=2)

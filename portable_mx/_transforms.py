@@ -20,11 +20,23 @@ except AttributeError:  # a torch without the query: nothing to detect
         return False
 
 
-def refuse_func_transforms(op: str) -> None:
-    """Raise when called under a ``torch.func`` transform (about 0.1 us otherwise)."""
+from torch.autograd import forward_ad as _forward_ad
+
+
+def refuse_func_transforms(op: str, *tensors) -> None:
+    """Raise when called under a ``torch.func`` transform, or inside a
+    ``torch.autograd.forward_ad.dual_level`` with a dual tensor among ``tensors`` (forward-
+    mode AD: the ops have no jvp rule, and without this check an op took the path without
+    autograd and returned a result with no tangent, silently). About 0.1 us otherwise."""
     if _transforms_active():
         raise RuntimeError(
             f"portable_mx {op} does not support torch.func transforms (grad, vmap, jacrev, jvp, "
             "hessian): use torch.autograd.grad (or .backward()) for gradients and a loop or a "
             "batch dimension for vmap; torch.func.functional_call without a transform works"
+        )
+    if getattr(_forward_ad, "_current_level", -1) >= 0 and any(
+            isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise RuntimeError(
+            f"portable_mx {op} does not support forward-mode AD (torch.autograd.forward_ad dual tensors; "
+            "it has no jvp rule): use reverse mode, torch.autograd.grad or .backward()"
         )

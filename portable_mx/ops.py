@@ -101,7 +101,7 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
         if not x.numel():
             return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
         return _custom_ops.quantize(x, recipe, axis)
-    refuse_func_transforms("quantize")
+    refuse_func_transforms("quantize", x)
     if not x.numel():
         return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
     return _dispatch.quantize(x, recipe, axis)
@@ -153,7 +153,7 @@ def decompose(
     x, recipe, axis = _prepare("decompose", x, recipe, axis, _is_compiling())
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
-    refuse_func_transforms("decompose")
+    refuse_func_transforms("decompose", x)
     if _is_compiling():
         return _custom_ops.decompose(x, recipe, axis, definition, full)
     return _dispatch.decompose(x, recipe, axis, definition, full)
@@ -210,7 +210,7 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
 
     if compiling:
         return _custom_ops.mx_matmul(a, b, recipe)
-    refuse_func_transforms("matmul")
+    refuse_func_transforms("matmul", a, b)
     if torch.is_grad_enabled() and ((not a_mx and a.requires_grad) or (not b_mx and b.requires_grad)):
         return _custom_ops.mx_matmul(a, b, recipe)
     return _dispatch.matmul(a, b, recipe)

@@ -50,6 +50,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+LEFT_STREAM = 0x6A09E667F3BCC908
+"""README (numerics beyond the spec): a GEMM that quantizes its float left operand itself
+draws its stochastic rounding on key ``seed ^ LEFT_STREAM``, its right operand on ``seed``."""
+
+
+def left_stream(recipe):
+    """The recipe with which a GEMM quantizes its float left operand (README): ``recipe``,
+    or with stochastic rounding the same recipe on the left operand's key."""
+    if recipe.rounding != "stochastic":
+        return recipe
+    return recipe.model_copy(update={"seed": recipe.seed ^ LEFT_STREAM})
+
+
 def cpu_backends() -> list[str]:
     """Backends that serve CPU tensors in this process, reference first."""
     names = []

@@ -44,12 +44,36 @@ def _cache_regression_in_block(rank, world):
     return cached_layers, params
 
 
+def _cache_on_a_submodule(rank, world):
+    """fully_shard on the root only, weight_cache on a child (which cannot see the root):
+    (the layers caching, max |y - fresh| after an in-place update inside the block)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        return pmx.nn.convert(nn.Sequential(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))))
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    model, fresh = build(), build()
+    fully_shard(model, reshard_after_forward=True)
+    with pmx.nn.weight_cache(model[0]) as cached_layers, torch.no_grad():
+        model(x)
+        model(x)
+        for p in (*model.parameters(), *fresh.parameters()):
+            p.mul_(0.5)
+        y = model(x)
+        want = fresh(x)
+    return cached_layers, (y - want).abs().max().item()
+
+
 def fsdp_job(rank, world, only_cache: bool = False):
     results: dict = {}
     check(results, "cache", _cache_regression, rank, world)
     if only_cache:
         return results
     check(results, "cache_block", _cache_regression_in_block, rank, world)
+    check(results, "cache_sub", _cache_on_a_submodule, rank, world)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -87,6 +111,15 @@ def test_fsdp2_inside_weight_cache_block(fsdp_results):
     cached_layers, got = result(fsdp_results, "cache_block")
     assert_params(got, train_reference(DEFAULT), FP32_ORDER)
     assert cached_layers == 0
+
+
+def test_weight_cache_on_a_child_of_a_sharded_model(fsdp_results):
+    """fully_shard on the root only and weight_cache(model[0]): the child cannot see the
+    root's FSDPModule type, so its layers cached, and after an in-place update FSDP's
+    refill at the same address hit the cache: outputs off by 0.2-0.5 (found by the audit).
+    The block now finds FSDP2's states: no layer caches, the output is the fresh one."""
+    cached_layers, diff = result(fsdp_results, "cache_sub")
+    assert cached_layers == 0 and diff == 0.0, (cached_layers, diff)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -117,6 +117,38 @@ def test_func_transforms_refuse_with_a_clear_message(name):
         _calls()[name](x)
 
 
+def _dual_calls():
+    torch.manual_seed(0)
+    b = torch.randn(64, 8)
+    layer = MXLinear(64, 8)
+    routing = pmx.route(torch.randint(0, 4, (4, 2)), None, 4)
+    w = torch.randn(4, 8, 64)
+    return {
+        "matmul": lambda x: pmx.matmul(x, b),
+        "matmul with a grad": lambda x: pmx.matmul(x, b.requires_grad_()),
+        "MXLinear": lambda x: layer(x),
+        "grouped_matmul": lambda x: pmx.grouped_matmul(x, w, routing=routing, gather=True),
+        "quantize": lambda x: pmx.quantize(x),
+        "decompose": lambda x: pmx.decompose(x),
+    }
+
+
+@pytest.mark.parametrize("name", list(_dual_calls()))
+def test_forward_mode_ad_refuses_with_a_clear_message(name):
+    """Inside a forward_ad dual level with a dual input: a clear error (matmul and
+    grouped_matmul returned a result without a tangent, silently; the autograd paths
+    raised torch's 'You must implement the jvp function'). Plain inputs in a dual level
+    still work."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.randn(4, 64)
+    call = _dual_calls()[name]
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="does not support forward-mode AD"):
+            call(fwAD.make_dual(x, torch.randn(4, 64)))
+        call(x)
+
+
 def test_functional_call_without_a_transform_works():
     torch.manual_seed(0)
     layer = MXLinear(64, 8)

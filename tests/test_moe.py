@@ -13,6 +13,7 @@ import portable_mx as pmx
 from portable_mx.moe.routing import max_tiles, tile_schedule
 from portable_mx.tensor import MXTensor
 
+from conftest import left_stream
 from moe_oracle import assert_within, grouped_oracle, py_routing
 
 QR = pmx.QuantRecipe
@@ -36,9 +37,6 @@ def dq(x, recipe, axis=-1):
     return pmx.dequantize(pmx.quantize(x.detach(), recipe, axis=axis), dtype=torch.float32)
 
 
-LEFT_STREAM = 0x6A09E667F3BCC908  # README: a GEMM's left operand draws on key seed ^ this
-
-
 def left_values(x, recipe):
     """The left operand's values as the GEMM multiplies them: x quantized along K (with
     stochastic rounding, on the left operand's stream), or rounded to 16 bits (W4A16), or
@@ -46,9 +44,7 @@ def left_values(x, recipe):
     if isinstance(x, MXTensor):
         return pmx.dequantize(x, dtype=torch.float32)
     if recipe.quantizes_activations:
-        if recipe.rounding == "stochastic":
-            recipe = recipe.model_copy(update={"seed": recipe.seed ^ LEFT_STREAM})
-        return dq(x, recipe)
+        return dq(x, left_stream(recipe))
     half = torch.bfloat16 if recipe.activations == "bf16" else torch.float16
     return x.detach().to(half).float()
 

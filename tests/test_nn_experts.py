@@ -293,3 +293,28 @@ def test_bad_input_is_refused_with_a_reason():
         experts(torch.randn(H), ids[0, 0], None)  # one token needs [k] ids, not a scalar
     with pytest.raises(ValueError, match="top_k_weights"):
         experts(torch.randn(T, H), ids, wts[:, :1])
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), W4A16], ids=lambda r: r.describe())
+def test_weights_that_need_no_gradient_give_the_same_input_gradient(recipe):
+    """Float-mode experts whose weights are frozen with requires_grad_(False) (router- or
+    bias-only fine-tuning): dX and the first bias's gradient are those of the trainable
+    module, which re-quantize each weight along N from its float values. The forward
+    passed MXTensors there, and the backward re-quantized their dequantized codes: dX
+    15% away on N(0, 1) weights (the uniform init's equal block scales hid it)."""
+    torch.manual_seed(3)
+    experts = MXExperts(E, H, I, activation="swiglu", recipe=recipe)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+    ids, wts = routing(4)
+    x0, dy = torch.randn(T, H), torch.randn(T, H)
+    grads = []
+    for trainable in (True, False):
+        experts.zero_grad()
+        experts.gate_up_proj.requires_grad_(trainable)
+        experts.down_proj.requires_grad_(trainable)
+        x = x0.clone().requires_grad_()
+        experts(x, ids, wts).backward(dy)
+        grads.append((x.grad, experts.gate_up_proj_bias.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

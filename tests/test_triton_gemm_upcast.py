@@ -23,7 +23,7 @@ from portable_mx.backends.targets import TARGETS
 from portable_mx.recipe import QuantRecipe as QR
 from portable_mx.tensor import MXTensor
 
-from conftest import kernel_backends, no_kernels_reason, values_route_spy
+from conftest import kernel_backends, left_stream, no_kernels_reason, values_route_spy
 from test_triton_gemm import assert_accumulation_close, randn, rows_mx
 
 REF = ReferenceBackend()
@@ -895,7 +895,7 @@ def test_a4w4_at_decode_in_one_launch(gemm_kernel, monkeypatch):
         out = pmx.matmul(x.to(device), w_mx, recipe)
         with monkeypatch.context() as ref:
             ref.setenv(registry.ENV_BACKEND, "reference")
-            values = REF.quantized_values(x.reshape(-1, x.shape[-1]).cpu(), recipe)[:, :x.shape[-1]]
+            values = REF.quantized_values(x.reshape(-1, x.shape[-1]).cpu(), left_stream(recipe))[:, :x.shape[-1]]
         want = backend.matmul(values.to(device), w_mx.rows(), out.dtype)
         assert bitwise_equal(out.reshape(-1, out.shape[-1]), want)
         return list(calls)

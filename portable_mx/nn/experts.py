@@ -283,13 +283,20 @@ class MXExperts(torch.nn.Module):
 
     def _gemm_weights(self, x: Tensor) -> tuple[Any, Any]:
         """The two weights as grouped_matmul takes them: MXTensors [E, N, K] along K
-        (frozen, or float weights that need no gradient), or the float [E, N, K] views
-        (autograd, or compiled code: the GEMM quantizes them itself)."""
+        (frozen, or float weights where no gradient flows), or the float [E, N, K] views
+        (autograd, or compiled code: the GEMM quantizes them itself). Float weights that
+        need no gradient of their own still go as floats when x or a bias needs one: the
+        backward's dX re-quantizes the weight along N from its float values, and from an
+        MXTensor it would re-quantize the dequantized codes (another dX: 15% of it on
+        N(0, 1) weights, and another bias gradient)."""
         params = self._parameters
         w1, w2 = _member(self, params, "gate_up_proj"), _member(self, params, "down_proj")
         if w1 is None:  # frozen
             return self._frozen_mx("gate_up_proj"), self._frozen_mx("down_proj")
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (w1.requires_grad or w2.requires_grad)):
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                x.requires_grad or w1.requires_grad or w2.requires_grad
+                or any(b is not None and b.requires_grad
+                       for b in (_member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias"))))):
             return self._float_weight("gate_up_proj"), self._float_weight("down_proj")
         cache, recipe = self._pmx_weight_cache, self._recipe
         return (cache.get("gate_up_proj", w1, recipe, self._quantizer("gate_up_proj")),

@@ -138,18 +138,59 @@ def _fsdp_types() -> tuple[type, ...]:
     return tuple(types)
 
 
+def _fsdp2_managed() -> set[int]:
+    """The ids of every module whose parameters an FSDP2 ``fully_shard`` manages, wherever
+    it was applied: on the module, on one of its parents, or on an ancestor of the model
+    given to :func:`weight_cache` (which cannot see above itself). Read from FSDP2's
+    states (private structures, read defensively: a torch that lays them out otherwise
+    gives none, and the parents' check below still holds)."""
+    out: set[int] = set()
+    try:
+        from torch.distributed import _composable_state
+
+        states = [ref() for ref in list(_composable_state._module_state_mapping.values())]
+    except Exception:  # noqa: BLE001  (no torch.distributed, or another layout)
+        return out
+    for state in states:
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for param in getattr(group, "fsdp_params", ()) or ():
+                info = getattr(param, "_module_info", None)
+                for module in [getattr(info, "module", None), *(getattr(info, "shared_modules", None) or [])]:
+                    if module is not None:
+                        out.add(id(module))
+    return out
+
+
+def _dtensor_weight(module: torch.nn.Module) -> bool:
+    """Whether a parameter of ``module`` itself is a DTensor (sharded)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # noqa: BLE001
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+
 def layer_caches(model: torch.nn.Module) -> list[tuple[str, WeightCache]]:
     """(qualified name, cache) of every MX layer in ``model`` that may cache: those with
-    a ``_pmx_weight_cache`` and no FSDP-managed module among them or their parents."""
+    a ``_pmx_weight_cache`` that no FSDP manages (no FSDP module among them or their
+    parents within ``model``, no FSDP2 state anywhere holding their parameters, no
+    sharded parameter)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"weight_cache expects a torch.nn.Module; got {type(model).__name__}")
     fsdp = _fsdp_types()
+    fsdp2 = _fsdp2_managed()
     managed: set[str] = set()
     out = []
     for name, module in model.named_modules():
         if fsdp and isinstance(module, fsdp):
             managed.add(name)
         if any(name == p or name.startswith(p + ".") or p == "" for p in managed):
+            continue
+        if id(module) in fsdp2 or _dtensor_weight(module):
             continue
         cache = getattr(module, "_pmx_weight_cache", None)
         if isinstance(cache, WeightCache):

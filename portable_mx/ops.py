@@ -148,12 +148,14 @@ def decompose(
     finite x, subnormals to the fp32 maximum (per-block energies are float64; see
     :mod:`portable_mx.decompose`). Under ``torch.compile`` (``fullgraph=True`` too) the
     call traces as one ``portable_mx::decompose`` op; the whole-tensor figures read the
-    device, so call them outside the compiled function.
+    device, so call them outside the compiled function. A measurement, not a
+    differentiable op: x is detached, and no result requires grad on any backend.
     """
     x, recipe, axis = _prepare("decompose", x, recipe, axis, _is_compiling())
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
     refuse_func_transforms("decompose", x)
+    x = x.detach()  # (the reference's torch ops carried x's graph; the kernels' and the compiled op's did not)
     if _is_compiling():
         return _custom_ops.decompose(x, recipe, axis, definition, full)
     return _dispatch.decompose(x, recipe, axis, definition, full)

@@ -444,3 +444,13 @@ def test_counterfactual_ideal_scale_below_the_fp32_normals(scale):
     bound = 2.0**-149 + 4 * EPS * (q_star.abs() + want.abs())
     assert (err.le(bound) | near).all(), f"max error {(err / scale).max():.3g} of amax"
     assert near.double().mean() < 0.01
+
+
+def test_decompose_results_never_require_grad():
+    """A measurement: on the reference the outputs carried x's graph (grid_noise, beta
+    requiring grad), on the kernels not, and compiled the op required grad but gave x no
+    gradient. Now x is detached on every backend."""
+    x = torch.randn(4, 64, requires_grad=True)
+    d = pmx.decompose(x, full=True)
+    assert not any(t.requires_grad for t in (d.beta, d.scale_bias, d.grid_noise, d.deadzone, d.dequantized,
+                                             d.energy_scale, d.energy_grid))

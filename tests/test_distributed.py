@@ -67,6 +67,26 @@ def _cache_on_a_submodule(rank, world):
     return cached_layers, (y - want).abs().max().item()
 
 
+def _convert_after_fully_shard(rank, world):
+    """convert on a model fully_shard already sharded (each layer, or the root only): the
+    TypeError messages, or "converted" where convert went through."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    out = []
+    for per_layer in (True, False):
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        if per_layer:
+            fully_shard(model[0])
+        fully_shard(model)
+        try:
+            pmx.nn.convert(model)
+            out.append("converted")
+        except TypeError as err:
+            out.append(str(err) if all(type(m) is not pmx.nn.MXLinear for m in model) else f"half: {err}")
+    return out
+
+
 def fsdp_job(rank, world, only_cache: bool = False):
     results: dict = {}
     check(results, "cache", _cache_regression, rank, world)
@@ -74,6 +94,7 @@ def fsdp_job(rank, world, only_cache: bool = False):
         return results
     check(results, "cache_block", _cache_regression_in_block, rank, world)
     check(results, "cache_sub", _cache_on_a_submodule, rank, world)
+    check(results, "convert_after", _convert_after_fully_shard, rank, world)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -120,6 +141,15 @@ def test_weight_cache_on_a_child_of_a_sharded_model(fsdp_results):
     The block now finds FSDP2's states: no layer caches, the output is the fresh one."""
     cached_layers, diff = result(fsdp_results, "cache_sub")
     assert cached_layers == 0 and diff == 0.0, (cached_layers, diff)
+
+
+def test_convert_after_fully_shard_is_refused(fsdp_results):
+    """convert after fully_shard: a per-layer sharded Linear (an FSDPLinear) was skipped
+    silently (that layer trained in fp32), and with the root alone sharded the forward
+    failed in torch ('mixed torch.Tensor and DTensor'). Now a TypeError saying to convert
+    first, and the model left as it was."""
+    for message in result(fsdp_results, "convert_after"):
+        assert "already sharded by FSDP2's fully_shard" in message and "convert the model before" in message, message
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -169,6 +169,39 @@ def _recipe_changes_after_first_gather(rank, world):
     return None
 
 
+def _first_forward_under_inference_mode(rank, world):
+    """The first forward of a sharded model (FSDP2's lazy init) under inference_mode, with
+    the MXFP4 gather and the high-precision one: their outputs (a RuntimeError 'Cannot set
+    version_counter for inference tensor' broke the MXFP4-gathered model)."""
+    out = []
+    for mx_gather in (False, True):
+        model = fsdp_model(RECIPES["default"], mx_gather=mx_gather)
+        with torch.inference_mode():
+            y = model(torch.randn(4, 64, generator=torch.Generator().manual_seed(rank)))
+        out.append(y.clone())
+    return out
+
+
+def _shard_along_dim_1(rank, world):
+    """shard_placement_fn returning Shard(1) with the MXFP4 gather: the error message
+    (it failed inside FSDP2 with a reshape error, or a negative-size tensor on layers
+    that were to fall back)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = make_model(RECIPES["default"])
+    pmx.nn.enable_fsdp_mx_all_gather(model)
+    for layer in model:
+        if isinstance(layer, pmx.nn.MXLinear):
+            fully_shard(layer, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
+    fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
+    try:
+        model(torch.zeros(4, 64))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def mx_job(rank, world):
     results: dict = {}
     for name in MX_RECIPES:
@@ -185,6 +218,8 @@ def mx_job(rank, world):
     for what in ("recipe", "shape"):
         check(results, f"disagree/{what}", _disagree, rank, world, what)
     check(results, "recipe_change", _recipe_changes_after_first_gather, rank, world)
+    check(results, "inference_mode", _first_forward_under_inference_mode, rank, world)
+    check(results, "shard_dim_1", _shard_along_dim_1, rank, world)
     return results
 
 
@@ -279,6 +314,16 @@ def test_ranks_that_disagree_on_a_layer_get_a_clear_error(mx_results, what):
             assert "rank 0" in message and "OF-1" in message
         else:
             assert "[128, 64]" in message and "[192, 64]" in message
+
+
+def test_the_first_forward_under_inference_mode(mx_results):
+    hp, mx = result(mx_results, "inference_mode")
+    assert torch.equal(hp, mx)
+
+
+def test_sharding_along_dim_1_is_refused_clearly(mx_results):
+    message = result(mx_results, "shard_dim_1")
+    assert message is not None and "sharded along dim 1" in message and "Shard(0)" in message, message
 
 
 def test_a_recipe_change_after_the_first_gather_raises(mx_results):

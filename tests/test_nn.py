@@ -484,3 +484,26 @@ def test_convert_keeps_the_hooks_of_a_linear_and_refuses_old_weight_norm():
             model = torch.nn.Sequential(torch.nn.ReLU(), norm(torch.nn.Linear(64, 16)))
             with pytest.raises(TypeError, match=r"convert: layer '1': .*not a Parameter.*parametrizations"):
                 pmx.nn.convert(model)
+
+
+def test_a_parametrized_linear_is_named_not_silently_kept():
+    """weight_norm (torch.nn.utils.parametrizations) on a Linear makes it a subclass:
+    convert kept it in float without a word, and from_linear refused it telling the user
+    to use the parametrizations form they had used. Now convert warns naming the layer,
+    from_linear says to convert first, and converting first then parametrizing works."""
+    import warnings
+
+    lin = torch.nn.Linear(64, 48)
+    torch.nn.utils.parametrizations.weight_norm(lin)
+    model = torch.nn.Sequential(lin, torch.nn.Linear(48, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pmx.nn.convert(model)
+    assert model[0] is lin and isinstance(model[1], MXLinear)
+    assert [w for w in caught if "parametrized nn.Linear" in str(w.message) and "'0'" in str(w.message)]
+    with pytest.raises(TypeError, match="convert the plain Linear first"):
+        MXLinear.from_linear(lin)
+    layer = MXLinear.from_linear(torch.nn.Linear(64, 48))
+    torch.nn.utils.parametrizations.weight_norm(layer)
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x).detach(), pmx.matmul(x, layer.weight.detach().T) + layer.bias.detach())

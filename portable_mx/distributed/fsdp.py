@@ -209,6 +209,13 @@ class MXWeight(Tensor):
             return out
         if args and isinstance(args[0], MXWeight) and out is args[0]._tensor:
             return args[0]  # in place (copy_): the same wrapper
+        if torch.is_inference_mode_enabled():
+            # a view FSDP2 takes at its lazy init, when the first forward runs under
+            # inference_mode: a wrapper made there would be an inference tensor, whose
+            # version counter autograd cannot tie to the base's (a RuntimeError that
+            # left the model broken); made outside, it is an ordinary view
+            with torch.inference_mode(False):
+                return tree_map(lambda t: MXWeight(t, state) if type(t) is Tensor else t, out)
         return tree_map(lambda t: MXWeight(t, state) if type(t) is Tensor else t, out)
 
     def __tensor_flatten__(self):
@@ -229,6 +236,12 @@ class MXWeight(Tensor):
         state = self._state
         recipe = module.recipe
         w = self._tensor
+        if w.dim() != 2 or w.shape[1] != outer_size[1]:
+            raise RuntimeError(
+                f"MXFP4 all-gather of layer {state.name!r}: its weight {list(outer_size)} is sharded along dim 1 "
+                f"(this rank holds {list(w.shape)}: a shard_placement_fn returning Shard(1)); the MXFP4 gather "
+                "serves FSDP2's default dim-0 sharding only: shard MX layers with Shard(0), or do not call "
+                "enable_fsdp_mx_all_gather")
         dtype = mp_policy.param_dtype if mp_policy is not None and mp_policy.param_dtype is not None else w.dtype
         plan = state.plan
         if plan is None:

@@ -19,6 +19,15 @@ SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
 __all__ = ["convert"]
 
 
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 manages ``module``'s own parameters (DTensors between forwards)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # noqa: BLE001  (a torch without distributed support)
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+
 def _skip_rules(skip: Any) -> list[SkipRule]:
     if skip is None:
         return []
@@ -50,7 +59,12 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     rule is kept. A pattern that matches no ``nn.Linear`` of the model skips nothing: one
     ``UserWarning`` lists such patterns with some of the Linear layers' names (a typo, or a
     pattern naming a container, e.g. ``"layers.0"`` where ``"layers.0.*"`` was meant).
-    A Linear shared by several parents becomes one shared MXLinear. When
+    A Linear shared by several parents becomes one shared MXLinear. A Linear that
+    ``torch.nn.utils.parametrize`` made a subclass (weight_norm, spectral_norm, ...) stays
+    in float with one ``UserWarning`` naming it: convert first, then parametrize the
+    MXLinear. A model already sharded by FSDP2's ``fully_shard`` (a Linear of its becomes
+    an ``FSDPLinear``, or holds DTensor parameters) is refused with a TypeError: convert
+    before ``fully_shard``. When
     ``model`` itself is an ``nn.Linear`` a new MXLinear is returned (use the return
     value). Count the converted layers with
     ``sum(isinstance(m, MXLinear) for m in model.modules())``.
@@ -74,10 +88,17 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
         except ValueError as err:  # a configuration MXExperts cannot run; skip keeps it
             raise ValueError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
 
+    parametrized: list[str] = []
+
     def keep(name: str, module: torch.nn.Module) -> bool:
         # (the class alone: an expert module in a configuration MXExperts cannot run is
         # refused when converted, so that a skip rule can keep it)
+        if isinstance(module, torch.nn.Linear) and _sharded(module):
+            raise TypeError(f"convert: layer {name!r} is already sharded by FSDP2's fully_shard (its parameters "
+                            "are DTensors): convert the model before fully_shard")
         if type(module) is not torch.nn.Linear and known_family(module) is None:
+            if isinstance(module, torch.nn.Linear) and torch.nn.utils.parametrize.is_parametrized(module):
+                parametrized.append(name)
             return True
         linear_names.append(name)
         matched.update(p for p in patterns if fnmatch.fnmatchcase(name, p))
@@ -100,6 +121,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 places.append((parent, child_name, id(child)))
     for parent, child_name, key in places:
         setattr(parent, child_name, swapped[key])
+    if parametrized:
+        warnings.warn(f"convert: {len(parametrized)} parametrized nn.Linear layer(s) stay in float "
+                      f"({', '.join(repr(n) for n in parametrized[:6])}{', ...' if len(parametrized) > 6 else ''}): "
+                      "torch.nn.utils.parametrize computes their weight; convert first, then register the "
+                      "parametrization on the MXLinear", UserWarning, stacklevel=2)
     unmatched = [p for p in patterns if p not in matched]
     if unmatched:
         _warn_unmatched(unmatched, [n for n in linear_names if n])

@@ -124,9 +124,16 @@ class MXLinear(torch.nn.Linear):
         A Linear whose weight or bias is not a Parameter (computed before each forward by
         a pre-forward hook: the old ``torch.nn.utils.weight_norm`` / ``spectral_norm``)
         is refused: its Parameters are others (``weight_g``, ``weight_v``, ...), which
-        this layer would not use. Their ``torch.nn.utils.parametrizations`` forms work."""
+        this layer would not use. So is a Linear parametrized by
+        ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm`` ...): convert the
+        plain Linear, then register the parametrization on the MXLinear (that works)."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear expects a torch.nn.Linear; got {type(linear).__name__}")
+        if torch.nn.utils.parametrize.is_parametrized(linear):
+            raise TypeError(
+                f"from_linear: this Linear is parametrized ({', '.join(linear.parametrizations)} computed by "
+                "torch.nn.utils.parametrize): convert the plain Linear first, then register the parametrization on "
+                "the MXLinear (torch.nn.utils.parametrizations.weight_norm(mx_layer) ...), or leave it unconverted")
         bias = linear.bias
         if not isinstance(linear.weight, _Parameter) or not (bias is None or isinstance(bias, _Parameter)):
             raise TypeError(

@@ -723,7 +723,11 @@ def run_gpu_checks(args) -> dict:
     doc = result_header("overhead-gpu-checks", torch.cuda.get_device_name(device))
     doc.update(mode="gpu-checks", seconds=time.perf_counter() - t0, checks=checks, rows=gpu["rows"],
                host_profile=profiles, launch_anatomy=anatomy)
-    doc["passed"] = all(v.get("ok", False) for group in checks.values() for v in group.values())
+    # passed: the correctness checks (a failure is a bug); goals_met: issue 12's host-time
+    # goals (a figure to improve, not a failed run: the step's exit status ignores it)
+    doc["passed"] = all(v.get("ok", False) for name, group in checks.items() if name != "host_time"
+                        for v in group.values())
+    doc["goals_met"] = all(v.get("ok", False) for v in checks["host_time"].values())
     return doc
 
 
@@ -769,11 +773,14 @@ def print_table(doc: dict) -> None:
                 print(f"    {name}: {v:.2f}" if isinstance(v, float) else f"    {name}: {v}")
     for group, results in doc.get("checks", {}).items():
         for name, r in results.items():
-            print(f"  check {group:18s} {name:28s} {'ok' if r.get('ok') else 'FAILED ' + str(r)}")
+            miss = "goal not met " if group == "host_time" else "FAILED "
+            print(f"  check {group:18s} {name:28s} {'ok' if r.get('ok') else miss + str(r)}")
     if doc.get("mode") == "cpu-smoke":
         print("(a smoke run: few iterations of small shapes; the figures are not measurements)")
     if "passed" in doc:
-        print(f"gpu checks: {'all passed' if doc['passed'] else 'FAILED'} in {doc['seconds']:.0f} s")
+        print(f"gpu checks: {'all passed' if doc['passed'] else 'FAILED'} in {doc['seconds']:.0f} s"
+              + ("" if "goals_met" not in doc else
+                 f"; host-time goals (issue 12): {'met' if doc['goals_met'] else 'not met'}"))
 
 
 def out_path(out: Optional[str], doc: dict) -> str:

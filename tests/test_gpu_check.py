@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 BUDGET_S = 540
 MODES = {"default": [], "sweeps": ["--sweeps"], "tune": ["--tune"]}
-SETUP = ("wheels", "info")
+SETUP = ("wheels", "preflight", "info")
 CALL = re.compile(r"^\s*(step|bench|step_rest)\s+([\w-]+)\s+(\d+)\s", re.M)
 
 
@@ -87,3 +87,14 @@ def test_nothing_runs_outside_a_step_with_a_limit():
     calls_in_text = {m.group(2) for m in CALL.finditer(text)}
     declared = {name for mode in MODES for name, _, _ in _declared(mode)}
     assert calls_in_text <= declared
+
+
+@pytest.mark.parametrize("argv,words", [(["--sweep"], "unknown option --sweep"),
+                                        (["out-a", "out-b"], "one OUT_DIR only")])
+def test_a_mistyped_argument_stops_the_script_before_anything_runs(tmp_path, argv, words):
+    """An unknown option became OUT_DIR: `mkdir --sweep/results` failed, `out` came out
+    empty, and every log and the summary went to / while the default mode ran for ~9
+    minutes of GPU time (found by the audit of the scripts). Now exit 2, nothing written."""
+    res = subprocess.run(["bash", str(SCRIPT), *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 2 and words in res.stderr, res.stdout + res.stderr
+    assert not list(tmp_path.iterdir()) and not (ROOT / "out-a").exists()

@@ -243,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         doc["problems"].append(entry)
         ranked = entry["replay"][strategy.DEFAULT_STRATEGY]
         print(f"{kind} {problem.shape}: {result.trials} measured ({result.failed} failed) in {entry['seconds']:.0f} s; "
-              f"best {entry['best']} {result.best_ms:.4f} ms, default {result.default_ms or float('nan'):.4f} ms; "
+              f"best {entry['best']} {result.best_ms or float('nan'):.4f} ms, default {result.default_ms or float('nan'):.4f} ms; "
               f"ranked within 2% after {ranked['trials']} ({(ranked['fraction'] or 1):.0%})", flush=True)
     doc["phases"]["studies_s"] = time.perf_counter() - t0
     doc["phases"]["total_s"] = time.perf_counter() - t_start
@@ -267,7 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         cells = "".join(f"{str(e['replay'][s]['trials']) + ' (' + format(e['replay'][s]['fraction'] or 1, '.0%') + ')':>14}"
                         for s in strategy.STRATEGIES)
-        print(f"{e['kind']:<6}{e['shape']:<16}{e['survivors']:>5}{e['best_ms']:>10.4f}"
+        print(f"{e['kind']:<6}{e['shape']:<16}{e['survivors']:>5}{(e['best_ms'] or float('nan')):>10.4f}"
               f"{(e['default_ms'] or float('nan')):>10.4f}{(e['speedup'] or float('nan')):>7.2f}x  {cells}"
               f"{e['random_expected_trials']:>10.1f}  {e['best']}")
     goal = doc["goal"]["met"]

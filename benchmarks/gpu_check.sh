@@ -169,6 +169,7 @@ deliver=""
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
   case "$out/" in "$(cd "$OUT" && pwd)"/*)
     deliver=$out
+    rmdir "$deliver/results" 2>/dev/null
     out=/tmp/gpu-check/$(basename "$deliver")
     rm -rf "$out" && mkdir -p "$out/results" ;;
   esac

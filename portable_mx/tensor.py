@@ -53,10 +53,20 @@ def _is_copy(out: torch.Tensor, t: torch.Tensor) -> bool:
         return True
 
 
+def version_of(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter, or None for an inference tensor (made under
+    ``torch.inference_mode``: it has none, and reading it raises): whoever keeps a value
+    derived from ``t`` keeps it only while the version is a number and unchanged."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _rows_fresh(kept: tuple) -> bool:
     """Whether a kept :meth:`MXTensor.rows` value still holds its parts' values: no part
-    it copied was written in place since."""
-    return kept[1] is None or all(t._version == v for t, v in kept[1])
+    it copied was written in place since (a copied inference tensor: never known, so no)."""
+    return kept[1] is None or all(v is not None and version_of(t) == v for t, v in kept[1])
 
 
 @dataclass(frozen=True, eq=False)  # equality and hash by identity, as torch.Tensor's hash (a field-wise == of tensors raised)
@@ -196,7 +206,7 @@ class MXTensor:
                 return t
             out = t.reshape(r, *t.shape[t.dim() - extra:])
             if not _is_compiling() and _is_copy(out, t):
-                copied.append((t, t._version))
+                copied.append((t, version_of(t)))
             return out
 
         rows = MXTensor._make(flat(self.qdata, 1), flat(self.scales, 1), torch.Size((r, self.k)), self.dtype, 1,
@@ -252,12 +262,15 @@ class MXTensor:
         """``build(self)``, computed once per MXTensor and kept with it: derived views and
         backend-prepared operands (the GEMM's weight side). Never part of equality, copies
         or pickles. The MXTensor's tensors are its identity: a memo of views stays valid
-        while they live. ``copies``: the value holds data computed from the codes and
-        scales (a backend's swizzled weight, its largest scale byte), so it is built again
-        after an in-place write of either (``load_state_dict`` into a module's buffers
-        writes so), found by their version counters (which views share). ``valid``: a
-        check of a kept value (e.g. that the parts it copied were not written since); the
-        value is built again when it returns False."""
+        while they live. ``copies``: the value holds data computed from the parts (a
+        backend's swizzled weight, its largest scale byte, copies of its macro factors or
+        outliers), so it is built again after an in-place write of any part
+        (``load_state_dict`` into a module's buffers writes so), found by their version
+        counters (which views share; writes that bypass them, through ``.data`` or numpy,
+        are not seen); parts made under ``torch.inference_mode`` have none, and such a
+        value is built on every call. ``valid``: a check of a kept value (e.g. that the
+        parts it copied were not written since); the value is built again when it
+        returns False."""
         if _is_compiling():  # traced: the graph holds the views (torch 2.9's dynamo
             return build(self)  # cannot write a new key into a frozen dataclass's __dict__)
         memo = self.__dict__.get("_memo")
@@ -265,10 +278,11 @@ class MXTensor:
             memo = self.__dict__["_memo"] = {}
         value = memo.get(key)
         if copies:
-            vq, vs = self.qdata._version, self.scales._version
-            if value is None or value[0] != vq or value[1] != vs:
-                value = memo[key] = (vq, vs, build(self))
-            return value[2]
+            versions = tuple(None if t is None else version_of(t) for t in (
+                self.qdata, self.scales, self.macro_scales, self.outlier_values, self.outlier_indices))
+            if value is None or value[0] != versions or (None in versions[:2]):
+                value = memo[key] = (versions, build(self))
+            return value[1]
         if value is None or (valid is not None and not valid(value)):
             value = memo[key] = build(self)
         return value

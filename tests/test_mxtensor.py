@@ -139,3 +139,44 @@ def test_clear_errors_for_the_wrong_kind_of_input():
         q.to(torch.float16)
     with pytest.raises(TypeError, match="dense"):
         pmx.quantize(_x(4, 64).to_sparse())
+
+
+def test_memos_of_inference_tensors_are_rebuilt_not_read():
+    """Parts made under torch.inference_mode have no version counter, and reading one
+    raises: MXTensor.memo(copies=True) (the GPU GEMM's swizzled-weight memo: every GEMM on
+    sm_90, and sm_100/gfx950) and rows() of parts that need a copy raised 'Inference
+    tensors do not track version counter' (an MXLinear under inference_mode on an H100
+    would have). Such values are now built on every call."""
+    builds = []
+    with torch.inference_mode():
+        w = pmx.quantize(_x(64, 64), axis=0)
+        for _ in range(2):
+            assert w.memo("k", lambda m: builds.append(1) or len(builds), copies=True) == len(builds)
+        assert len(builds) == 2
+        w3 = pmx.quantize(_x(4, 64, 64, seed=1), axis=-1)
+        shard = dataclasses.replace(w3, qdata=w3.qdata[:, :32], scales=w3.scales[:, :32], shape=(4, 32, 64))
+        assert torch.equal(pmx.dequantize(shard), pmx.dequantize(w3)[:, :32])
+
+
+def test_a_copies_memo_sees_writes_to_every_part():
+    """The copies memo keyed on the codes' and scales' versions only: an in-place write to
+    the macro factors (or outliers) it copied left the old copy in use."""
+    w = pmx.quantize(_x(64, 128, seed=2), MBS_OF, axis=-1)
+    first = w.memo("copy", lambda m: m.macro_scales.clone(), copies=True)
+    w.macro_scales.mul_(2)
+    again = w.memo("copy", lambda m: m.macro_scales.clone(), copies=True)
+    assert torch.equal(again, w.macro_scales) and not torch.equal(again, first)
+
+
+def test_inference_mode_operands_with_strided_parts_on_every_backend(mx_backend):
+    """A strided MXTensor (half of a weight's rows) made under inference_mode: the Triton
+    backend's operand copy read its version and raised; the reference answered."""
+    with torch.inference_mode():
+        w = pmx.quantize(_x(64, 64, seed=3), axis=0)
+        half = MXTensor(qdata=w.qdata[::2], scales=w.scales[::2], shape=(64, 32), dtype=torch.float32, axis=0,
+                        recipe=w.recipe)
+        x = _x(4, 64, seed=4)
+        out = pmx.matmul(x, half)
+        a, b = pmx.dequantize(pmx.quantize(x)).double(), pmx.dequantize(w).double()[:, ::2]
+    bound = 64 * 2.0**-24 * (a.abs() @ b.abs())  # fp32 accumulation over K = 64
+    assert ((out.double() - a @ b).abs() <= bound).all()

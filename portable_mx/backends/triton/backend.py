@@ -34,7 +34,7 @@ import torch
 from ...decompose import Decomposition
 from ...recipe import QuantRecipe
 from ...registry import Backend
-from ...tensor import MXTensor, materialized
+from ...tensor import MXTensor, materialized, version_of
 from ...tuning import cache as config_cache
 from ..targets import Target, probe
 from . import launch as _launch
@@ -209,12 +209,13 @@ class _Operand:
         aligned = all(p.data_ptr() % 16 == 0 for p in self.parts)
         self.key = (self.kind, mx.shape[1], mx.k_padded, mx.qdata.shape[0], aligned)
         sources = (mx.qdata, mx.scales, mx.macro_scales, ov, mx.outlier_indices)
-        self.copied = tuple((t, t._version) for t, p in zip(sources, self.parts)
+        self.copied = tuple((t, version_of(t)) for t, p in zip(sources, self.parts)
                             if t is not None and not t.is_contiguous()) or None
 
     def fresh(self) -> bool:
-        """Whether no part it copied was written in place since."""
-        return self.copied is None or all(t._version == v for t, v in self.copied)
+        """Whether no part it copied was written in place since (an inference tensor has
+        no version counter: a copy of one is never taken as fresh)."""
+        return self.copied is None or all(v is not None and version_of(t) == v for t, v in self.copied)
 
 
 def _weight_operand(mx: MXTensor) -> _Operand:

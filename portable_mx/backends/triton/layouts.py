@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tensor import version_of
 from .upcast import hopper_code_bit
 
 
@@ -345,14 +346,17 @@ _PREPARED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 def _kept(plain: torch.Tensor, tag: tuple, make) -> torch.Tensor:
     """``make(plain)``, made on first use and then kept with plain's storage (for as long
     as it lives and its version does not change)."""
+    version = version_of(plain)
+    if version is None:  # an inference tensor: no version counter, so nothing kept
+        return make(plain)
     storage = plain.untyped_storage()
     key = (id(storage), plain.storage_offset(), tuple(plain.shape), plain.stride(), *tag)
     hit = _PREPARED.get(key)
-    if hit is not None and hit[0]() is storage and hit[1] == plain._version:
+    if hit is not None and hit[0]() is storage and hit[1] == version:
         return hit[2]
     out = make(plain)
     ref = weakref.ref(storage, lambda _, key=key: _PREPARED.pop(key, None))
-    _PREPARED[key] = (ref, plain._version, out)
+    _PREPARED[key] = (ref, version, out)
     return out
 
 

@@ -22,6 +22,9 @@ except AttributeError:  # a torch without the query: nothing to detect
 
 from torch.autograd import forward_ad as _forward_ad
 
+if not hasattr(_forward_ad, "_current_level"):  # a torch that keeps the level elsewhere: nothing to detect
+    _forward_ad = type("_NoLevel", (), {"_current_level": -1})
+
 
 def refuse_func_transforms(op: str, *tensors) -> None:
     """Raise when called under a ``torch.func`` transform, or inside a
@@ -34,7 +37,7 @@ def refuse_func_transforms(op: str, *tensors) -> None:
             "hessian): use torch.autograd.grad (or .backward()) for gradients and a loop or a "
             "batch dimension for vmap; torch.func.functional_call without a transform works"
         )
-    if getattr(_forward_ad, "_current_level", -1) >= 0 and any(
+    if _forward_ad._current_level >= 0 and any(
             isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         raise RuntimeError(
             f"portable_mx {op} does not support forward-mode AD (torch.autograd.forward_ad dual tensors; "

@@ -278,9 +278,16 @@ class MXTensor:
             memo = self.__dict__["_memo"] = {}
         value = memo.get(key)
         if copies:
-            versions = tuple(None if t is None else version_of(t) for t in (
-                self.qdata, self.scales, self.macro_scales, self.outlier_values, self.outlier_indices))
-            if value is None or value[0] != versions or (None in versions[:2]):
+            d = self.__dict__
+            ms, ov = d["macro_scales"], d["outlier_values"]
+            try:  # (inline: this runs on every GEMM of a weight on the GPU targets)
+                versions = (d["qdata"]._version, d["scales"]._version) if ms is None and ov is None else (
+                    d["qdata"]._version, d["scales"]._version, None if ms is None else ms._version,
+                    None if ov is None else ov._version, d["outlier_indices"]._version if ov is not None else None)
+            except RuntimeError:  # inference tensors: no version counter, nothing kept
+                memo.pop(key, None)
+                return build(self)
+            if value is None or value[0] != versions:
                 value = memo[key] = (versions, build(self))
             return value[1]
         if value is None or (valid is not None and not valid(value)):

@@ -373,7 +373,9 @@ def environment(device) -> dict[str, Any]:
     return info
 
 
-def sweep(args) -> dict[str, Any]:
+def sweep(args, save=None) -> dict[str, Any]:
+    """The sweep's result; ``save(result)`` (when given) is called after every shape, so
+    that a run cut short by its step's time limit keeps the figures it took."""
     import torch
 
     smoke = args.cpu_smoke
@@ -405,6 +407,11 @@ def sweep(args) -> dict[str, Any]:
     for (kind, name, shape), members in groups.items():
         m, n, k = shape
         print(f"{kind} {name}: {len(members)} candidates ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if time.perf_counter() - t0 > args.budget:  # past the budget: no operands, baselines, checks or timings
+            for cand, comp in members:
+                result["candidates"].append({"kind": kind, "shape": name, "candidate": cand.name(), **comp,
+                                             "skipped": "budget (not checked)"})
+            continue
         wbytes = n * k // 2 + n * k // 32
         copies = 1 if smoke else max(1, min(8, -(-2 * L2_BYTES // wbytes)))
         a, weights = make_operands(kind, m, n, k, device, seed=2, copies=copies)
@@ -427,6 +434,9 @@ def sweep(args) -> dict[str, Any]:
         for cand, comp in members:
             rec = {"kind": kind, "shape": name, "candidate": cand.name(), **comp}
             result["candidates"].append(rec)
+            if time.perf_counter() - t0 > args.budget:  # (its JIT compile and checks would overrun the step)
+                rec["skipped"] = "budget (not checked)"
+                continue
             try:  # (after a worker's compile error too: the JIT here may still compile it, or say why not)
                 run, _ = runner(cand, device)
                 small = run(a_small, b_small, torch.bfloat16).cpu()
@@ -446,10 +456,18 @@ def sweep(args) -> dict[str, Any]:
             except Exception as err:  # noqa: BLE001  (record and go on)
                 rec["error"] = f"{type(err).__name__}: {str(err)[-600:]}"
                 rec["traceback"] = traceback.format_exc()[-2000:]
+        for rec in result["candidates"][-len(members):]:  # one line a candidate: a log cut short says how far
+            state = (f"{rec['ms'] * 1e3:.1f} us {rec['speedup']:.2f}x" if "ms" in rec else
+                     (rec.get("skipped") or rec.get("error") or rec.get("compile_error") or "?").splitlines()[0][:80])
+            print(f"  {rec['candidate']}: {state}", flush=True)
         del a, weights
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        if save is not None:
+            save(result)
     result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["complete"] = True
     return result
 
 
@@ -500,15 +518,22 @@ def main(argv=None) -> int:
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("gemm_sweep: no GPU (use --cpu-smoke to check the script)", file=sys.stderr)
         return 2
-    result = sweep(args)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gemm_sweep.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+
+    def save(result: dict[str, Any]) -> None:  # written aside, then renamed: never half a file
+        with open(path + ".part", "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        os.replace(path + ".part", path)
+
+    result = sweep(args, save)
+    save(result)
     print(table(result))
     print(f"wrote {path}")
-    bad = [r for r in result["candidates"] if "error" in r or r.get("check_small") is False or r.get("check_rows") is False]
-    return 1 if bad else 0
+    # a wrong result is a failure; a candidate that does not compile or launch is a finding
+    # of the exploration, listed in the table, not a failed step
+    wrong = [r for r in result["candidates"] if r.get("check_small") is False or r.get("check_rows") is False]
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -51,6 +51,17 @@ RECIPE_PRESETS = {"a4w4": {}, "w4a16": {"activations": "bf16"}, "w4a16-bf16": {"
                   "w4a16-fp16": {"activations": "fp16"}}
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {v}")
+    return v
+
+
 def parse_shapes(text: str) -> list[Shape]:
     """ "1x8192x8192,4096x4096x4096" (M x N x K) or presets decode, prefill, all."""
     shapes: list[Shape] = []
@@ -106,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", type=parse_recipe, default=None, metavar="R",
                         help="operand kinds: a4w4 (default), w4a16, w4a16-fp16, and/or QuantRecipe fields, "
                              "e.g. macro_block=128,outliers_per_block=1")
-    parser.add_argument("--seed", type=int, default=0, help="sampler and data seed (default 0)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampler and data seed (default 0; with --replay, each recording's own)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="where the config cache file is written (default: the user cache dir, "
                              "PORTABLE_MX_CACHE_DIR or ~/.cache/portable_mx)")
@@ -126,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--exhaustive --json/--record) and print each strategy's trials to within 2%% of the best")
     parser.add_argument("--warm-jobs", type=int, default=0, metavar="N",
                         help="GPU: compile the configs about to be timed in N worker processes first (default 0)")
-    parser.add_argument("--sm-count", type=int, default=None, metavar="N",
+    parser.add_argument("--sm-count", type=_positive, default=None, metavar="N",
                         help="--static: rank for a device with N SMs/CUs (default: the target's, see tuning/cost.py)")
     parser.add_argument("--jobs", type=int, default=None, metavar="N", help="compile workers (default: CPU count)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -418,13 +430,22 @@ def run_replay(args: argparse.Namespace) -> int:
             print(f"portable-mx tune --replay: {err}", file=sys.stderr)
             return 2
     strategies = (args.strategy,) if args.strategy else STRATEGIES
-    results = replay.replay_all(recordings, strategies, seed=args.seed if args.seed else None)
+    try:  # (a recording load() let through that replay cannot use: its fields' contents)
+        results = replay.replay_all(recordings, strategies, seed=args.seed)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        print(f"portable-mx tune --replay: a recording cannot be replayed ({type(err).__name__}: {err})",
+              file=sys.stderr)
+        return 2
     print(replay.table(results, recordings))
     goal = replay.within_goal([r for r in results if r.strategy == (args.strategy or "ranked")])
     print(f"goal (<= 20% of the survivors to within 2% of the best, {args.strategy or 'ranked'}): "
           f"{'met' if goal else 'NOT met'}")
     if args.json:
-        _write_json(args.json, {"replay": [r.to_json() for r in results]})
+        try:
+            _write_json(args.json, {"replay": [r.to_json() for r in results]})
+        except OSError as err:
+            print(f"portable-mx tune --replay: --json {args.json}: {err}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -480,6 +501,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.replay:
         return run_replay(args)
+    if args.seed is None:
+        args.seed = 0
     if args.static:
         if args.target is None:
             print("portable-mx tune --static: --target is required", file=sys.stderr)
@@ -512,3 +535,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:  # no Triton backend for the device, a cache file not written, ...
         print(f"portable-mx tune: {err}", file=sys.stderr)
         return 2
+    except (RuntimeError, MemoryError) as err:  # the run stopped (out of memory, the timer): not a config's fault
+        print(f"portable-mx tune: stopped: {type(err).__name__}: {err} (the study keeps what it measured; the "
+              "trial in flight is retried when it resumes)", file=sys.stderr)
+        return 1

@@ -176,6 +176,28 @@ def test_resumption_after_an_interrupted_run_reuses_what_was_timed(tmp_path):
     assert r2.trials == r.trials + len(again.calls)
 
 
+def test_operands_that_cannot_be_made_stop_the_run_and_blame_no_config(tmp_path, monkeypatch):
+    """Out of memory while making the operands (or any failure there) is not a config's:
+    it was recorded as the failure of every trial (the default's included), never retried,
+    the baseline lost. Now the run stops with that error, and the next run measures them."""
+    real = search.make_operands
+    monkeypatch.setattr(search, "make_operands", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _tune(tmp_path, launcher=reference_launcher, trials=3)
+    monkeypatch.setattr(search, "make_operands", real)
+    timer = CountingTimer()
+    r = _tune(tmp_path, launcher=reference_launcher, timer=timer, trials=3)
+    assert r.default_ms == fake_ms(r.default) and r.default in timer.calls and r.failed == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0.0])
+def test_a_timer_reading_that_is_no_time_stops_the_run(tmp_path, bad):
+    """A NaN told to Optuna became a FAIL without a failure: the config was proposed again
+    until the trials ran out; a negative or zero time would have become the best."""
+    with pytest.raises(ValueError, match="the timer returned"):
+        _tune(tmp_path, launcher=reference_launcher, timer=lambda fn, config: bad, trials=3)
+
+
 def test_an_rdb_storage_url(tmp_path):
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     r = _tune(tmp_path, launcher=reference_launcher, storage=url, trials=4)

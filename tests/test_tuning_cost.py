@@ -374,6 +374,67 @@ def test_tune_replay_command(decode_recording, tmp_path, capsys):
     assert not replay.within_goal([])
 
 
+def test_a_recording_with_unusable_times_is_replayed_on_the_usable_ones(decode_recording):
+    """A NaN or negative time in a row (a timer's bad reading) is that row's failure: the
+    strategies still find the best (a NaN in the first row made every one report 'never',
+    a negative time set a target the best itself missed), and the random expectation stays
+    a fraction of the survivors (it read 106%)."""
+    rec = json.loads(json.dumps(decode_recording))
+    want = replay.replay(rec, "ranked")
+    timed = [r for r in rec["candidates"] if r["state"] == "timed" and r["label"] != rec["best"]]
+    timed[0]["ms"], timed[1]["ms"] = float("nan"), -1.0
+    got = replay.replay(rec, "ranked")
+    assert got.trials is not None and got.best == want.best and got.best_ms == want.best_ms
+    n = sum(r["state"] in ("timed", "failed") for r in rec["candidates"])
+    assert 1 <= replay.random_expectation(rec) <= n
+
+
+def test_the_best_is_the_best_of_the_survivors(decode_recording):
+    """A timed row whose static verdict pruned it (an inconsistent recording) was taken as
+    the best, which no strategy can reach: every one reported 'never'."""
+    rec = json.loads(json.dumps(decode_recording))
+    want = replay.replay(rec, "ranked")
+    pruned = next(r for r in rec["candidates"] if r["state"] == "pruned")
+    pruned["state"], pruned["ms"] = "timed", want.best_ms / 2
+    got = replay.replay(rec, "ranked")
+    assert got.best_ms == want.best_ms and got.trials == want.trials
+    assert any("pruned" in note for note in got.notes)
+
+
+def test_tune_replay_of_recordings_it_cannot_use_says_so(decode_recording, tmp_path, capsys):
+    """Every candidate failed, a missing field, a results entry of the wrong kind, --json a
+    folder: one line and exit 2 (they were tracebacks)."""
+    path = tmp_path / "rec.json"
+    failed = json.loads(json.dumps(decode_recording))
+    for r in failed["candidates"]:
+        if r["state"] == "timed":
+            r["state"], r["ms"] = "failed", None
+    no_props = {k: v for k, v in decode_recording.items() if k != "props"}
+    for doc, words in ((failed, "no timed config among the survivors"), (no_props, "no props"),
+                       ({"results": [{"recording": {"schema": search.RECORDING_SCHEMA}}]}, "no problem")):
+        path.write_text(json.dumps(doc))
+        capsys.readouterr()
+        assert cli.main(["tune", "--replay", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+    path.write_text(json.dumps(decode_recording))
+    assert cli.main(["tune", "--replay", str(path), "--json", str(tmp_path)]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+def test_tune_replay_takes_an_explicit_seed_zero(decode_recording, tmp_path, capsys):
+    """--seed 0 was read as 'no seed' (the recording's was used instead)."""
+    rec = json.loads(json.dumps(decode_recording))
+    rec["seed"] = 7
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(rec))
+    for seed in ("0", "7"):
+        assert cli.main(["tune", "--replay", str(path), "--strategy", "tpe", "--seed", seed,
+                         "--json", str(tmp_path / f"out{seed}.json")]) == 0
+        got = json.loads((tmp_path / f"out{seed}.json").read_text())["replay"][0]
+        assert got["seed"] == int(seed) and got["trials"] == replay.replay(rec, "tpe", seed=int(seed)).trials
+
+
 # ----------------------------------------------------------------------------- real recordings
 
 

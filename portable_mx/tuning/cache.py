@@ -21,7 +21,9 @@ from its entries.
 bucket) -> config + measured time + the baseline it was compared with
 (:class:`ConfigEntry`). The operand kinds (format, macro block and outliers of each GEMM
 operand, e.g. ``a:e2m1/MBS-128 b:e2m1/MBS-128/OF-1``) are the part of a recipe the kernel
-sees; the shape bucket is M rounded up to a power of two, N and K exact.
+sees; the shape bucket is M rounded up to a power of two, N exact, and K the padded K
+(a multiple of 32: the K the kernel loops over; design.md says "K exact", and the padded K
+is exact for every K the kernel sees: 70 and 96 launch the same loop).
 
 **Reading** (:func:`load`, once per file and process):
 
@@ -156,7 +158,8 @@ class _Header(BaseModel):
 
 
 def shape_bucket(m: int, n: int, k: int) -> str:
-    """M rounded up to a power of two (at least 1), N and K exact: ``"M16xN8192xK8192"``."""
+    """M rounded up to a power of two (at least 1), N and ``k`` as given (callers pass
+    the padded K, a multiple of 32): ``"M16xN8192xK8192"``."""
     mb = 1 << max(0, int(m) - 1).bit_length()
     return f"M{mb}xN{int(n)}xK{int(k)}"
 

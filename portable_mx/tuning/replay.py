@@ -17,6 +17,7 @@ from one exhaustive GPU run per shape and reproducible in CI from committed reco
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -74,7 +75,48 @@ def load(path: Union[str, Path]) -> list[dict[str, Any]]:
             isinstance(r, dict) and r.get("schema") == search.RECORDING_SCHEMA for r in doc):
         raise ValueError(f"{path}: no tuning recording (schema {search.RECORDING_SCHEMA}) in it" +
                          ("" if doc else " (an empty list: tune --json without --exhaustive records none)"))
-    return doc
+    return [checked(r, path) for r in doc]
+
+
+REQUIRED = ("problem", "space", "candidates", "props", "workload", "default")
+"""The fields a recording must hold to be replayed."""
+
+
+def _usable_ms(ms: Any) -> bool:
+    return isinstance(ms, (int, float)) and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0
+
+
+def _survivor(row: dict[str, Any]) -> bool:
+    """Whether a row's static verdict let its config through (a row without one: yes)."""
+    v = row.get("verdict")
+    return not (isinstance(v, dict) and v.get("ok") is False)
+
+
+def checked(rec: Any, where: Any = "recording") -> dict[str, Any]:
+    """``rec`` as replay reads it: its fields present (ValueError naming the missing ones),
+    a timed row whose time is not a positive finite number taken as failed (a NaN made
+    every strategy report "never", a negative time made even the best miss its target),
+    and at least one timed survivor (the best is the best of the survivors: a faster
+    config the static verdict pruned cannot be found by any strategy)."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a recording must be a JSON object; got {type(rec).__name__}")
+    missing = [k for k in REQUIRED if k not in rec]
+    problem = rec.get("problem")
+    shape = problem.get("shape", "?") if isinstance(problem, dict) else "?"
+    if missing or not isinstance(rec["candidates"], list):
+        raise ValueError(f"{where}: recording {shape}: " + (f"no {', '.join(missing)}" if missing
+                                                             else "candidates is not a list"))
+    rows = []
+    for row in rec["candidates"]:
+        if not isinstance(row, dict) or "config" not in row or "state" not in row:
+            raise ValueError(f"{where}: recording {shape}: a candidate row without config and state: {row!r:.120}")
+        if row["state"] == "timed" and not _usable_ms(row.get("ms")):
+            row = {**row, "state": "failed", "reason": f"recorded time {row.get('ms')!r} is not a positive finite number"}
+        rows.append(row)
+    if not any(r["state"] == "timed" and _survivor(r) for r in rows):
+        raise ValueError(f"{where}: recording {shape}: no timed config among the survivors (every measured one "
+                         "failed): nothing to replay")
+    return {**rec, "candidates": rows}
 
 
 def plan_of(rec: dict[str, Any]) -> tuple[search.Plan, dict[GemmConfig, dict]]:
@@ -108,15 +150,17 @@ def replay(rec: dict[str, Any], strategy: str = DEFAULT_STRATEGY, seed: Optional
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    rec = checked(rec)
     seed = rec.get("seed", 0) if seed is None else seed
     p, rows = plan_of(rec)
     notes = []
     unmeasured = sum(r["state"] == "unmeasured" for r in rows.values())
     if unmeasured:
         notes.append(f"{unmeasured} survivors were not measured by the recorded run; left out")
-    timed = {c: r["ms"] for c, r in rows.items() if r["state"] == "timed"}
-    if not timed:
-        raise ValueError(f"recording {rec['problem']['shape']}: no timed config")
+    timed = {c: r["ms"] for c, r in rows.items() if r["state"] == "timed" and _survivor(r)}
+    pruned_timed = sum(r["state"] == "timed" and not _survivor(r) for r in rows.values())
+    if pruned_timed:
+        notes.append(f"{pruned_timed} timed configs the static verdicts pruned; left out of the best")
     best, best_ms = min(timed.items(), key=lambda kv: kv[1])
     baseline = rec.get("default_ms")
 
@@ -155,7 +199,7 @@ def random_expectation(rec: dict[str, Any], tolerance: float = TOLERANCE) -> flo
     """The expected trials of a uniformly random order (without repeats) to reach a
     config within ``tolerance`` of the best: (n + 1) / (g + 1) for g such configs among
     the n survivors measured (failed ones count as trials)."""
-    rows = [r for r in rec["candidates"] if r["state"] in ("timed", "failed")]
+    rows = [r for r in checked(rec)["candidates"] if r["state"] in ("timed", "failed") and _survivor(r)]
     best = min(r["ms"] for r in rows if r["state"] == "timed")
     good = sum(r["state"] == "timed" and r["ms"] <= best * (1 + tolerance) for r in rows)
     return (len(rows) + 1) / (good + 1)
@@ -172,7 +216,7 @@ def table(results: list[ReplayResult], recordings: Optional[list[dict[str, Any]]
                      f"{r.survivors:>10}{frac:>9}  {r.found} {r.found_ms if r.found_ms is None else round(r.found_ms, 5)}"
                      f" / {r.best} {r.best_ms:.5f}")
     for rec in recordings or ():
-        n = sum(row["state"] in ("timed", "failed") for row in rec["candidates"])
+        n = sum(row["state"] in ("timed", "failed") and _survivor(row) for row in checked(rec)["candidates"])
         e = random_expectation(rec)
         lines.append(f"{rec['problem']['shape']:<18}{rec['problem']['key'].split('|')[1]:<24}{'random':<12}"
                      f"{e:>7.1f}{n:>10}{e / max(n, 1):>9.0%}  (expected, uniformly random order)")

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 import statistics
 import time
@@ -721,15 +722,22 @@ def tune(
     def measure(config: GemmConfig) -> float:
         """Run once and check (WrongResult / launch errors propagate), then time."""
         if not operands:
-            a, b = make_operands(problem, device, seed)
-            operands.extend((a, b, Reference(a, b)))
+            try:  # (out of memory, a shape too large: not the config's failure, nor any other's)
+                a, b = make_operands(problem, device, seed)
+                operands.extend((a, b, Reference(a, b)))
+            except Exception as err:
+                raise TimerError(f"preparing the operands: {type(err).__name__}: {err}") from err
         a, b, reference = operands
         fn = launcher(a, b, config)
         reference.check(fn())
         try:
-            return float(timer(fn, config))
+            ms = float(timer(fn, config))
         except Exception as err:  # the timer's failure is not the config's: stop the run
             raise TimerError(f"{type(err).__name__}: {err}") from err
+        if not (ms > 0 and math.isfinite(ms)):  # (a NaN was told to Optuna as a FAIL with no failure: proposed forever)
+            raise TimerError(f"the timer returned {ms!r} ms for {config.label()}") from ValueError(
+                f"the timer returned {ms!r} ms")
+        return ms
 
     with _quiet_optuna():
         study = optuna.create_study(study_name=name, storage=storage_for(storage, directory),

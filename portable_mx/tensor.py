@@ -69,7 +69,9 @@ def _rows_fresh(kept: tuple) -> bool:
     return kept[1] is None or all(v is not None and version_of(t) == v for t, v in kept[1])
 
 
-@dataclass(frozen=True, eq=False)  # equality and hash by identity, as torch.Tensor's hash (a field-wise == of tensors raised)
+# eq=False: equality and hash by identity, as torch.Tensor's hash (the generated field-wise
+# == compared tensors and raised)
+@dataclass(frozen=True, eq=False)
 class MXTensor:
     """An MXFP4 tensor in the plain (unswizzled) layout.
 

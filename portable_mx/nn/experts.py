@@ -293,10 +293,10 @@ class MXExperts(torch.nn.Module):
         w1, w2 = _member(self, params, "gate_up_proj"), _member(self, params, "down_proj")
         if w1 is None:  # frozen
             return self._frozen_mx("gate_up_proj"), self._frozen_mx("down_proj")
+        b1, b2 = _member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias")
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w1.requires_grad or w2.requires_grad
-                or any(b is not None and b.requires_grad
-                       for b in (_member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias"))))):
+                or any(b is not None and b.requires_grad for b in (b1, b2)))):
             return self._float_weight("gate_up_proj"), self._float_weight("down_proj")
         cache, recipe = self._pmx_weight_cache, self._recipe
         return (cache.get("gate_up_proj", w1, recipe, self._quantizer("gate_up_proj")),

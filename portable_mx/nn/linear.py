@@ -196,8 +196,8 @@ class MXLinear(torch.nn.Linear):
             # the recipe read through its property: torch 2.11's dynamo records an assignment
             # to it inside the compiled function without running the setter (_recipe_json stale)
             y = torch.ops.portable_mx.mm(x2, w.T, [], [], recipe_json(self.recipe), "", "", bias)
-        elif refuse_func_transforms("MXLinear", x, w, bias) or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
-                                          (bias is not None and bias.requires_grad)):
+        elif refuse_func_transforms("MXLinear", x, w, bias) or torch.is_grad_enabled() and (
+                x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
             if self._pmx_weight_cache.depth:
                 parts = self.quantized_weight().rows().parts()
                 y = torch.ops.portable_mx.mm(x2, w.T, [], parts, rj, "", rj, bias)

@@ -111,7 +111,8 @@ def checked(rec: Any, where: Any = "recording") -> dict[str, Any]:
         if not isinstance(row, dict) or "config" not in row or "state" not in row:
             raise ValueError(f"{where}: recording {shape}: a candidate row without config and state: {row!r:.120}")
         if row["state"] == "timed" and not _usable_ms(row.get("ms")):
-            row = {**row, "state": "failed", "reason": f"recorded time {row.get('ms')!r} is not a positive finite number"}
+            row = {**row, "state": "failed",
+                   "reason": f"recorded time {row.get('ms')!r} is not a positive finite number"}
         rows.append(row)
     if not any(r["state"] == "timed" and _survivor(r) for r in rows):
         raise ValueError(f"{where}: recording {shape}: no timed config among the survivors (every measured one "

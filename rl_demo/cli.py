@@ -208,7 +208,11 @@ def study_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     if args.seeds:
         from dataclasses import replace
 
-        cfg = replace(cfg, seeds=tuple(args.seeds))
+        try:
+            cfg = replace(cfg, seeds=tuple(args.seeds))
+        except ValueError as err:  # (one seed, a repeated one: the study's own check)
+            print(f"rl_demo: {err}", file=sys.stderr)
+            return 2
     workers = args.workers if args.workers is not None else default_workers(cfg.demo.device)
     out = args.out or Path("out") / ("rl_demo-study" + ("-tiny" if args.tiny else ""))
     progress = None

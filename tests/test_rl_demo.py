@@ -364,3 +364,25 @@ def test_model_config_refuses_sizes_it_cannot_build():
         ModelConfig(n_layers=-1)
     with pytest.raises(ValueError, match="multiple of n_heads"):
         ModelConfig(d_model=7, n_heads=2)
+
+
+def test_study_interval_with_few_seeds_spans_the_t_interval():
+    """With 2-4 seeds the expanded bootstrap interval is the data's range or narrower (its
+    tail is 2e-72 at n = 2) and covered the mean 50% / 74% / 85% of the time on normal data:
+    verdicts and the criterion followed from it (two seeds 'supported' a claim the t
+    interval called inconclusive). Below 5 seeds the study's interval now contains the t
+    interval; from 5 on it is the expanded bootstrap's, as before (the committed 16-seed
+    study is unchanged)."""
+    from rl_demo.study import stats
+
+    for values in ([0.1, 0.3], [0.1, 0.3, 0.2], [0.1, 0.3, 0.2, 0.25]):
+        s = stats.summary(values)
+        assert s["lo"] <= s["t_lo"] and s["hi"] >= s["t_hi"], s
+    five = [0.1, 0.3, 0.2, 0.25, 0.15]
+    s = stats.summary(five)
+    assert (s["lo"], s["hi"]) == stats.bootstrap_interval(five)
+
+
+def test_a_single_seed_study_is_a_clear_error(capsys):
+    assert cli.main(["--study", "--tiny", "--seeds", "0"]) == 2
+    assert "at least 2 distinct seeds" in capsys.readouterr().err

@@ -16,6 +16,10 @@ from a NumPy PCG64 generator with a fixed seed, and the same inputs give the sam
   a = Phi(-sqrt(n / (n - 1)) * t_{1 - alpha/2, n - 1}), so that for symmetric data its
   width matches the t interval while it keeps the bootstrap's asymmetry. The study's
   decisions use the expanded interval (``expanded=True``, the default).
+- Below :data:`SMALL_N` seeds the expanded interval is no wider than the data's range (its
+  tail a is 2e-72 at n = 2, 7e-8 at n = 3), far narrower than the t interval, and covers
+  the mean 50% / 74% / 85% of the time at n = 2 / 3 / 4 (normal data); there the study's
+  interval (:func:`summary`'s lo, hi) is the union of the expanded and the t intervals.
 - :func:`paired`: the per-seed differences ``a[s] - b[s]`` (the seeds are paired: seed s
   used the same prompts and sampling streams in both arms), then the interval of their
   mean, which is the bootstrap over seeds that keeps each pair together.
@@ -33,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+SMALL_N = 5
+"""Seeds below which the study's interval also spans the t interval (the module doc)."""
 N_BOOT = 20_000
 BOOT_SEED = 20_240_520
 LEVEL = 0.95
@@ -133,12 +139,15 @@ def t_interval(values: Sequence[float], level: float = LEVEL) -> tuple[float, fl
 
 def summary(values: Sequence[float], level: float = LEVEL, n_boot: int = N_BOOT,
             seed: int = BOOT_SEED) -> dict[str, Any]:
-    """{mean, sd, n, lo, hi (expanded bootstrap: the study's interval), p_lo, p_hi (plain
+    """{mean, sd, n, lo, hi (the study's interval: the expanded bootstrap; below SMALL_N
+    seeds its union with the t interval), p_lo, p_hi (plain
     percentile bootstrap), t_lo, t_hi (Student t), values} of one statistic over seeds."""
     v = _values(values)
     lo, hi = bootstrap_interval(v, level, n_boot, seed, expanded=True)
     p_lo, p_hi = bootstrap_interval(v, level, n_boot, seed, expanded=False)
     t_lo, t_hi = t_interval(v, level)
+    if 2 <= v.size < SMALL_N:  # (the expanded interval is the data's range or narrower there)
+        lo, hi = min(lo, t_lo), max(hi, t_hi)
     return {"mean": float(v.mean()), "sd": float(v.std(ddof=1)) if v.size > 1 else 0.0, "n": int(v.size),
             "lo": lo, "hi": hi, "p_lo": p_lo, "p_hi": p_hi, "t_lo": t_lo, "t_hi": t_hi,
             "values": [float(x) for x in v]}

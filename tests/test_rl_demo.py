@@ -386,3 +386,16 @@ def test_study_interval_with_few_seeds_spans_the_t_interval():
 def test_a_single_seed_study_is_a_clear_error(capsys):
     assert cli.main(["--study", "--tiny", "--seeds", "0"]) == 2
     assert "at least 2 distinct seeds" in capsys.readouterr().err
+
+
+def test_the_criterion_says_how_often_a_loss_at_the_bound_is_detected():
+    """It said a loss of the bound 'is detected'; with half-width h <= bound B that holds
+    with probability Phi(t (B - h) / h) only (50% at h = B; 78% for the committed study),
+    computed here from the normal and t quantiles written out."""
+    from rl_demo.study.report import detection_at_bound
+
+    assert detection_at_bound(0.02, 0.02, 16) == pytest.approx(0.5, abs=1e-12)
+    t15 = 2.131449545559323  # t_{0.975, 15}
+    p = detection_at_bound(0.021527, 0.015880, 16)
+    assert p == pytest.approx(0.5 * (1 + math.erf(t15 * (0.021527 - 0.015880) / 0.015880 / math.sqrt(2))), abs=1e-6)
+    assert 0.77 < p < 0.79

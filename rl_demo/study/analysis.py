@@ -99,7 +99,8 @@ def margins(cfg: StudyConfig, arm_stats: dict[str, dict[str, Any]]) -> dict[str,
 def criterion(cfg: StudyConfig, arm_stats: dict[str, dict[str, Any]], con: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The interval criterion: for every arm, the half-width of the interval of its
     paired final-reward difference with fp32 is at most a quarter of the fp32 arm's mean
-    reward gain (so an arm that loses that much is detected)."""
+    reward gain (so that an arm that loses that much is detected more often than not: with
+    probability report.detection_at_bound, 50% where the half-width equals the bound)."""
     gain = arm_stats["fp32"]["reward_gain"]["mean"]
     bound = cfg.reward_margin_fraction * gain
     half = {a: (c["fp32"]["final_reward"]["hi"] - c["fp32"]["final_reward"]["lo"]) / 2

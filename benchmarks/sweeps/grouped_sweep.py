@@ -210,7 +210,7 @@ def projection_bytes(model: Any, proj: str, touched: float) -> float:
     return touched * (moe.mx_bytes(n, k) + (2 * n if model.bias else 0))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save=None) -> dict[str, Any]:
     import torch
 
     import moe
@@ -234,6 +234,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     recipe = pmx.QuantRecipe(activations="bf16")
     t_start = time.perf_counter()
     rows_out = []
+
+    def document(complete: bool) -> dict[str, Any]:
+        return _document(smoke, device, backend, bandwidth, samples, repeats, args, t_start, rows_out, complete)
+
     for model, tokens in problems(args.problems, smoke):
         w = moe.make_weights(model, device)
         w.pop("w1"), w.pop("w2")  # the bf16 weights: not needed past the quantize
@@ -290,11 +294,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del w, routings, x
         if not smoke:
             torch.cuda.empty_cache()
+        if save is not None:  # after every problem: a step cut at its limit keeps what it measured
+            save(document(complete=False))
+    return document(complete=True)
+
+
+def _document(smoke, device, backend, bandwidth, samples, repeats, args, t_start, rows_out, complete):
+    """The sweep's JSON document of the rows so far (``complete``: all problems ran)."""
+    import torch
+
+    import portable_mx as pmx
+
     name = "cpu (interpreter)" if smoke else torch.cuda.get_device_name(device)
     return {"schema": SCHEMA, "device": name, "backend": backend.name, "cpu_smoke": smoke,
             "versions": {"torch": torch.__version__, "triton": _triton_version(), "portable_mx": pmx.__version__},
             "copy_bytes_per_s": bandwidth, "samples": samples, "repeats": repeats, "budget_s": args.budget,
-            "seconds": time.perf_counter() - t_start, "rows": rows_out}
+            "seconds": time.perf_counter() - t_start, "rows": list(rows_out), "complete": complete}
 
 
 def _triton_version() -> Optional[str]:
@@ -322,10 +337,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from common import EXIT_NO_GPU, no_gpu
         if no_gpu("grouped_sweep"):
             return EXIT_NO_GPU
-    result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "grouped_sweep.json").write_text(json.dumps(result, indent=1, default=list) + "\n")
+
+    def save(doc: dict[str, Any]) -> None:  # written aside, then renamed: never half a file
+        part = out / "grouped_sweep.json.part"
+        part.write_text(json.dumps(doc, indent=1, default=list) + "\n")
+        os.replace(part, out / "grouped_sweep.json")
+
+    result = run(args, save)
+    save(result)
     print("\nbest per problem and projection (ratio to the default; roofline: the touched experts' bytes at copy speed):")
     keys = sorted({(r["model"], r["tokens"], r["proj"]) for r in result["rows"]}, key=str)
     for key in keys:

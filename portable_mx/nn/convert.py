@@ -13,19 +13,11 @@ import torch
 from .. import ops
 from .hf_experts import experts_from_module, known_family
 from .linear import MXLinear
+from .weight_cache import sharded
 
 SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
 
 __all__ = ["convert"]
-
-
-def _sharded(module: torch.nn.Module) -> bool:
-    """Whether FSDP2 manages ``module``'s own parameters (DTensors between forwards)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # noqa: BLE001  (a torch without distributed support)
-        return False
-    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
 
 
 def _skip_rules(skip: Any) -> list[SkipRule]:
@@ -93,7 +85,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     def keep(name: str, module: torch.nn.Module) -> bool:
         # (the class alone: an expert module in a configuration MXExperts cannot run is
         # refused when converted, so that a skip rule can keep it)
-        if isinstance(module, torch.nn.Linear) and _sharded(module):
+        if isinstance(module, torch.nn.Linear) and sharded(module):
             raise TypeError(f"convert: layer {name!r} is already sharded by FSDP2's fully_shard (its parameters "
                             "are DTensors): convert the model before fully_shard")
         if type(module) is not torch.nn.Linear and known_family(module) is None:

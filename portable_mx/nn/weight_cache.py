@@ -43,6 +43,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..tensor import version_of
+
 __all__ = ["WeightCache", "weight_cache"]
 
 _STEPS = [0]  # optimizer steps taken since the hook was installed (any optimizer)
@@ -114,9 +116,8 @@ class WeightCache:
 
 
 def _key(w: torch.Tensor, recipe: Any) -> Optional[tuple]:
-    try:
-        version = w._version
-    except RuntimeError:  # an inference tensor has no version counter: no caching
+    version = version_of(w)
+    if version is None:  # an inference tensor has no version counter: no caching
         return None
     return (version, _STEPS[0], w.data_ptr(), w.shape, w.stride(), w.dtype, w.device, recipe)
 
@@ -165,8 +166,9 @@ def _fsdp2_managed() -> set[int]:
     return out
 
 
-def _dtensor_weight(module: torch.nn.Module) -> bool:
-    """Whether a parameter of ``module`` itself is a DTensor (sharded)."""
+def sharded(module: torch.nn.Module) -> bool:
+    """Whether a parameter of ``module`` itself is a DTensor (FSDP2 manages it: sharded
+    between forwards)."""
     try:
         from torch.distributed.tensor import DTensor
     except Exception:  # noqa: BLE001
@@ -190,7 +192,7 @@ def layer_caches(model: torch.nn.Module) -> list[tuple[str, WeightCache]]:
             managed.add(name)
         if any(name == p or name.startswith(p + ".") or p == "" for p in managed):
             continue
-        if id(module) in fsdp2 or _dtensor_weight(module):
+        if id(module) in fsdp2 or sharded(module):
             continue
         cache = getattr(module, "_pmx_weight_cache", None)
         if isinstance(cache, WeightCache):

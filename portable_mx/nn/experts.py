@@ -274,14 +274,14 @@ class MXExperts(torch.nn.Module):
             x2, ids = x.reshape(t, h), k_ids.reshape(t, k)
             wts = None if top_k_weights is None else top_k_weights.reshape(t, k)
         routing = route(ids, wts, self.num_experts)
-        g1, g2 = self._gemm_weights(x2)
-        recipe = self._recipe
         b1, b2 = _member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias")
+        g1, g2 = self._gemm_weights(x2, b1, b2)
+        recipe = self._recipe
         mid = grouped_matmul(x2, g1, routing=routing, gather=True, bias=b1, activation=self.activation, recipe=recipe)
         y = grouped_matmul(mid, g2, routing=routing, scatter=True, bias=b2, recipe=recipe)
         return y if len(shape) == 2 else y.reshape(shape)
 
-    def _gemm_weights(self, x: Tensor) -> tuple[Any, Any]:
+    def _gemm_weights(self, x: Tensor, b1: Optional[Tensor], b2: Optional[Tensor]) -> tuple[Any, Any]:
         """The two weights as grouped_matmul takes them: MXTensors [E, N, K] along K
         (frozen, or float weights where no gradient flows), or the float [E, N, K] views
         (autograd, or compiled code: the GEMM quantizes them itself). Float weights that
@@ -293,7 +293,6 @@ class MXExperts(torch.nn.Module):
         w1, w2 = _member(self, params, "gate_up_proj"), _member(self, params, "down_proj")
         if w1 is None:  # frozen
             return self._frozen_mx("gate_up_proj"), self._frozen_mx("down_proj")
-        b1, b2 = _member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias")
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w1.requires_grad or w2.requires_grad
                 or any(b is not None and b.requires_grad for b in (b1, b2)))):

@@ -89,15 +89,30 @@ def parse_recipe(text: str):
     from .recipe import QuantRecipe
 
     fields: dict[str, Any] = {}
+    explicit: dict[str, Any] = {}
+    preset = None
     for item in (t.strip() for t in text.split(",") if t.strip()):
         if "=" not in item:
             if item.lower() not in RECIPE_PRESETS:
                 raise argparse.ArgumentTypeError(
                     f"recipe items are {', '.join(RECIPE_PRESETS)} or field=value; got {item!r}")
-            fields.update(RECIPE_PRESETS[item.lower()])
+            if preset is not None and RECIPE_PRESETS[item.lower()] != RECIPE_PRESETS[preset]:
+                raise argparse.ArgumentTypeError(f"{preset} and {item} are different operand kinds: give one "
+                                                 "(tune each with its own run)")
+            preset = item.lower()
+            fields.update(RECIPE_PRESETS[preset])
             continue
         key, value = (s.strip() for s in item.split("=", 1))
-        fields[key] = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
+        value = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
+        if key in explicit and explicit[key] != value:
+            raise argparse.ArgumentTypeError(f"{key} is given twice ({explicit[key]!r}, {value!r}) in {text!r}")
+        explicit[key] = fields[key] = value
+    if preset is not None and "activations" in explicit:
+        implied = RECIPE_PRESETS[preset].get("activations", "mxfp4")
+        if explicit["activations"] != implied:
+            raise argparse.ArgumentTypeError(f"{preset} means activations={implied}; got "
+                                             f"activations={explicit['activations']} beside it")
+    fields.update(explicit)
     try:
         return QuantRecipe(**fields)
     except Exception as err:  # pydantic's ValidationError: say which field
@@ -379,6 +394,10 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
     for r in results:
         if r.requested is not None:
             print(launched_note(r.requested, r.problem, str(device)))
+        if r.best is None:
+            print(f"portable-mx tune: {r.problem.shape}: no config measured ({r.stop_reason})"
+                  + ("; --trials 0 measures nothing new, it reports what the study measured before" if trials == 0
+                     else ""), file=sys.stderr)
     recordings = []
     for r in results:
         rows.append((r.problem.shape, f"{r.key.split('|')[1]}", _config(r.best), _ms(r.best_ms), _config(r.default),
@@ -494,10 +513,49 @@ def run_macro(args: argparse.Namespace, device: Any) -> int:
     return 0
 
 
+# The flags each mode reads (its usage line in the module doc); any other flag given is
+# refused rather than silently ignored. "--replay wins over --static" was such a case.
+_COMMON = {"shapes", "recipe", "seed", "study_dir", "storage", "trials", "json"}
+MODE_FLAGS: dict[str, set[str]] = {
+    "search": _COMMON | {"op", "strategy", "out", "full", "exhaustive", "record", "warm_jobs", "jobs"},
+    "static": {"target", "shapes", "recipe", "full", "sm_count", "jobs", "study_dir", "json"},
+    "replay": {"replay", "strategy", "seed", "json"},
+    "macro": _COMMON | {"tensors", "error_tolerance"},
+}
+_FLAG_DEFAULTS = {"op": "matmul", "full": False, "exhaustive": False, "static": False, "macro": False,
+                  "warm_jobs": 0}
+
+
+def flag_errors(args: argparse.Namespace) -> list[str]:
+    """What is wrong with this combination of flags: more than one of --static, --replay
+    and --macro, a flag the chosen mode does not read, --record without --exhaustive."""
+    modes = [m for m, on in (("static", args.static), ("replay", bool(args.replay)), ("macro", args.macro)) if on]
+    if len(modes) > 1:
+        return [f"--{' and --'.join(modes)} are separate modes: give one"]
+    mode = modes[0] if modes else "search"
+    given = sorted(k for k, v in vars(args).items()
+                   if k not in ("device", "command", "func", mode) and v != _FLAG_DEFAULTS.get(k)
+                   and k in set().union(*MODE_FLAGS.values()))
+    stray = [k for k in given if k not in MODE_FLAGS[mode]]
+    errors = []
+    where = "the search (no --static, --replay or --macro)" if mode == "search" else f"--{mode}"
+    for k in stray:
+        homes = [("the search" if m == "search" else f"--{m}") for m, flags in MODE_FLAGS.items() if k in flags]
+        errors.append(f"--{k.replace('_', '-')} does not apply to {where}; it goes with {' or '.join(homes)}")
+    if getattr(args, "record", None) and not args.exhaustive:
+        errors.append("--record writes the recordings of --exhaustive: give both")
+    return errors
+
+
 def run(args: argparse.Namespace) -> int:
     """The subcommand (see the module doc)."""
     if args.trials is not None and args.trials < 0:
         print("portable-mx tune: --trials must be >= 0", file=sys.stderr)
+        return 2
+    errors = flag_errors(args)
+    if errors:
+        for e in errors:
+            print(f"portable-mx tune: {e}", file=sys.stderr)
         return 2
     if args.replay:
         return run_replay(args)
@@ -515,9 +573,6 @@ def run(args: argparse.Namespace) -> int:
             print(missing, file=sys.stderr)
             return 2
         return run_static(args)
-    if args.target is not None:
-        print("portable-mx tune: --target goes with --static (tuning uses this machine's device)", file=sys.stderr)
-        return 2
     device = _device(args)
     if device is None:
         return EXIT_NO_GPU

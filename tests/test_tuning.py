@@ -567,6 +567,49 @@ def test_tune_without_a_gpu_exits_2(capsys, monkeypatch):
     assert "no GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--replay", "r.json", "--static", "--target", "sm_90"], "--static and --replay are separate modes"),
+    (["--static", "--macro", "--target", "sm_90"], "--static and --macro are separate modes"),
+    (["--static", "--target", "sm_90", "--trials", "3"], "--trials does not apply to --static"),
+    (["--static", "--target", "sm_90", "--out", "d"], "--out does not apply to --static"),
+    (["--replay", "r.json", "--shapes", "decode"], "--shapes does not apply to --replay"),
+    (["--macro", "--warm-jobs", "2"], "--warm-jobs does not apply to --macro"),
+    (["--shapes", "decode", "--sm-count", "100"], "--sm-count does not apply to the search"),
+    (["--shapes", "decode", "--tensors", "t.pt"], "it goes with --macro"),
+    (["--target", "sm_90"], "it goes with --static"),
+    (["--shapes", "decode", "--record", "d"], "--record writes the recordings of --exhaustive"),
+])
+def test_tune_refuses_flags_the_mode_does_not_read(argv, words, capsys, monkeypatch):
+    """A flag the chosen mode would ignore is an error, before any device check or compile
+    (--replay used to win silently over --static, --trials went unread by --static)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(AssertionError("ran")))
+    assert cli.main(["tune", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, words", [
+    ("w4a16,a4w4", "different operand kinds"),
+    ("a4w4,w4a16-fp16", "different operand kinds"),
+    ("activations=bf16,a4w4", "a4w4 means activations=mxfp4"),
+    ("w4a16-fp16,activations=bf16", "w4a16-fp16 means activations=fp16"),
+    ("macro_block=64,macro_block=128", "macro_block is given twice"),
+])
+def test_tune_recipe_refuses_contradictions(text, words, capsys):
+    """`--recipe w4a16,a4w4` used to tune W4A16 (the last preset that set a field won)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["tune", "--recipe", text])
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_tune_recipe_accepts_what_agrees():
+    from portable_mx.tune import parse_recipe
+
+    assert parse_recipe("w4a16,w4a16-bf16").activations == "bf16"
+    assert parse_recipe("w4a16-fp16,activations=fp16").activations == "fp16"
+    r = parse_recipe("a4w4,macro_block=128,outliers_per_block=1")
+    assert r.activations == "mxfp4" and r.macro_block == 128 and r.outliers_per_block == 1
+
+
 @pytest.mark.triton  # the command refuses an older triton before it compiles anything
 def test_tune_static_prints_survivors_and_pruned_by_reason(tmp_path, capsys, monkeypatch):
     import portable_mx.aot
@@ -582,6 +625,17 @@ def test_tune_static_prints_survivors_and_pruned_by_reason(tmp_path, capsys, mon
     assert f"shared memory overflow: {len(doc['pruned'])}" in out
     assert all(s["config"].startswith(("m128", "m256")) for s in doc["survivors"])  # native M tiles only
     assert cli.main(argv) == 0 and len(fake.compiled) == doc["compiles"]  # verdicts reused
+
+
+@interpreted
+def test_tune_trials_0_on_a_fresh_study_says_nothing_was_measured(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    monkeypatch.setattr(search, "host_timer", lambda fn, config=None: fake_ms(config))
+    argv = ["tune", "--device", "cpu", "--shapes", "32x64x128", "--trials", "0", "--study-dir", str(tmp_path),
+            "--out", str(tmp_path / "out")]
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and "32x64x128: no config measured" in err and "--trials 0 measures nothing new" in err
 
 
 @interpreted

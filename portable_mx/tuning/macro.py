@@ -249,7 +249,8 @@ def tune_macro(
                          {k: v for k, v in t.user_attrs.items() if k != "repeat_of"}, t.number)
               for (mb, n_out), t in sorted(seen.items(), key=lambda kv: kv[1].number)]
     if not points:
-        raise RuntimeError(f"macro study {name!r} has no completed trial")
+        raise ValueError(f"macro study {name!r} has no completed point"
+                         + (" (trials=0 measures nothing new: run it with trials first)" if trials == 0 else ""))
     front = pareto_front(points)
     chosen_point = pick(front, error_tolerance)
     rule = (f"the fastest Pareto point whose relative MSE is within {error_tolerance:.0%} of the lowest "

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
+from .format import BLOCK_SIZE as BLOCK
 from .recipe import QuantRecipe
 from .tensor import FLOAT_DTYPES, MXTensor
 
@@ -104,7 +105,26 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
                              f"quantized along axis {axis} with {recipe.describe()} needs {need}")
         if got.device != device:
             raise ValueError(f"load_state_dict: the parts of {name!r} are on different devices")
+    _check_outlier_indices(name, parts["outlier_indices"])
     return MXTensor(shape=shape, dtype=dtype, axis=axis, recipe=recipe, **{p: parts[p] for p in _PARTS})
+
+
+def _check_outlier_indices(name: str, idx: Optional[torch.Tensor]) -> None:
+    """A file's outlier positions must each name an element of its block (0..31) and
+    differ within the block, as the quantizer writes them: the kernels do not check the
+    bytes (MXTensor's doc), and a position >= 32 or a repeated one decodes differently on
+    each backend (the reference raises or picks one of the repeats, the GEMM kernels skip
+    or add them). One read of the bytes, at load only."""
+    if idx is None or idx.numel() == 0:
+        return
+    if int(idx.max()) >= BLOCK:
+        raise ValueError(f"load_state_dict: {name}.outlier_indices holds a position >= {BLOCK} "
+                         f"(largest {int(idx.max())}): not an element of its block; the file is damaged")
+    if idx.shape[-1] > 1:
+        s = idx.sort(-1).values
+        if bool((s[..., 1:] == s[..., :-1]).any()):
+            raise ValueError(f"load_state_dict: {name}.outlier_indices repeats a position within a block; "
+                             "the file is damaged")
 
 
 def _what(x: Any) -> str:

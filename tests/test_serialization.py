@@ -82,6 +82,23 @@ def test_bad_state_dicts_raise_clear_errors():
         serialization.state_dict({"w": 1.0})
 
 
+def test_damaged_outlier_positions_are_refused_at_load():
+    """A position >= 32 or one repeated within a block used to load: the reference then
+    raised in the GEMM and the Triton kernels skipped it (a silently different product)."""
+    sd = serialization.state_dict(weights())
+    idx = sd["experts.outlier_indices"]
+    assert int(idx.max()) < 32
+    over = idx.clone()
+    over[1, 5, 0, 0] = 32
+    with pytest.raises(ValueError, match=r"experts.outlier_indices holds a position >= 32 \(largest 32\)"):
+        serialization.load_state_dict(dict(sd, **{"experts.outlier_indices": over}))
+    twice = idx.clone()
+    twice[0, 3, 1, 1] = twice[0, 3, 1, 0]
+    with pytest.raises(ValueError, match="experts.outlier_indices repeats a position within a block"):
+        serialization.load_state_dict(dict(sd, **{"experts.outlier_indices": twice}))
+    assert_same(serialization.load_state_dict(sd), weights())  # the quantizer's own positions load
+
+
 def _tampered(**meta_update):
     sd = serialization.state_dict({"w": pmx.quantize(torch.randn(3, 70))})
     meta = json.loads(bytes(sd["w.mx_meta"].tolist()).decode())

@@ -155,10 +155,17 @@ def write_unless_trial(result: Mapping[str, Any], out: Optional[str], trial: boo
         write_result(result, out)
 
 
-def write_result(result: Mapping[str, Any], out: str) -> None:
-    """Write ``result`` as indented JSON to ``out`` (creating its folder) and say where."""
+def write_result(result: Mapping[str, Any], out: str, *, indent: int = 2, default: Optional[Callable] = None,
+                 quiet: bool = False) -> None:
+    """Write ``result`` as indented JSON to ``out`` (creating its folder) and, unless
+    ``quiet``, say where. Written aside and renamed, so that a step killed at its time
+    limit leaves the last whole file, never half of one (the sweeps call this after every
+    row or problem, with ``complete`` false until the end)."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+    part = out + ".part"
+    with open(part, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=indent, default=default)
         f.write("\n")
-    print(f"written to {out}")
+    os.replace(part, out)
+    if not quiet:
+        print(f"written to {out}")

@@ -427,6 +427,29 @@ def test_tune_sweep_cpu_smoke_end_to_end(tmp_path, interpreted_sweep, capsys):
     assert (tmp_path / "configs" / f"interpret-cpu.triton-{triton.__version__}.schema-2.json").exists()
     out = capsys.readouterr().out
     assert "ranked-tpe" in out and "goal (" in out
+    assert doc["complete"] is True
+
+
+def test_tune_sweep_keeps_the_studied_problems_when_cut_short(tmp_path, interpreted_sweep, monkeypatch):
+    """tune_sweep.json is written after every problem (it used to be written only at the
+    end), so a --tune step cut at its limit keeps the problems it finished."""
+    from portable_mx.tuning import search
+
+    sweep, _ = interpreted_sweep
+    calls, tune = [], search.tune
+
+    def cut_at_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise _Cut
+        return tune(*args, **kwargs)
+
+    monkeypatch.setattr(search, "tune", cut_at_second)
+    with pytest.raises(_Cut):
+        sweep.main(["--cpu-smoke", "--problems", "w4a16:16x64x128,w4a16:32x64x128", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "tune_sweep.json").read_text())
+    assert doc["complete"] is False and [e["shape"] for e in doc["problems"]] == ["16x64x128"]
+    assert doc["problems"][0]["measured"] > 0
 
 
 def test_tune_sweep_studies_a_launch_once(tmp_path, interpreted_sweep, monkeypatch, capsys):
@@ -522,6 +545,38 @@ def test_elementwise_sweep_cpu_smoke(tmp_path):
     assert {r["case"] for r in result["rows"]} == {"quantize floor", "dequantize bf16", "decompose stats"}
     assert all("error" not in r for r in result["rows"]), [r.get("error") for r in result["rows"]]
     assert set(result["best"]) == {"quantize floor", "dequantize bf16", "decompose stats"}
+    assert result["complete"] is True
+
+
+class _Cut(Exception):
+    """A step killed at its time limit, as far as the script can tell."""
+
+
+def test_elementwise_sweep_keeps_its_rows_when_cut_short(tmp_path, monkeypatch):
+    """The JSON is written after every row (it used to be written only at the end: a GPU
+    step cut at its limit kept its figures only in the log)."""
+    sys.path.insert(0, os.path.join(BENCH, "sweeps"))
+    import elementwise_sweep
+    from portable_mx import registry
+
+    if registry.get("triton-interpret").unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("the Triton interpreter does not serve this process")
+    printed = []
+    line = elementwise_sweep._line
+
+    def cut_at_third(row, shapes):
+        printed.append(row)
+        if len(printed) == 3:
+            raise _Cut
+        return line(row, shapes)
+
+    monkeypatch.setattr(elementwise_sweep, "_line", cut_at_third)
+    with pytest.raises(_Cut):
+        elementwise_sweep.main(["--cpu-smoke", "--out", str(tmp_path), "--cases", "quantize floor,dequantize bf16"])
+    (path,) = list(tmp_path.glob("elementwise-sweep-*.json"))
+    result = json.loads(path.read_text())
+    assert result["complete"] is False and [r["tile"] for r in result["rows"]] == [r["tile"] for r in printed[:2]]
+    assert result["copy"] and not list(tmp_path.glob("*.part"))
 
 
 def _grouped_sweep(monkeypatch):

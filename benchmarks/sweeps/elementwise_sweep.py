@@ -207,6 +207,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first += [(case, t) for t in order[:2]]
         rest += [(case, t) for t in order[2:]]
 
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"elementwise-sweep-{slug(name)}.json")
+    head = {**result_header("elementwise-sweep", name), "target": target.name if target else None,
+            "backend": backend.name, "cpu_smoke": args.cpu_smoke, "budget_s": args.budget,
+            "check_shape": list(check_shape), "time_shapes": [f"{r}x{k}" for r, k in time_shapes], "copy": copies}
     rows = []
     for case, (br, bk, warps, walk) in first + rest:
         recipe, op, own, own_t, mx_check_cpu, mx_check, want = contexts[case]
@@ -242,15 +247,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(_line(row, time_shapes), flush=True)
+        # after every row: a step cut at its limit keeps what it measured
+        write_result({**head, "seconds": time.perf_counter() - start, "rows": rows, "complete": False}, path,
+                     quiet=True)
     rows.sort(key=lambda row: list(contexts).index(row["case"]))  # stable: each case's rows together
 
-    result = {**result_header("elementwise-sweep", name), "target": target.name if target else None,
-              "backend": backend.name, "cpu_smoke": args.cpu_smoke, "budget_s": args.budget,
-              "seconds": time.perf_counter() - start, "check_shape": list(check_shape),
-              "time_shapes": [f"{r}x{k}" for r, k in time_shapes], "copy": copies, "rows": rows,
-              "best": best(rows, time_shapes)}
-    os.makedirs(args.out, exist_ok=True)
-    write_result(result, os.path.join(args.out, f"elementwise-sweep-{slug(name)}.json"))
+    result = {**head, "seconds": time.perf_counter() - start, "rows": rows, "best": best(rows, time_shapes),
+              "complete": True}
+    write_result(result, path)
     print(format_table(rows, time_shapes, result["best"]))
     return 0
 

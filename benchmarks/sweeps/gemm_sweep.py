@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import re
@@ -48,8 +47,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "benchmarks"):  # portable_mx; benchmarks/common.py
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 SCHEMA = "portable_mx.gemm_sweep/1"
 SHAPES = {"m1": (1, 8192, 8192), "m16": (16, 8192, 8192), "m128": (128, 8192, 8192),
@@ -521,10 +521,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gemm_sweep.json")
 
-    def save(result: dict[str, Any]) -> None:  # written aside, then renamed: never half a file
-        with open(path + ".part", "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        os.replace(path + ".part", path)
+    from common import write_result
+
+    def save(result: dict[str, Any]) -> None:
+        write_result(result, path, indent=1, default=str, quiet=True)
 
     result = sweep(args, save)
     save(result)

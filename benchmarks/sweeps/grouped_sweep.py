@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -340,10 +339,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    def save(doc: dict[str, Any]) -> None:  # written aside, then renamed: never half a file
-        part = out / "grouped_sweep.json.part"
-        part.write_text(json.dumps(doc, indent=1, default=list) + "\n")
-        os.replace(part, out / "grouped_sweep.json")
+    from common import write_result
+
+    def save(doc: dict[str, Any]) -> None:
+        write_result(doc, str(out / "grouped_sweep.json"), indent=1, default=list, quiet=True)
 
     result = run(args, save)
     save(result)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -105,13 +104,6 @@ def _problems(args):
     return [(kind, search.Problem(*dims, QuantRecipe(**RECIPES[kind]))) for kind, dims in args.problems]
 
 
-def _write(path: str, doc: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-
-
 # ----------------------------------------------------------------------------- --static-only
 
 
@@ -145,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return static_only(args)
     import torch
 
-    from common import no_gpu, result_header
+    from common import no_gpu, result_header, write_result
     from portable_mx import registry
     from portable_mx.tune import launched_note
     from portable_mx.tuning import cache, replay, search, strategy, warm
@@ -205,6 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     doc["phases"]["warm_s"] = time.perf_counter() - t0
 
     # 3. exhaustive studies; 4. replays
+    out = os.path.join(args.out, "tune_sweep.json")
     t0 = time.perf_counter()
     recordings, rows = [], []
     for kind, problem, p, same in plans:
@@ -230,7 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         replays = [replay.replay(rec, s) for s in strategy.STRATEGIES]
         rec["replay"] = [r.to_json() for r in replays]
         path = os.path.join(args.out, "recordings", f"{arch}-{cache.slug(device_name)}-{problem.shape}-{kind}.json")
-        _write(path, rec)
+        write_result(rec, path, indent=1, quiet=True)
         recordings.append(rec)
         entry.update({
             "seconds": time.perf_counter() - t1, "best": result.best.label() if result.best else None,
@@ -241,6 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "random_expected_trials": replay.random_expectation(rec),
         })
         doc["problems"].append(entry)
+        write_result({**doc, "complete": False}, out, indent=1, quiet=True)  # a step cut short keeps this
         ranked = entry["replay"][strategy.DEFAULT_STRATEGY]
         print(f"{kind} {problem.shape}: {result.trials} measured ({result.failed} failed) in {entry['seconds']:.0f} s; "
               f"best {entry['best']} {result.best_ms or float('nan'):.4f} ms, default {result.default_ms or float('nan'):.4f} ms; "
@@ -252,8 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     doc["goal"] = {"name": f"{strategy.DEFAULT_STRATEGY}: within 2% of the best in <= {GOAL:.0%} of the survivors",
                    "fractions": fractions,
                    "met": None if not fractions else all(f is not None and f <= GOAL for f in fractions)}
-    out = os.path.join(args.out, "tune_sweep.json")
-    _write(out, doc)
+    doc["complete"] = True
+    write_result(doc, out, indent=1, quiet=True)
 
     print()
     print(f"{'kind':<6}{'shape':<16}{'surv':>5}{'best ms':>10}{'default':>10}{'speedup':>8}  "

@@ -111,10 +111,11 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
 
 def _check_outlier_indices(name: str, idx: Optional[torch.Tensor]) -> None:
     """A file's outlier positions must each name an element of its block (0..31) and
-    differ within the block, as the quantizer writes them: the kernels do not check the
-    bytes (MXTensor's doc), and a position >= 32 or a repeated one decodes differently on
-    each backend (the reference raises or picks one of the repeats, the GEMM kernels skip
-    or add them). One read of the bytes, at load only."""
+    differ within the block, as the quantizer writes them; the kernels do not check the
+    bytes (MXTensor's doc). A position >= 32 decodes differently on each backend (the
+    reference raises in the GEMM, the Triton kernels skip the outlier); a repeated one
+    decodes alike on both but loses an outlier (its element's code was zeroed when it was
+    set aside). Either means a damaged file. One read of the bytes, at load only."""
     if idx is None or idx.numel() == 0:
         return
     if int(idx.max()) >= BLOCK:

@@ -230,6 +230,9 @@ def _us(seconds: float) -> str:
 
 def launched_note(requested: Any, launched: Any, where: str) -> str:
     """The line that says a requested problem is tuned as the one the dispatch launches."""
+    if getattr(launched, "token_quant", None) is not None:
+        return (f"note: A4W4 {requested.shape} runs on {where} as one launch of the W4A16 kernel that quantizes "
+                f"the tokens itself (the same products): that kernel is tuned, key {launched.key()}")
     return (f"note: A4W4 {requested.shape} runs on {where} as the W4A16 GEMM on the activations' quantized values "
             f"(the same products; portable_mx.matmul reads the W4A16 entry): its W4A16 kernel is tuned, key "
             f"{launched.key()}")
@@ -415,7 +418,8 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
             recordings.append(r.recording)
             if args.record:
                 rec = r.recording
-                kind = "a4w4" if rec["workload"]["a_upcast"] or rec["workload"]["mx_mma"] else "w4a16"
+                kind = ("a4w4" if rec["workload"]["a_upcast"] or rec["workload"]["mx_mma"] else
+                        "w4a16" if r.problem.token_quant is None else "a4w4-tokens")
                 path = os.path.join(args.record, f"{rec['arch']}-{cache.slug(rec['device'])}-{r.problem.shape}-"
                                                  f"{kind}.json")
                 _write_json(path, rec)

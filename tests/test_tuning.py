@@ -25,6 +25,7 @@ from portable_mx import cli, registry
 from portable_mx.aot import CompileResult
 from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.backends.targets import TARGETS
+from portable_mx.tensor import MXTensor
 from portable_mx.backends.triton.launch import GemmConfig
 from portable_mx.tuning import cache, macro, search, static
 from portable_mx.tuning.space import GemmSpace, gemm_space
@@ -465,7 +466,7 @@ def test_a_problem_is_tuned_as_the_launch_the_dispatch_makes():
     from portable_mx.recipe import QuantRecipe as QR
 
     w4a16 = QR(activations="bf16")
-    mapped = 0
+    mapped = fused = 0
     for base, name in ((CudaBackend, "sm_90"), (CudaBackend, "sm_100"), (CudaBackend, "sm_120"),
                        (RocmBackend, "gfx942"), (RocmBackend, "gfx950")):
         backend = _on(base, name)
@@ -475,15 +476,81 @@ def test_a_problem_is_tuned_as_the_launch_the_dispatch_makes():
                 problem = search.Problem(m, n, 4096, recipe)
                 got = problem.launched(backend, TARGETS[name])
                 values = recipe.quantizes_activations and backend.left_values(m, n, recipe, CPU)
-                assert got == (search.Problem(m, n, 4096, w4a16) if values else problem), (name, recipe, m, n)
+                # and there, the rule with which the call's GEMM kernel quantizes bf16 tokens itself
+                tokens = torch.empty(m, 4096, dtype=torch.bfloat16)
+                rule = backend.token_quant_rule(tokens, recipe, MXTensor.zeros((n, 4096), torch.bfloat16, 1, recipe,
+                                                                               torch.device("meta"))) if values else None
+                want = search.Problem(m, n, 4096, w4a16, token_quant=rule) if values else problem
+                assert got == want, (name, recipe, m, n)
                 mapped += values
+                fused += rule is not None
                 p, q = (search.plan(x, backend, TARGETS[name], static_target=None) for x in (problem, got))
                 assert p.problem == q.problem == got  # planned as the launched problem
                 assert (p.space.name, p.candidates, p.default) == (q.space.name, q.candidates, q.default)
     assert mapped == 2 * 2 * 4  # sm_90 and gfx942, two recipes, four shapes
+    assert fused == 2 * 1 * 2  # of which M <= 16 with nearest rounding: one launch
     problem = search.Problem(1, 4096, 4096)
     assert problem.launched(INTERPRET, None) is problem
     assert problem.launched(ReferenceBackend(), TARGETS["sm_90"]) is problem
+
+
+@interpreted
+def test_a4w4_at_decode_is_tuned_as_the_one_launch_kernel_it_runs(tmp_path, monkeypatch):
+    """Where pmx.matmul A4W4 at M <= 16 runs as one launch of the upcast kernel that
+    quantizes the tokens itself (upcast targets, sm_90 and gfx942; here the interpreter's
+    backend made to route so), the tuner times that kernel (every timed launch quantizes
+    its tokens, and passes the reference check) and writes the entry under that kernel's
+    own key (a:bf16/quant), which the call then reads. The tuner used to time the W4A16
+    kernel of bf16 tokens instead and write the W4A16 entry, which the one-launch call
+    read too: a config tuned for another kernel."""
+    import portable_mx as pmx
+    from portable_mx.backends.triton import gemm_upcast, launch
+    from portable_mx.backends.triton.backend import GemmRoute
+    from portable_mx.backends.triton.gemm_upcast import UpcastRoute
+    from portable_mx.backends.triton.layouts import HOPPER_VALUES
+    from portable_mx.backends.triton.numerics import RULE_IDS
+
+    monkeypatch.setattr(type(INTERPRET), "_a4w4_upcasts", lambda self, target: True)
+    monkeypatch.setattr(INTERPRET, "gemm_route",
+                        lambda target, a, b: GemmRoute("upcast", upcast=UpcastRoute(HOPPER_VALUES)))
+    monkeypatch.setattr(INTERPRET, "_devices", {})
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    quants, real = [], gemm_upcast.matmul
+
+    def spy(*args, quant=None, **kwargs):
+        quants.append(quant)
+        return real(*args, quant=quant, **kwargs)
+
+    monkeypatch.setattr(gemm_upcast, "matmul", spy)
+    for rule in ("floor", "rceil"):
+        quants.clear()
+        problem = search.Problem(16, 64, 128, pmx.QuantRecipe(scale_rule=rule))
+        r = search.tune(problem, device=CPU, backend=INTERPRET, trials=4, directory=tmp_path / rule, out=None,
+                        seed=0, timer=CountingTimer())
+        assert r.problem == search.Problem(16, 64, 128, pmx.QuantRecipe(activations="bf16"), token_quant=RULE_IDS[rule])
+        assert r.key == "matmul|a:bf16/quant b:e2m1|" + r.key.split("|")[-1]
+        assert r.key != search.Problem(16, 64, 128, pmx.QuantRecipe(activations="bf16")).key()
+        assert r.best is not None and not r.failed and len(quants) >= 4 and set(quants) == {RULE_IDS[rule]}
+        assert r.best != r.default  # (the fake timer's optimum): reading the entry shows
+    # 17 rows: the W4A16 kernel on the quantize kernel's values (two launches), the W4A16 key
+    assert search.Problem(17, 64, 128).launched(INTERPRET, None).token_quant is None
+    assert search.Problem(16, 64, 128, pmx.QuantRecipe(rounding="stochastic")).launched(
+        INTERPRET, None).token_quant is None
+    configs, real_launch = [], launch.launch
+
+    def spy_launch(plan, args):
+        if isinstance(plan.config, GemmConfig):
+            configs.append(plan.config)
+        return real_launch(plan, args)
+
+    monkeypatch.setattr(launch, "launch", spy_launch)
+    quants.clear()
+    x, w = torch.randn(16, 128).bfloat16(), torch.randn(128, 64).bfloat16()
+    out = pmx.matmul(x, pmx.quantize(w, axis=0))  # rceil tuned last: both rules read the one entry
+    assert configs == [r.best] and not quants  # one launch, through the plan (not run_gemm)
+    exact = pmx.dequantize(pmx.quantize(x)).double() @ pmx.dequantize(pmx.quantize(w, axis=0)).double()
+    assert out.dtype == torch.bfloat16  # fp32 sums rounded once to bf16: within half a bf16 ulp and a bit
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
 
 
 @interpreted

@@ -176,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problem = p.problem  # what the dispatch launches for it (A4W4 as W4A16 on upcast targets)
         if problem != asked:
             print(launched_note(asked, problem, target.name if target else "the interpreter"), flush=True)
-            kind = "w4a16"
+            kind = "w4a16" if problem.token_quant is None else "a4w4-tokens"
         if problem.key() in studied:
             plans.append((kind, asked, p, studied[problem.key()]))
             print(f"{kind} {asked.shape}: the same launch as {studied[problem.key()]}: studied once", flush=True)

@@ -164,9 +164,13 @@ def shape_bucket(m: int, n: int, k: int) -> str:
     return f"M{mb}xN{int(n)}xK{int(k)}"
 
 
-def operand_tag(fmt: str, macro_block: Optional[int] = None, outliers: int = 0) -> str:
-    """``e2m1``, ``bf16``, ``e2m1/MBS-128/OF-1``: what the GEMM kernel sees of one operand."""
+def operand_tag(fmt: str, macro_block: Optional[int] = None, outliers: int = 0, quant: bool = False) -> str:
+    """``e2m1``, ``bf16``, ``e2m1/MBS-128/OF-1``: what the GEMM kernel sees of one operand;
+    ``bf16/quant``: 16-bit tokens the kernel quantizes itself (the one-launch A4W4 at
+    decode, ``gemm.Operand.quant``: another kernel than the W4A16 one, tuned apart)."""
     parts = [fmt]
+    if quant:
+        parts.append("quant")
     if macro_block:
         parts.append(f"MBS-{macro_block}")
     if outliers:

@@ -28,13 +28,16 @@ Launcher = Callable[[Any, Any, GemmConfig], Callable[[], torch.Tensor]]
 class Problem:
     """One GEMM to tune: ``a`` [M, K] @ ``w`` [K, N] with the operand kinds of ``recipe``
     (A4W4 or W4A16, macro blocks, outliers; the scale rule and rounding do not change the
-    GEMM kernel)."""
+    GEMM kernel). ``token_quant``: set by :meth:`launched` only, the scale rule's id with
+    which the GEMM kernel quantizes the 16-bit tokens itself (``gemm.Operand.quant``; the
+    one-launch A4W4 at decode sizes), a kernel of its own with a cache key of its own."""
 
     m: int
     n: int
     k: int
     recipe: QuantRecipe = QuantRecipe()
     op: str = "matmul"
+    token_quant: Optional[int] = None
 
     @property
     def kp(self) -> int:
@@ -48,21 +51,24 @@ class Problem:
         b = Operand(None, r.macro_block, r.outliers_per_block)
         if r.quantizes_activations:
             return b, b
-        return Operand(torch.bfloat16 if r.activations == "bf16" else torch.float16, None, 0), b
+        return Operand(torch.bfloat16 if r.activations == "bf16" else torch.float16, None, 0, self.token_quant), b
 
     def launched(self, backend: Any, target: Optional["Target"]) -> "Problem":
         """The problem the dispatch launches for this one on ``target``: an A4W4 matmul
         that ``backend`` runs as the W4A16 GEMM on the activations' quantized values
         (``left_values_on``: upcast targets, at decode sizes and wide outputs; the same
-        products) is that W4A16 problem, whose cache entry the call reads; any other
-        problem is itself. Tuning the A4W4 kernel there would time a kernel no call
-        launches and write an entry no call reads."""
+        products) is that W4A16 problem, whose cache entry the call reads, and where the
+        GEMM kernel quantizes the tokens itself (``token_quant_on``: M <= 16, nearest
+        rounding) that one-launch kernel's problem (``token_quant`` set, its own key);
+        any other problem is itself. Tuning the A4W4 kernel there would time a kernel no
+        call launches and write an entry no call reads."""
         if self.op != "matmul" or not self.recipe.quantizes_activations:
             return self
         on = getattr(backend, "left_values_on", None)
         if on is None or not on(target, self.m, self.n, self.recipe):
             return self
-        return dataclasses.replace(self, recipe=QuantRecipe(activations="bf16"))
+        rule = getattr(backend, "token_quant_on", lambda *args: None)(target, self.m, self.n, self.recipe)
+        return dataclasses.replace(self, recipe=QuantRecipe(activations="bf16"), token_quant=rule)
 
     def key(self) -> str:
         """The config-cache key (``cache.entry_key``)."""
@@ -84,6 +90,13 @@ def make_operands(problem: Problem, device: torch.device, seed: int = 0):
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(problem.m, problem.k, generator=gen, device=device)
     w = torch.randn(problem.k, problem.n, generator=gen, device=device)
+    if problem.token_quant is not None:
+        # tokens the kernel quantizes: values MXFP4 holds already (quantizing them again
+        # keeps them), so that the reference's product of the bf16 tokens is the kernel's
+        from ..backends.triton.numerics import RULE_IDS
+
+        rule = {v: getattr(k, "value", k) for k, v in RULE_IDS.items()}[problem.token_quant]
+        x = ops.dequantize(ops.quantize(x, QuantRecipe(scale_rule=rule)), dtype=torch.float32)
     a = ops.left_operand(x, problem.recipe)
     if isinstance(a, MXTensor):
         a = ops._mx_rows(a)
@@ -91,17 +104,21 @@ def make_operands(problem: Problem, device: torch.device, seed: int = 0):
 
 
 
-def kernel_launcher(backend: Any, target: Optional["Target"]) -> Launcher:
-    """The backend's GEMM kernel with a given config (what ``backend.matmul`` launches)."""
+def kernel_launcher(backend: Any, target: Optional["Target"], token_quant: Optional[int] = None) -> Launcher:
+    """The backend's GEMM kernel with a given config (what ``backend.matmul`` launches);
+    ``token_quant``: the kernel quantizes 16-bit tokens with that rule (``Problem.token_quant``)."""
 
     def launcher(a, b, config: GemmConfig) -> Callable[[], torch.Tensor]:
         if hasattr(backend, "run_gemm"):  # the kernel the backend routes to (gemm_route)
+            quant = {} if token_quant is None else {"quant": token_quant}
 
             def fn() -> torch.Tensor:
                 with backend.running():
-                    return backend.run_gemm(a, b, config, target)
+                    return backend.run_gemm(a, b, config, target, **quant)
 
             return fn
+        if token_quant is not None:
+            raise ValueError(f"{getattr(backend, 'name', backend)} has no kernel that quantizes its tokens")
         from ..backends.triton import gemm
 
         options, layout = backend.options(config), backend.scale_layout(target)

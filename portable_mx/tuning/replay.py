@@ -126,7 +126,12 @@ def plan_of(rec: dict[str, Any]) -> tuple[search.Plan, dict[GemmConfig, dict]]:
     from ..recipe import QuantRecipe
 
     pr = rec["problem"]
-    problem = search.Problem(pr["m"], pr["n"], pr["k"], QuantRecipe(**pr["recipe"]), pr.get("op", "matmul"))
+    token_quant = pr.get("token_quant")
+    if token_quant is not None and type(token_quant) is not int:
+        raise ValueError(f"recording {pr.get('shape')}: token_quant must be a scale rule's id or null; got "
+                         f"{token_quant!r}")
+    problem = search.Problem(pr["m"], pr["n"], pr["k"], QuantRecipe(**pr["recipe"]), pr.get("op", "matmul"),
+                             token_quant)
     space = GemmSpace.from_json(rec["space"])
     rows, verdicts = {}, {}
     for row in rec["candidates"]:

@@ -631,7 +631,7 @@ def recording(p: Plan, o: Outcome, *, study_name: str, arch: str, device_name: s
         "schema": RECORDING_SCHEMA,
         "problem": {"m": p.problem.m, "n": p.problem.n, "k": p.problem.k, "op": p.problem.op,
                     "recipe": p.problem.recipe.model_dump(mode="json"), "key": p.problem.key(),
-                    "shape": p.problem.shape},
+                    "shape": p.problem.shape, "token_quant": p.problem.token_quant},
         "arch": arch, "device": device_name, "target": p.target,
         "triton_version": cache.triton_version(), "kernel_hash": cache.kernel_hash(),
         "study": study_name, "seed": seed, "strategy": strategy,
@@ -716,7 +716,7 @@ def tune(
     name = study_name(p, arch, device_name)
     timer = timer or default_timer(device)
     custom_launcher = launcher is not None
-    launcher = launcher or kernel_launcher(backend, target)
+    launcher = launcher or kernel_launcher(backend, target, problem.token_quant)
     operands: list = []
 
     def measure(config: GemmConfig) -> float:

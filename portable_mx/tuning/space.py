@@ -361,7 +361,7 @@ def gemm_space(
     for name in [n for n, v in choices.items() if len(v) == 1]:
         fixed[name] = choices.pop(name)[0]
 
-    kind = ("A4W4" if a.format is None else "W4A16") + (f" a:{a.tag()} b:{b.tag()}")
+    kind = ("A4W4" if a.format is None else "W4A16" if a.quant is None else "A4W4-tokens") + f" a:{a.tag()} b:{b.tag()}"
     name = f"{'full' if full else 'default'}:{target.name if target else 'interpret'}:{kind}:{mc}-M"
     ordered = tuple((p, choices[p]) for p in PARAMS if p in choices)
     fixed_items = tuple(sorted(fixed.items()))

@@ -527,6 +527,17 @@ class TritonBackend(Backend):
         what the tuner asks to tune the kernel the dispatch launches."""
         return _values_shape(m, n, recipe) and self._a4w4_upcasts(target)
 
+    def token_quant_on(self, target: Optional[Target], m: int, n: int, recipe: QuantRecipe) -> Optional[int]:
+        """:meth:`token_quant_rule` for ``target`` without tokens (bf16, readable as
+        words): the scale rule's id with which an A4W4 matmul of M x N rows quantizes its
+        tokens inside the GEMM kernel, or None. What the tuner asks to tune that kernel
+        (``Problem.launched``)."""
+        if not (m <= self.SMALL_M and recipe.rounding == "nearest" and self.left_values_on(target, m, n, recipe)):
+            return None
+        gemm = _module(".gemm")
+        route = self.gemm_route(target, gemm.Operand(torch.bfloat16, None, 0, 0), gemm.Operand(None, None, 0))
+        return _module(".numerics").RULE_IDS[recipe.scale_rule] if route.kernel == "upcast" else None
+
     def _a4w4_upcasts(self, target: Optional[Target]) -> bool:
         """Whether the A4W4 GEMM on ``target`` decodes both operands in registers."""
         from .gemm import Operand
@@ -816,20 +827,25 @@ class TritonBackend(Backend):
         return self.default_gemm_config(target, m, a.format, a.heavy or b.heavy)
 
     def run_gemm(self, a: MXTensor | torch.Tensor, b: MXTensor, config: GemmConfig, target: Optional[Target],
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float32, quant: Optional[int] = None) -> torch.Tensor:
         """[M, N] in ``out_dtype`` = a @ b^T with ``config`` on ``target`` (None: the
         interpreter): the launch :meth:`matmul` plans for its own config, without the plan
         (the tuner times configs with it). The kernel's store writes ``out_dtype``, except
-        in the interpreter (its casts truncate): fp32 there, cast after."""
+        in the interpreter (its casts truncate): fp32 there, cast after. ``quant``: the
+        kernel quantizes the 16-bit tokens a with this scale rule's id (the one-launch
+        A4W4 of :meth:`matmul_on_values`; the upcast route only)."""
         from . import gemm, gemm_upcast
         from .gemm import Operand
 
         route = self.gemm_route(target, Operand.of(a), Operand.of(b))
         config = self.resolve_split_k(config, a.shape[0], b.shape[0], b.k_padded, self.sm_count(b.device, target))
         kernel_dtype = out_dtype if target is not None and out_dtype in STORE_DTYPES else torch.float32
+        if quant is not None and route.kernel != "upcast":
+            raise ValueError(f"{self.name}: tokens quantized in the GEMM need the upcast route; {target} runs "
+                             f"{route.kernel}")
         if route.kernel == "upcast":
             c = gemm_upcast.matmul(a, b, config, self.options(config), route.upcast, kernel_dtype,
-                                   interpreted=target is None)
+                                   interpreted=target is None, quant=quant)
         else:
             c = gemm.matmul(a, b, config, self.options(config), route.scales, kernel_dtype)
         return c if c.dtype == out_dtype else c.to(out_dtype)

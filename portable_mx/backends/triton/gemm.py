@@ -272,7 +272,7 @@ class Operand:
         """The operand's part of a config-cache key (``tuning.cache.operand_tag``)."""
         from ...tuning.cache import operand_tag
 
-        return operand_tag(FORMATS[self.format], self.macro_block, self.outliers)
+        return operand_tag(FORMATS[self.format], self.macro_block, self.outliers, self.quant is not None)
 
     @staticmethod
     def of(t: Union[MXTensor, torch.Tensor]) -> "Operand":

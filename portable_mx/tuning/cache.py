@@ -20,8 +20,8 @@ from its entries.
 "kernel_hash", "entries": {key: entry}}``: entries keyed by (op, operand kinds, shape
 bucket) -> config + measured time + the baseline it was compared with
 (:class:`ConfigEntry`). The operand kinds (format, macro block and outliers of each GEMM
-operand, e.g. ``a:e2m1/MBS-128 b:e2m1/MBS-128/OF-1``) are the part of a recipe the kernel
-sees; the shape bucket is M rounded up to a power of two, N exact, and K the padded K
+operand, e.g. ``a:e2m1/MBS-128 b:e2m1/MBS-128/OF-1``; ``a:bf16/quant`` for 16-bit tokens the
+kernel quantizes itself) are the part of a recipe the kernel sees; the shape bucket is M rounded up to a power of two, N exact, and K the padded K
 (a multiple of 32: the K the kernel loops over; design.md says "K exact", and the padded K
 is exact for every K the kernel sees: 70 and 96 launch the same loop).
 

@@ -44,8 +44,8 @@ def to_rows(x: torch.Tensor, axis: int) -> torch.Tensor:
     """x with ``axis`` (>= 0) moved last, flattened to [R, K]: x itself when it is 2-D
     with ``axis`` 1, else a view (a copy only when the layout needs one)."""
     nd = x.dim()
-    if axis == nd - 1:
-        return x if nd == 2 else x.reshape(-1, x.shape[-1])
+    if axis == nd - 1:  # (the row count spelled out: reshape(-1, 0) of an empty tensor is ambiguous)
+        return x if nd == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     xm = x.movedim(axis, -1)
     return xm.reshape(math.prod(xm.shape[:-1]), xm.shape[-1])
 
@@ -189,7 +189,7 @@ def backend_left_operand(backend, a: Operand, recipe: QuantRecipe, m: int, n: in
 def flatten_batch(a: Operand) -> Operand:
     """a [..., M, K] (a float tensor, or an MXTensor along its last axis) -> [M', K]."""
     if isinstance(a, _Tensor):
-        return a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+        return a if a.dim() == 2 else a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
     return a.rows()
 
 

@@ -164,6 +164,21 @@ def test_mbs_moves_beta_toward_one_and_cuts_the_scale_share():
 def test_empty_input():
     d = pmx.decompose(torch.empty(0, 64))
     assert d.scale_bias.shape == (0, 64) and d.beta.shape == (0, 2) and d.relative_mse() == 0.0
+    # an empty quantized axis, in 1-D and in 3-D (reshape(-1, 0) of no elements used to raise)
+    for shape, axis in (((0,), 0), ((0,), -1), ((2, 3, 0), -1), ((0, 5, 0), 2)):
+        d = pmx.decompose(torch.empty(shape), axis=axis)
+        assert d.scale_bias.shape == shape and d.relative_mse() == 0.0, shape
+
+
+def test_rows_that_overlap_in_memory():
+    """x.unfold windows share memory (stride 16 < 64): the reference used to fail to view
+    its codes as rows; the bytes and statistics are those of x.contiguous()."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)).unfold(0, 64, 16)
+    assert x.stride() == (16, 1)
+    got, want = pmx.quantize(x), pmx.quantize(x.contiguous())
+    assert torch.equal(got.qdata, want.qdata) and torch.equal(got.scales, want.scales)
+    d, e = pmx.decompose(x), pmx.decompose(x.contiguous())
+    assert torch.equal(d.dequantized, e.dequantized) and d.relative_mse() == e.relative_mse()
 
 
 def test_bad_inputs():

@@ -67,6 +67,8 @@ def test_empty_inputs():
     assert pmx.matmul(rand(4, 64), torch.empty(64, 0)).shape == (4, 0)
     z = pmx.matmul(torch.empty(3, 0), torch.empty(0, 6))
     assert z.shape == (3, 6) and z.eq(0).all()
+    z = pmx.matmul(torch.empty(2, 3, 0), torch.empty(0, 6))  # batched, K = 0 (used to raise in a reshape)
+    assert z.shape == (2, 3, 6) and z.eq(0).all()
 
 
 def test_bad_inputs():

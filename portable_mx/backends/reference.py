@@ -71,7 +71,9 @@ def encode(x: torch.Tensor, recipe: QuantRecipe) -> Encoded:
     r, k = x.shape
     kp = padded_k(k)
     nb = kp // B
-    xf = x.to(torch.float32)
+    # contiguous: rows that overlap in memory (x.unfold, as_strided) would keep their
+    # strides through the element-wise steps, and the codes could not be viewed as rows
+    xf = x.to(torch.float32).contiguous()
     if kp != k:
         xf = torch.nn.functional.pad(xf, (0, kp - k))
     xb = xf.view(r, nb, B)

@@ -56,6 +56,16 @@ class MatrixItem:
     target: "Target"
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {v}")
+    return v
+
+
 def _names(text: Optional[str]) -> Optional[list[str]]:
     if text is None:
         return None
@@ -70,13 +80,14 @@ def collect(
     """The (backend, launch, target) cells of ``backends``, in backend, target, launch
     order. Backends without ``launches`` and ``targets`` are skipped. ``targets`` and
     ``kernels`` (names) restrict the matrix; a target name that is not in ``TARGETS``
-    raises ValueError, whether it comes from the filter or from a backend."""
+    raises ValueError, whether it comes from the filter or from a backend, and so does a
+    kernel name that no backend launches on any chosen target."""
     from .backends.targets import TARGETS
 
     unknown = sorted(set(targets or ()) - set(TARGETS))
     if unknown:
         raise ValueError(f"unknown target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
-    items = []
+    items, seen = [], set()
     for backend in backends:
         launches = getattr(backend, "launches", None)
         served = getattr(backend, "targets", None)
@@ -90,8 +101,12 @@ def collect(
                 continue
             target = TARGETS[target_name]
             for launch in launches(target):
+                seen.add(launch.kernel)
                 if kernels is None or launch.kernel in kernels:
                     items.append(MatrixItem(name, launch, target))
+    unknown = sorted(set(kernels or ()) - seen)
+    if unknown and seen:
+        raise ValueError(f"unknown kernel(s) {', '.join(unknown)}; the chosen targets' kernels: {', '.join(sorted(seen))}")
     return items
 
 
@@ -194,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the matrix as JSON to PATH")
     parser.add_argument("--targets", metavar="NAMES", help="comma-separated targets (default: all each backend serves)")
     parser.add_argument("--kernels", metavar="NAMES", help="comma-separated kernel names (default: all)")
-    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+    parser.add_argument("--jobs", type=_positive, default=None, metavar="N",
                         help="compile worker processes (default: CPU count)")
 
 
@@ -223,6 +238,19 @@ def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> i
     if missing:
         print(missing, file=sys.stderr)
         return 2
+    for flag, text in (("--targets", args.targets), ("--kernels", args.kernels)):
+        if text is not None and not _names(text):
+            print(f"portable-mx compile-matrix: {flag} names nothing ({text!r})", file=sys.stderr)
+            return 2
+    if args.json:  # before the compile (minutes), not after it
+        if os.path.isdir(args.json):
+            print(f"portable-mx compile-matrix: --json {args.json} is a folder; give a file path", file=sys.stderr)
+            return 2
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        except OSError as err:
+            print(f"portable-mx compile-matrix: --json {args.json}: {err}", file=sys.stderr)
+            return 2
     try:
         items = collect(registry.registered() if backends is None else backends,
                         targets=_names(args.targets), kernels=_names(args.kernels))

@@ -62,6 +62,26 @@ def _positive(text: str) -> int:
     return v
 
 
+def _at_least_0(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {v}")
+    return v
+
+
+def _tolerance(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not (v >= 0 and v != float("inf")):  # (NaN fails the first test)
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (a fraction of the lowest error); got {text}")
+    return v
+
+
 def parse_shapes(text: str) -> list[Shape]:
     """ "1x8192x8192,4096x4096x4096" (M x N x K) or presets decode, prefill, all."""
     shapes: list[Shape] = []
@@ -151,11 +171,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay", default=None, metavar="FILES",
                         help="no device: replay recorded exhaustive runs (comma-separated JSON files from "
                              "--exhaustive --json/--record) and print each strategy's trials to within 2%% of the best")
-    parser.add_argument("--warm-jobs", type=int, default=0, metavar="N",
+    parser.add_argument("--warm-jobs", type=_at_least_0, default=0, metavar="N",
                         help="GPU: compile the configs about to be timed in N worker processes first (default 0)")
     parser.add_argument("--sm-count", type=_positive, default=None, metavar="N",
                         help="--static: rank for a device with N SMs/CUs (default: the target's, see tuning/cost.py)")
-    parser.add_argument("--jobs", type=int, default=None, metavar="N", help="compile workers (default: CPU count)")
+    parser.add_argument("--jobs", type=_positive, default=None, metavar="N", help="compile workers (default: CPU count)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--static", action="store_true", help="only the static stage, for --target, no device needed")
     parser.add_argument("--target", default=None, metavar="NAME", help="--static: sm_90, sm_100, sm_120, gfx942, gfx950")
@@ -164,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensors", default=None, metavar="FILE",
                         help="--macro: a torch.save'd tensor, list or dict of tensors for the error objective "
                              "(quantized along their last axis; default: sampled)")
-    parser.add_argument("--error-tolerance", type=float, default=None, metavar="F",
+    parser.add_argument("--error-tolerance", type=_tolerance, default=None, metavar="F",
                         help="--macro pick rule: the fastest Pareto point within F of the lowest error (default 0.10)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the interpreter, for tests
 
@@ -482,7 +502,12 @@ def run_macro(args: argparse.Namespace, device: Any) -> int:
     if args.tensors:
         import torch
 
-        loaded = torch.load(args.tensors, map_location=device, weights_only=True)
+        try:
+            loaded = torch.load(args.tensors, map_location=device, weights_only=True)
+        except Exception as err:  # noqa: BLE001  (not a torch file: pickle, zip and index errors alike)
+            print(f"portable-mx tune --macro: --tensors {args.tensors} cannot be read by torch.load "
+                  f"({type(err).__name__}: {err})", file=sys.stderr)
+            return 2
         items = loaded.values() if isinstance(loaded, dict) else loaded if isinstance(loaded, (list, tuple)) else [loaded]
         tensors = [t.float() for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1]
         if not tensors:
@@ -533,6 +558,8 @@ _FLAG_DEFAULTS = {"op": "matmul", "full": False, "exhaustive": False, "static": 
 def flag_errors(args: argparse.Namespace) -> list[str]:
     """What is wrong with this combination of flags: more than one of --static, --replay
     and --macro, a flag the chosen mode does not read, --record without --exhaustive."""
+    if args.replay is not None and not args.replay.strip(" ,"):
+        return ["--replay needs at least one recording file"]
     modes = [m for m, on in (("static", args.static), ("replay", bool(args.replay)), ("macro", args.macro)) if on]
     if len(modes) > 1:
         return [f"--{' and --'.join(modes)} are separate modes: give one"]
@@ -551,12 +578,35 @@ def flag_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def output_errors(args: argparse.Namespace) -> list[str]:
+    """Where the results go, checked before any work (a --json path that cannot be written
+    used to fail after every candidate had compiled): --json not a folder and its folder
+    creatable, --study-dir creatable."""
+    from .tuning import files
+
+    errors = []
+    if args.json:
+        if os.path.isdir(args.json):
+            errors.append(f"--json {args.json} is a folder; give a file path")
+        else:
+            try:
+                files.make_dir(os.path.dirname(os.path.abspath(args.json)))
+            except OSError as err:
+                errors.append(f"--json {args.json}: {err}")
+    if args.study_dir is not None:
+        try:
+            files.make_dir(args.study_dir)
+        except OSError as err:
+            errors.append(f"--study-dir: {err}")
+    return errors
+
+
 def run(args: argparse.Namespace) -> int:
     """The subcommand (see the module doc)."""
     if args.trials is not None and args.trials < 0:
         print("portable-mx tune: --trials must be >= 0", file=sys.stderr)
         return 2
-    errors = flag_errors(args)
+    errors = flag_errors(args) or output_errors(args)
     if errors:
         for e in errors:
             print(f"portable-mx tune: {e}", file=sys.stderr)

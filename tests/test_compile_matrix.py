@@ -348,11 +348,29 @@ def test_cli_table_json_and_exit_status(stub_registered, tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == "compile matrix: 1 rows, no problems"
 
 
-def test_cli_usage_errors(stub_registered, capsys):
+def test_cli_usage_errors(stub_registered, capsys, tmp_path, monkeypatch):
+    """Usage errors exit 2 with a message, before anything compiles: an unknown target or
+    kernel (a misspelt kernel used to exit 1, "rows have problems", with no list of the
+    names), a filter that names nothing, a --json path that cannot be written (it used to
+    raise after the whole compile), a --jobs below 1 (it used to run with one worker)."""
+    import portable_mx.aot
+
+    monkeypatch.setattr(portable_mx.aot, "compile_all", lambda *a, **k: pytest.fail("compiled"))
     assert cli.main(["compile-matrix", "--targets", "sm_75"]) == 2
     assert "unknown target" in capsys.readouterr().err
-    assert cli.main(["compile-matrix", "--kernels", "no_such_kernel"]) == 1
-    assert "nothing to compile" in capsys.readouterr().out
+    assert cli.main(["compile-matrix", "--kernels", "no_such_kernel,scale_probe"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown kernel(s) no_such_kernel" in err and "fp16_dot_probe" in err and "scale_probe" in err
+    for flag in ("--targets", "--kernels"):
+        assert cli.main(["compile-matrix", flag, " , "]) == 2
+        assert f"{flag} names nothing" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    for path, words in ((tmp_path, "is a folder"), (tmp_path / "file" / "m.json", "file")):
+        assert cli.main(["compile-matrix", "--kernels", "scale_probe", "--json", str(path)]) == 2
+        assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["compile-matrix", "--jobs", "-5"])
+    assert exc.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
 def test_real_backends_compile_clean_on_all_targets(tmp_path):

@@ -654,6 +654,41 @@ def test_tune_refuses_flags_the_mode_does_not_read(argv, words, capsys, monkeypa
     assert words in capsys.readouterr().err
 
 
+def test_tune_checks_where_results_go_and_its_numbers_before_any_work(tmp_path, capsys, monkeypatch):
+    """--json to a folder or under a file, --study-dir under a file: exit 2 before anything
+    compiles (--static used to compile every candidate, then raise writing the JSON);
+    --jobs < 1, --warm-jobs < 0, a negative or NaN --error-tolerance (accepted, then the
+    macro study failed at its end), --replay naming no file, a recording that is no JSON."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(AssertionError("ran")))
+    (tmp_path / "file").write_text("x")
+    static = ["--static", "--target", "sm_90"]
+    for argv, words in (([*static, "--json", str(tmp_path)], "is a folder"),
+                        ([*static, "--json", str(tmp_path / "file" / "x.json")], "--json"),
+                        ([*static, "--study-dir", str(tmp_path / "file" / "d")], "--study-dir"),
+                        (["--replay", " , "], "--replay needs at least one recording file")):
+        assert cli.main(["tune", *argv]) == 2, argv
+        assert words in capsys.readouterr().err
+    for argv, words in ((["--jobs", "0"], "must be >= 1"), (["--warm-jobs", "-1"], "must be >= 0"),
+                        (["--macro", "--error-tolerance", "-0.5"], "finite number >= 0"),
+                        (["--macro", "--error-tolerance", "nan"], "finite number >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["tune", *argv])
+        assert exc.value.code == 2 and words in capsys.readouterr().err
+    (tmp_path / "r.json").write_text("not json")
+    assert cli.main(["tune", "--replay", str(tmp_path / "r.json")]) == 2
+    assert f"{tmp_path / 'r.json'}: not a JSON file" in capsys.readouterr().err
+
+
+@interpreted
+def test_tune_macro_tensors_that_torch_cannot_load_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
+    (tmp_path / "t.pt").write_text("not a torch file")
+    argv = ["tune", "--device", "cpu", "--macro", "--shapes", "16x64x128", "--tensors", str(tmp_path / "t.pt"),
+            "--study-dir", str(tmp_path / "s")]
+    assert cli.main(argv) == 2
+    assert "cannot be read by torch.load" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, words", [
     ("w4a16,a4w4", "different operand kinds"),
     ("a4w4,w4a16-fp16", "different operand kinds"),

@@ -64,7 +64,10 @@ class ReplayResult:
 def load(path: Union[str, Path]) -> list[dict[str, Any]]:
     """The recordings in a JSON file: one recording, a list of them, or a document with a
     ``recordings`` list or ``results`` entries holding a ``recording`` (``tune --json``)."""
-    doc = json.loads(Path(path).read_text())
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON file ({type(err).__name__}: {err})") from None
     if isinstance(doc, dict) and doc.get("schema") == search.RECORDING_SCHEMA:
         return [doc]
     if isinstance(doc, dict) and "recordings" in doc:

@@ -646,7 +646,7 @@ def _default_device() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXIT_CODES
-    parser.add_argument("--corpus", choices=CORPORA, default="small",
+    parser.add_argument("--corpus", choices=CORPORA, default=None,
                         help="small: seconds on a CPU, even in the Triton interpreter; full: for GPUs (default small)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--backend", default=None, metavar="NAME",
@@ -743,12 +743,20 @@ def run(args: argparse.Namespace) -> int:
     device cannot be used, 3 = nothing was checked (an unreadable or empty report, a
     ``--filter`` that matches nothing)."""
     if args.compare:
+        ignored = [f"--{k}" for k in ("corpus", "device", "backend", "json", "filter") if getattr(args, k) is not None]
+        if ignored:  # (they were ignored: --json wrote nothing, a --filter'ed report compared as all missing)
+            print(f"parity --compare compares report files as they are: {', '.join(ignored)} "
+                  f"{'does' if len(ignored) == 1 else 'do'} not apply", file=sys.stderr)
+            return EXIT_UNAVAILABLE
         return _run_compare(args.compare)
     from . import registry
 
+    args.corpus = args.corpus or "small"
     try:
         device = torch.device(args.device or _default_device())
         torch.empty(1, device=device)
+        if device.type == "meta":
+            raise ValueError("meta tensors hold no values to compare")
     except Exception as err:  # no such device here: say so once, not once per case
         print(f"parity: cannot use device {args.device or _default_device()}: {type(err).__name__}: {err}",
               file=sys.stderr)

@@ -225,6 +225,20 @@ def test_cli_refuses_a_device_it_cannot_use(capsys):
     # no machine has a 100th GPU: the same outcome with and without a GPU here
     assert parity.run(_parser().parse_args(["--device", "cuda:99", "--filter", "*/tiny/*"])) == 2
     assert "cannot use device cuda:99" in capsys.readouterr().err
+    # meta tensors hold no values: every case used to fail, reported as a parity failure (1)
+    assert parity.run(_parser().parse_args(["--device", "meta", "--filter", "*/tiny/*"])) == 2
+    assert "cannot use device meta" in capsys.readouterr().err
+
+
+def test_cli_compare_refuses_the_flags_of_a_run(tmp_path, capsys, monkeypatch):
+    """--compare reads report files as they are: --json (it wrote nothing), --filter (a
+    filtered report compared as all-missing anyway), --corpus, --device and --backend are
+    refused rather than ignored."""
+    monkeypatch.setattr(parity, "_run_compare", lambda paths: pytest.fail("compared"))
+    for flag, value in (("--json", str(tmp_path / "c.json")), ("--filter", "*/edge/*"), ("--corpus", "small"),
+                        ("--device", "cpu"), ("--backend", "reference")):
+        assert parity.run(_parser().parse_args(["--compare", "a.json", "b.json", flag, value])) == 2
+        assert f"{flag} does not apply" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_device_string_and_a_json_path_it_cannot_use_before_running(tmp_path, capsys, monkeypatch):

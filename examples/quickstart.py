@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rows", type=int, default=1024)
     args = parser.parse_args()
+    if args.rows < 1:
+        parser.error(f"--rows must be >= 1; got {args.rows}")
     torch.manual_seed(0)  # StudentT samples from the global generator
     gen = torch.Generator().manual_seed(0)
     data = {

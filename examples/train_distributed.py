@@ -19,8 +19,9 @@ with ``torch.distributed.checkpoint`` (``get_state_dict``) into ``OUT/step_<n>``
 mid-save leaves the previous checkpoint intact). ``--resume`` continues from the latest
 one, on any number of processes; ``--kill-at S`` SIGKILLs every rank in the middle of
 step S (after the backward, before the optimizer step), as a preempted job would die.
-Rank 0 appends each step's loss (averaged over the ranks) to ``OUT/loss.jsonl``: a run
-resumed after a kill continues the uninterrupted run's loss curve exactly.
+Rank 0 appends each step's loss (averaged over the ranks) to ``OUT/loss.jsonl``, once per
+step (a resumed run drops the lines of the steps after its checkpoint, which it runs
+again): a run resumed after a kill continues the uninterrupted run's loss curve exactly.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out", type=Path, required=True, help="checkpoints and loss.jsonl")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--ckpt-every", type=int, default=10)
@@ -147,7 +148,13 @@ def main() -> None:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rank == 0:
             print(f"resumed from {path} (step {start}) on {world} processes", flush=True)
-    log = open(args.out / "loss.jsonl", "a") if rank == 0 else None
+    log = None
+    if rank == 0:  # the log holds each step once: a resumed run rewrites the steps after its checkpoint
+        path = args.out / "loss.jsonl"
+        kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+                if line.strip() and json.loads(line)["step"] < start]
+        path.write_text("".join(line + "\n" for line in kept))
+        log = open(path, "a")
 
     per_rank = args.batch // world
     for step in range(start, args.steps):

@@ -4,11 +4,11 @@ Public API: :func:`quantize`, :func:`dequantize`, :func:`decompose`, :func:`matm
 :func:`grouped_matmul` and :func:`route` (:class:`Routing`; mixtures of experts),
 :func:`backends`, :class:`QuantRecipe`, :class:`MXTensor`, :class:`Decomposition`, and the
 training module :mod:`portable_mx.nn` (:class:`~portable_mx.nn.MXLinear`,
-:func:`~portable_mx.nn.convert`).
+:func:`~portable_mx.nn.convert`) and :mod:`portable_mx.aqn` (adaptive quantization noise).
 """
 
 from . import backends as _backends  # noqa: F401  (registers the shipped backends)
-from . import nn
+from . import aqn, nn
 from .decompose import Decomposition
 from .moe import Routing, grouped_matmul, route
 from .ops import backends, decompose, dequantize, matmul, quantize  # (ops registers the portable_mx:: torch ops)
@@ -22,6 +22,7 @@ __all__ = [
     "MXTensor",
     "QuantRecipe",
     "Routing",
+    "aqn",
     "backends",
     "decompose",
     "dequantize",

@@ -172,7 +172,8 @@ def refresh_rollout_copy(
     """Make ``rollout`` the trained weights plus fresh AQN noise: copy every parameter and
     buffer of ``trained`` into ``rollout`` (same module structure; names must match), then
     :func:`add_rmsnorm_noise`. Call it after every optimizer step. ``trained`` is only
-    read. Returns the number of norm weights that got noise."""
+    read. Returns the number of distinct norm weights refreshed (:func:`add_rmsnorm_noise`;
+    at sigma = 0 they are refreshed and get no noise)."""
     if trained is rollout:
         raise ValueError("the rollout copy must be a different module from the trained model")
     src = dict(trained.named_parameters())

@@ -12,7 +12,10 @@ once and remembers it by identity (so a valid recipe changed in place afterwards
 
 The constructor interns: equal keyword arguments give the same object
 (``QuantRecipe(activations="bf16") is QuantRecipe(activations="bf16")``), so that a
-recipe built per call costs a dictionary lookup and hits every identity-keyed memo. Under
+recipe built per call costs a dictionary lookup and hits every identity-keyed memo. The
+one exception is ``QuantRecipe()`` with no argument: pydantic's own copies and unpickling
+come through that call too, filling the blank object it returns, so it cannot hand out a
+shared one; each makes a new default recipe (``recipe.DEFAULT_RECIPE`` is the shared one). Under
 ``torch.compile`` the same lookup makes a recipe built inside the compiled function a
 constant of the graph (no graph break, no recompilation).
 """

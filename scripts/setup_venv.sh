@@ -38,8 +38,11 @@ EOF
 fi
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1 || command -v rocminfo >/dev/null 2>&1; then
-    echo "setup: GPU machine with no torch: installing the default torch build"
+  if [ -n "${TORCH_SPEC:-}" ]; then
+    echo "setup: no torch: installing $torch_spec (TORCH_SPEC)"
+    "${pip[@]}" "$torch_spec"
+  elif command -v nvidia-smi >/dev/null 2>&1 || command -v rocminfo >/dev/null 2>&1; then
+    echo "setup: GPU machine with no torch: installing the default torch build (TORCH_SPEC chooses another)"
     "${pip[@]}" torch
   else
     echo "setup: no GPU: installing $torch_spec"

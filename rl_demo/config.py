@@ -50,6 +50,7 @@ class DemoConfig:
     lr: float = 3e-4
     clip_eps: float = 0.2
     kl_coef: float = 0.02
+    kl_cap: float = 10.0  # per-token k3 capped here (grpo.grpo_loss); inf: uncapped
     temperature: float = 1.0
     grad_clip: float = 1.0
     # numerics of the corrected arms

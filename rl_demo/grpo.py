@@ -6,10 +6,15 @@ noise); exact-match rewards; advantages normalised within each group
 (A = (r - mean) / (std + 1e-6), 0 for a group whose rewards are all equal); then
 ``minibatches`` AdamW steps on the clipped-ratio loss
 
-    L = mean_tokens[ -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + kl_coef * k3 ]
+    L = mean_tokens[ -min(rho A, clip(rho, 1 - eps, 1 + eps) A) + kl_coef * min(k3, kl_cap) ]
 
 with rho = pi_theta / pi_rollout (the log-probabilities the rollout model sampled with),
-and k3 = exp(ref - logp) - (ref - logp) - 1 the KL estimator to the warm-up policy.
+and k3 = exp(d) - d - 1, d = ref - logp, the KL estimator to the warm-up policy
+(:func:`grpo_loss`). k3 grows as exp(d): one token that the warm-up policy likes and the
+trained one all but rules out (d = 27 gives 5e11) would otherwise outweigh the whole
+clipped policy term, so each token's k3 is capped at ``kl_cap`` (10, as verl's
+``low_var_kl`` clamps it; volcengine/verl, trainer/ppo/core_algos.py), and the fraction
+of capped tokens is logged per iteration (``kl_capped``).
 """
 
 from __future__ import annotations
@@ -131,6 +136,34 @@ def evaluate(cfg: DemoConfig, arm: Arm, model: GPT, view: GPT, rollout: Optional
     return out
 
 
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, adv: torch.Tensor,
+              clip_eps: float, kl_coef: float, kl_cap: float = 10.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped-ratio GRPO loss of the module doc.
+
+    ``logp`` / ``old_logp`` / ``ref_logp``: (B, T) log-probabilities of the sampled tokens
+    under the policy being trained (with grad), the rollout model and the reference;
+    ``adv``: (B,) advantages. Returns (loss, stats) with stats detached: ``k3`` (B, T,
+    after the cap), ``capped`` (the fraction of tokens whose k3 reached ``kl_cap``) and
+    ``clipped`` (the fraction whose ratio left [1 - eps, 1 + eps]).
+
+    A capped token adds nothing to the gradient. d is clamped to [-20, 20] before the
+    exponential (k3(20) = 4.9e8 is far above any cap), so that exp never overflows: an
+    infinite k3 would make the clamp's zero gradient 0 * inf = NaN."""
+    if not kl_cap > 0:
+        raise ValueError(f"kl_cap must be > 0 (inf: uncapped); got {kl_cap}")
+    ratio = torch.exp(logp - old_logp)
+    A = adv[:, None]
+    pg = -torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    k3_raw = torch.exp(d) - d - 1
+    k3 = k3_raw.clamp(max=kl_cap)
+    loss = (pg + kl_coef * k3).mean()
+    with torch.no_grad():
+        stats = {"k3": k3.detach(), "capped": (k3_raw >= kl_cap).float().mean(),
+                 "clipped": ((ratio - 1).abs() > clip_eps).float().mean()}
+    return loss, stats
+
+
 def run_arm(
     cfg: DemoConfig,
     arm: Arm,
@@ -171,7 +204,8 @@ def run_arm(
     sample_gen = torch.Generator().manual_seed(base + 2)
     perm_gen = torch.Generator().manual_seed(base + 4)
     g = cfg.group_size
-    curve = {k: [] for k in ("iteration", "reward", "entropy", "kl_ref", "clip_fraction", "loss", "sigma", "seconds")}
+    curve = {k: [] for k in ("iteration", "reward", "entropy", "kl_ref", "kl_capped", "clip_fraction", "loss", "sigma",
+                             "seconds")}
     evals = []
     bar = _tqdm(progress, cfg.iterations, f"GRPO {arm.name} seed {seed}")
     opt_step = 0
@@ -194,15 +228,10 @@ def run_arm(
         with torch.no_grad():
             ref_logp = token_logprobs(ref, p, ans, pos)
         order = torch.randperm(p.shape[0], generator=perm_gen).to(dev)
-        kls, clips, losses = [], [], []
+        kls, capped, clips, losses = [], [], [], []
         for mb in order.chunk(cfg.minibatches):
             logp = token_logprobs(view, p[mb], ans[mb], pos)
-            ratio = torch.exp(logp - old_logp[mb])
-            A = adv[mb][:, None]
-            pg = -torch.minimum(ratio * A, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * A)
-            d = ref_logp[mb] - logp
-            k3 = torch.exp(d) - d - 1
-            loss = (pg + cfg.kl_coef * k3).mean()
+            loss, st = grpo_loss(logp, old_logp[mb], ref_logp[mb], adv[mb], cfg.clip_eps, cfg.kl_coef, cfg.kl_cap)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -210,11 +239,13 @@ def run_arm(
             opt_step += 1
             if rollout is not None:  # fresh noise after every update, on the copy only
                 refresh_rollout_copy(view, rollout, schedule.sigma(opt_step), generator=noise_gen)
-            kls.append(float(k3.detach().mean()))
-            clips.append(float(((ratio - 1).abs() > cfg.clip_eps).float().mean()))
+            kls.append(float(st["k3"].mean()))
+            capped.append(float(st["capped"]))
+            clips.append(float(st["clipped"]))
             losses.append(float(loss.detach()))
         for k, v in (("iteration", it), ("reward", float(r.mean())), ("entropy", float(ent.mean())),
-                     ("kl_ref", sum(kls) / len(kls)), ("clip_fraction", sum(clips) / len(clips)),
+                     ("kl_ref", sum(kls) / len(kls)), ("kl_capped", sum(capped) / len(capped)),
+                     ("clip_fraction", sum(clips) / len(clips)),
                      ("loss", sum(losses) / len(losses)), ("sigma", sigma),
                      ("seconds", time.perf_counter() - t0)):
             curve[k].append(v)

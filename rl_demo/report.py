@@ -19,13 +19,13 @@ results.json (schema "rl_demo.results/1"; every float finite unless listed in
                   entropy, entropy_exact, kl_exact_mode}}, all_vs_mxfp4_grad {cos, rel_err,
                   norm_ratio}
     arms {name:   label, recipe (QuantRecipe fields or null), recipe_tag, measured_with, aqn,
-                  summary {reward_start, reward_end, reward_gain, rollout_entropy_end,
+                  summary {reward_start, reward_end, reward_gain, rollout_entropy_end, kl_capped,
                   final_greedy_accuracy_hp|_q|_rollout, final_entropy_hp|_q|_rollout,
                   final_kl_hp_q, final_grad_cos|rel_err|norm_ratio, mean_grad_*, seconds:
                   each {mean, std, n} over seeds},
                   decomposition_start / decomposition_start_mean / decomposition_end_mean,
                   seeds {seed: {seconds, optimizer_steps, aqn_schedule?,
-                    curve {iteration, reward, entropy, kl_ref, clip_fraction, loss, sigma,
+                    curve {iteration, reward, entropy, kl_ref, kl_capped, clip_fraction, loss, sigma,
                            seconds: [per iteration]},
                     evals [{iteration, greedy_accuracy_hp, greedy_accuracy_q,
                             greedy_accuracy_rollout?, entropy_hp, entropy_q,
@@ -116,17 +116,19 @@ def markdown(results: dict) -> str:
              "forward (for high precision: plain MXFP4 applied to its weights, a shadow), "
              "`hp` = the fp32 forward of the same weights. Gradient: cosine / relative error / "
              "norm ratio of the whole-model probe gradient through `q` against `hp`. "
+             f"k3 capped: the fraction of sampled tokens whose KL term reached the cap "
+             f"({results['config'].get('kl_cap')}), over all iterations. "
              "mean ± std over seeds.\n")
     L.append("| arm | recipe | reward start | reward end | gain | greedy acc q | greedy acc hp | "
-             "entropy q | entropy hp | KL(hp‖q) | grad cos | grad rel err | grad norm ratio |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+             "entropy q | entropy hp | KL(hp‖q) | grad cos | grad rel err | grad norm ratio | k3 capped |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, a in results["arms"].items():
         s = a["summary"]
         L.append(f"| {a['label']} | {a['recipe_tag']}{' + AQN' if a['aqn'] else ''} | {_fmt(s['reward_start'])} | "
                  f"{_fmt(s['reward_end'])} | {_fmt(s['reward_gain'])} | {_fmt(s['final_greedy_accuracy_q'])} | "
                  f"{_fmt(s['final_greedy_accuracy_hp'])} | {_fmt(s['final_entropy_q'])} | "
                  f"{_fmt(s['final_entropy_hp'])} | {_fmt(s['final_kl_hp_q'], 4)} | {_fmt(s['final_grad_cos'], 4)} | "
-                 f"{_fmt(s['final_grad_rel_err'])} | {_fmt(s['final_grad_norm_ratio'])} |")
+                 f"{_fmt(s['final_grad_rel_err'])} | {_fmt(s['final_grad_norm_ratio'])} | {_fmt(s['kl_capped'], 5)} |")
     L.append("")
 
     L.append("## Same weights: every arm's numerics at the warm-up checkpoint (iteration 0)\n")

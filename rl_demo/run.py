@@ -100,6 +100,7 @@ def summarize_arm(seeds: dict[str, dict], window: int) -> dict[str, Any]:
         "reward_end": per_seed(lambda s: mean(s["curve"]["reward"][-window:])),
         "reward_gain": per_seed(lambda s: mean(s["curve"]["reward"][-window:]) - mean(s["curve"]["reward"][:window])),
         "rollout_entropy_end": per_seed(lambda s: mean(s["curve"]["entropy"][-window:])),
+        "kl_capped": per_seed(lambda s: mean(s["curve"]["kl_capped"])),
         "seconds": per_seed(lambda s: s["seconds"]),
     }
     for k in ("greedy_accuracy_hp", "greedy_accuracy_q", "entropy_hp", "entropy_q", "kl_hp_q",

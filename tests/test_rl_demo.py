@@ -233,7 +233,8 @@ def test_study_verdict_rules():
 def test_study_unit_metrics_by_hand():
     from rl_demo.study.analysis import unit_metrics
 
-    log = {"curve": {"reward": [0.1, 0.2, 0.3, 0.5, 0.6, 0.9], "entropy": [1.0, 0.9, 0.8, 0.7, 0.6, 0.2]},
+    log = {"curve": {"reward": [0.1, 0.2, 0.3, 0.5, 0.6, 0.9], "entropy": [1.0, 0.9, 0.8, 0.7, 0.6, 0.2],
+                     "kl_capped": [0.0, 0.0, 0.25, 0.0, 0.0, 0.05]},
            "evals": [{"iteration": 0, "greedy_accuracy_q": 0.5, "greedy_accuracy_hp": 0.6, "kl_hp_q": 0.02,
                       "grad": {"all": {"cos": 0.9}}},
                      {"iteration": 6, "greedy_accuracy_q": 0.8, "greedy_accuracy_hp": 0.7, "kl_hp_q": 0.04,
@@ -245,6 +246,57 @@ def test_study_unit_metrics_by_hand():
     assert m["start_accuracy"] == 0.5 and m["final_accuracy"] == 0.8
     assert m["start_grad_cos"] == 0.9 and m["grad_cos"] == pytest.approx(0.8)
     assert m["start_kl"] == 0.02 and m["kl"] == pytest.approx(0.03)
+    assert m["kl_capped"] == pytest.approx(0.05)
+
+
+def test_grpo_loss_matches_float64_and_caps_the_kl_term():
+    """The clipped-ratio loss against a float64 transcription of its formula, and its
+    gradient against the derivative written out by hand; a token whose k3 would be huge
+    (d = ref - logp = 30: k3 = 1e13, or 200: exp overflows in fp32) adds the cap to the
+    loss and nothing to the gradient, where before it outweighed every other token (or
+    made the loss inf and the gradient NaN)."""
+    from rl_demo.grpo import grpo_loss
+
+    eps, coef, cap = 0.2, 0.02, 10.0
+    logp = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -3.0, -0.7]])
+    old = torch.tensor([[-0.6, -1.0, -1.5], [-0.4, -3.2, -0.7]])
+    ref = torch.tensor([[-0.4, 29.0, -2.5], [-0.1, 197.0, -1.9]])  # d = 30 and 200 at column 1
+    adv = torch.tensor([0.8, -1.3])
+    x = logp.clone().requires_grad_(True)
+    loss, st = grpo_loss(x, old, ref, adv, eps, coef, cap)
+    loss.backward()
+
+    total, grads, n_capped, n_clipped = 0.0, [], 0, 0
+    for i in range(2):
+        row = []
+        for j in range(3):
+            lp, o, r, a = float(logp[i, j]), float(old[i, j]), float(ref[i, j]), float(adv[i])
+            rho = math.exp(lp - o)
+            lo, hi = 1 - eps, 1 + eps
+            rc = min(max(rho, lo), hi)
+            pg = -min(rho * a, rc * a)
+            # d(pg)/d(lp): the unclipped branch is active when rho*a <= rc*a
+            dpg = -rho * a if rho * a <= rc * a else (-rc * a if lo < rho < hi else 0.0)
+            d = r - lp
+            k3 = math.expm1(d) - d if d < 700 else math.inf
+            capped = k3 >= cap
+            n_capped += capped
+            n_clipped += abs(rho - 1) > eps
+            total += pg + coef * min(k3, cap)
+            # d k3 / d lp = -(exp(d) - 1) = 1 - exp(d), zero once capped
+            row.append((dpg + (0.0 if capped else coef * (1 - math.exp(d)))) / 6)
+        grads.append(row)
+    assert float(loss.detach()) == pytest.approx(total / 6, rel=1e-5)
+    assert torch.allclose(x.grad, torch.tensor(grads, dtype=torch.float32), rtol=1e-5, atol=1e-7)
+    assert float(st["capped"]) == pytest.approx(n_capped / 6) and n_capped == 2
+    assert float(st["clipped"]) == pytest.approx(n_clipped / 6)
+    assert float(st["k3"].max()) == cap
+    # uncapped (inf), d is still clamped at 20 before exp: the two tokens' k3 are
+    # exp(20) - 21 = 4.9e8 each, finite, and they outweigh every other term
+    inf_loss, _ = grpo_loss(logp, old, ref, adv, eps, coef, math.inf)
+    assert float(inf_loss) == pytest.approx((total + 2 * coef * (math.expm1(20) - 20 - cap)) / 6, rel=1e-5)
+    with pytest.raises(ValueError, match="kl_cap"):
+        grpo_loss(logp, old, ref, adv, eps, coef, 0.0)
 
 
 def test_study_scale_follows_the_device():

@@ -19,6 +19,8 @@ so its differences between arms are the numerics alone):
   the evaluations (1 for fp32).
 - ``start_kl`` / ``kl``: KL(fp32 forward || arm's forward) of the same weights, at the
   checkpoint / averaged over the evaluations (0 for fp32).
+- ``kl_capped``: the fraction of sampled tokens whose k3 KL term reached the cap
+  (``DemoConfig.kl_cap``; :func:`rl_demo.grpo.grpo_loss`), averaged over the iterations.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from . import stats
 from .design import ARMS, PROBE_CLAIMS, StudyConfig
 
 METRICS = ("final_reward", "start_reward", "reward_gain", "entropy", "final_entropy", "start_accuracy",
-           "final_accuracy", "start_grad_cos", "grad_cos", "start_kl", "kl")
+           "final_accuracy", "start_grad_cos", "grad_cos", "start_kl", "kl", "kl_capped")
 METRIC_LABELS = {
     "final_reward": "final reward", "start_reward": "start reward", "reward_gain": "reward gain",
     "entropy": "rollout entropy", "final_entropy": "rollout entropy (final)",
     "start_accuracy": "greedy accuracy (checkpoint)", "final_accuracy": "greedy accuracy (final)",
     "start_grad_cos": "gradient cosine (checkpoint)", "grad_cos": "gradient cosine (mean)",
     "start_kl": "KL(fp32 || arm) (checkpoint)", "kl": "KL(fp32 || arm) (mean)",
+    "kl_capped": "k3 capped (token fraction)",
 }
 PROBE_SIGNALS = ("grad_err", "acc_drop", "entropy_shift")
 COMPONENTS = ("scale", "dead", "grid")
@@ -57,6 +60,7 @@ def unit_metrics(log: dict[str, Any], window: int) -> dict[str, float]:
         "start_accuracy": ev[0]["greedy_accuracy_q"], "final_accuracy": ev[-1]["greedy_accuracy_q"],
         "start_grad_cos": ev[0]["grad"]["all"]["cos"], "grad_cos": _mean([e["grad"]["all"]["cos"] for e in ev]),
         "start_kl": ev[0]["kl_hp_q"], "kl": _mean([e["kl_hp_q"] for e in ev]),
+        "kl_capped": _mean(log["curve"]["kl_capped"]),
     }
 
 

@@ -146,13 +146,13 @@ def markdown(results: dict[str, Any], timing: dict[str, Any]) -> str:
 
     L.append("## Arms (mean and interval over seeds)\n")
     shown = ("start_reward", "final_reward", "reward_gain", "entropy", "start_accuracy", "final_accuracy",
-             "start_grad_cos", "grad_cos", "start_kl")
+             "start_grad_cos", "grad_cos", "start_kl", "kl_capped")
     L.append("| arm | recipe | " + " | ".join(METRIC_LABELS[k] for k in shown) + " |")
     L.append("|---|---|" + "---|" * len(shown))
     for a, arm in results["arms"].items():
         st = arm["statistics"]
         L.append(f"| {arm['label']} | {arm['recipe_tag']}{' + AQN' if arm['aqn'] else ''} | "
-                 + " | ".join(_mv(st[k], 4 if "kl" in k else 3) for k in shown) + " |")
+                 + " | ".join(_mv(st[k], 5 if k == "kl_capped" else 4 if "kl" in k else 3) for k in shown) + " |")
     L.append("")
     for key, title in (("parent", "one factor: each arm minus its parent"), ("fp32", "each arm minus fp32"),
                        ("mxfp4", "each arm minus plain MXFP4")):

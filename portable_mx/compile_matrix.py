@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
+from ._argtypes import int_at_least
+
 if TYPE_CHECKING:
     from .aot import CompileResult
     from .backends.targets import Target
@@ -54,16 +56,6 @@ class MatrixItem:
     backend: str
     launch: "KernelLaunch"
     target: "Target"
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {v}")
-    return v
 
 
 def _names(text: Optional[str]) -> Optional[list[str]]:
@@ -209,7 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the matrix as JSON to PATH")
     parser.add_argument("--targets", metavar="NAMES", help="comma-separated targets (default: all each backend serves)")
     parser.add_argument("--kernels", metavar="NAMES", help="comma-separated kernel names (default: all)")
-    parser.add_argument("--jobs", type=_positive, default=None, metavar="N",
+    parser.add_argument("--jobs", type=int_at_least(1), default=None, metavar="N",
                         help="compile worker processes (default: CPU count)")
 
 

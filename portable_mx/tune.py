@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Any, Optional
 
+from ._argtypes import finite_at_least_0, int_at_least
 HELP = ("tune the GEMM's tiles on this device (Optuna) into the config cache; --static: only "
         "the ahead-of-time pruning and cost-model ranking for a --target; --replay: a recorded exhaustive run, "
         "no device; --macro: macro-block study")
@@ -51,35 +52,8 @@ RECIPE_PRESETS = {"a4w4": {}, "w4a16": {"activations": "bf16"}, "w4a16-bf16": {"
                   "w4a16-fp16": {"activations": "fp16"}}
 
 
-def _positive(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {v}")
-    return v
-
-
-def _at_least_0(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0; got {v}")
-    return v
-
-
-def _tolerance(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
-    if not (v >= 0 and v != float("inf")):  # (NaN fails the first test)
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (a fraction of the lowest error); got {text}")
-    return v
+_positive = int_at_least(1)
+_at_least_0 = int_at_least(0)
 
 
 def parse_shapes(text: str) -> list[Shape]:
@@ -184,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensors", default=None, metavar="FILE",
                         help="--macro: a torch.save'd tensor, list or dict of tensors for the error objective "
                              "(quantized along their last axis; default: sampled)")
-    parser.add_argument("--error-tolerance", type=_tolerance, default=None, metavar="F",
+    parser.add_argument("--error-tolerance", type=finite_at_least_0, default=None, metavar="F",
                         help="--macro pick rule: the fastest Pareto point within F of the lowest error (default 0.10)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the interpreter, for tests
 

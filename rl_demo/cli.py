@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+from portable_mx._argtypes import int_at_least
+
 HELP = """GRPO with MXFP4 layers on reversed-digit arithmetic: a supervised warm-up, then arms
 that differ only in numerics (high precision; MXFP4; +MBS; +MBS+OF; +MBS+OF+AQN), with
 gradient accuracy, rollout quality, entropy, the error decomposition, a component probe,
@@ -18,21 +20,8 @@ and decomposition parity across the backends on this machine. Writes results.jso
 report.md and report.png under --out."""
 
 
-def _int_at_least(low: int):
-    """argparse type: an int >= ``low`` (0 and negative counts were taken for the preset's
-    or failed deep inside torch)."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}; got {v}")
-        return v
-
-    return parse
-
-
+# (0 and negative counts were taken for the preset's or failed deep inside torch)
+_int_at_least = int_at_least
 _positive_int = _int_at_least(1)
 
 

@@ -729,23 +729,24 @@ def test_tune_static_prints_survivors_and_pruned_by_reason(tmp_path, capsys, mon
     assert cli.main(argv) == 0 and len(fake.compiled) == doc["compiles"]  # verdicts reused
 
 
-@interpreted
-def test_tune_trials_0_on_a_fresh_study_says_nothing_was_measured(tmp_path, capsys, monkeypatch):
+def _interpreted_tune(tmp_path, monkeypatch, trials: int) -> list[str]:
+    """`portable-mx tune` argv for the 32x64x128 problem on the interpreter, the fake timer timing."""
     monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
     monkeypatch.setattr(search, "host_timer", lambda fn, config=None: fake_ms(config))
-    argv = ["tune", "--device", "cpu", "--shapes", "32x64x128", "--trials", "0", "--study-dir", str(tmp_path),
+    return ["tune", "--device", "cpu", "--shapes", "32x64x128", "--trials", str(trials), "--study-dir", str(tmp_path),
             "--out", str(tmp_path / "out")]
-    rc = cli.main(argv)
+
+
+@interpreted
+def test_tune_trials_0_on_a_fresh_study_says_nothing_was_measured(tmp_path, capsys, monkeypatch):
+    rc = cli.main(_interpreted_tune(tmp_path, monkeypatch, trials=0))
     err = capsys.readouterr().err
     assert rc == 1 and "32x64x128: no config measured" in err and "--trials 0 measures nothing new" in err
 
 
 @interpreted
 def test_tune_command_end_to_end_on_the_interpreter(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
-    monkeypatch.setattr(search, "host_timer", lambda fn, config=None: fake_ms(config))
-    argv = ["tune", "--device", "cpu", "--shapes", "32x64x128", "--trials", "4", "--study-dir", str(tmp_path),
-            "--out", str(tmp_path / "out")]
+    argv = _interpreted_tune(tmp_path, monkeypatch, trials=4)
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     import triton

@@ -606,13 +606,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_GPU
     from .tuning import cache, files
 
-    for directory in (args.out or cache.cache_dir(), args.study_dir):
-        try:  # before the search, not after it: where its results go
-            if directory is not None:
-                files.make_dir(directory)
-        except OSError as err:
-            print(f"portable-mx tune: {err}", file=sys.stderr)
-            return 2
+    try:  # before the search, not after it: where its results go (--study-dir: output_errors)
+        files.make_dir(args.out or cache.cache_dir())
+    except OSError as err:
+        print(f"portable-mx tune: {err}", file=sys.stderr)
+        return 2
     try:
         return run_macro(args, device) if args.macro else run_search(args, device)
     except (ValueError, OSError) as err:  # no Triton backend for the device, a cache file not written, ...

@@ -21,8 +21,7 @@ report.md and report.png under --out."""
 
 
 # (0 and negative counts were taken for the preset's or failed deep inside torch)
-_int_at_least = int_at_least
-_positive_int = _int_at_least(1)
+_positive_int = int_at_least(1)
 
 
 def _device_problem(device: str) -> Optional[str]:
@@ -70,7 +69,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "writes results.json, timing.json, report.md, curves.png and forest.png")
     p.add_argument("--resume", action="store_true",
                    help="--study: reuse the units an interrupted run of the same settings left in OUT/units/")
-    p.add_argument("--workers", type=_int_at_least(0), default=None,
+    p.add_argument("--workers", type=int_at_least(0), default=None,
                    help="--study: parallel worker processes (default: the CPU count; 0 runs every unit in this "
                         "process)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default out/rl_demo[-quick|-tiny])")

@@ -106,6 +106,7 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
         if got.device != device:
             raise ValueError(f"load_state_dict: the parts of {name!r} are on different devices")
     _check_outlier_indices(name, parts["outlier_indices"])
+    _check_macro_scales(name, parts["macro_scales"])
     return MXTensor(shape=shape, dtype=dtype, axis=axis, recipe=recipe, **{p: parts[p] for p in _PARTS})
 
 
@@ -126,6 +127,24 @@ def _check_outlier_indices(name: str, idx: Optional[torch.Tensor]) -> None:
         if bool((s[..., 1:] == s[..., :-1]).any()):
             raise ValueError(f"load_state_dict: {name}.outlier_indices repeats a position within a block; "
                              "the file is damaged")
+
+
+def _check_macro_scales(name: str, m: Optional[torch.Tensor]) -> None:
+    """A file's macro factors must be what the quantizer writes (numerics.md section 4,
+    :func:`format.macro_factor`): m = k / 128 with k an integer in [128, 256], a bf16
+    value in [1, 2]. The kernels do not check them (MXTensor's doc): a negative, zero,
+    NaN or infinite factor decodes differently on each backend, and any other value
+    scales its macro block by a factor no quantizer chose. Either means a damaged file.
+    One read of the values, at load only."""
+    if m is None or m.numel() == 0:
+        return
+    k = m.double() * 128
+    bad = ~((k >= 128) & (k <= 256) & (k == k.round()))
+    if bool(bad.any()):
+        first = m.flatten()[bad.flatten()][0].item()
+        raise ValueError(f"load_state_dict: {name}.macro_scales holds {int(bad.sum())} value(s) that no "
+                         f"quantizer writes (first {first!r}; a macro factor is k/128 for an integer k in "
+                         "[128, 256]): the file is damaged")
 
 
 def _what(x: Any) -> str:

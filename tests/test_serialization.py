@@ -132,3 +132,21 @@ def test_metadata_that_is_no_json_object_or_no_tensor_and_a_state_that_is_no_map
         serialization.load_state_dict([("w", torch.zeros(1))])
     with pytest.raises(TypeError, match="mapping"):
         serialization.state_dict([("w", pmx.quantize(torch.randn(3, 70)))])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.5, 0.0, 0.5, 2.5, 1.0 + 1 / 256])
+def test_damaged_macro_factors_are_refused_at_load(value):
+    """A macro factor is k/128 for an integer k in [128, 256] (numerics.md section 4: a
+    bf16 value in [1, 2]). A negative or NaN one used to load and decode differently on
+    the two backends; any other value scaled its macro block silently."""
+    sd = serialization.state_dict(weights())
+    m = sd["experts.macro_scales"]
+    k = m.double() * 128
+    assert bool(((k >= 128) & (k <= 256) & (k == k.round())).all())  # what the quantizer wrote
+    bad = m.clone()
+    bad[1, 2, 0] = value
+    with pytest.raises(ValueError, match=r"experts.macro_scales holds 1 value\(s\) that no quantizer writes"):
+        serialization.load_state_dict(dict(sd, **{"experts.macro_scales": bad}))
+    edge = m.clone()
+    edge[0, 0, 0], edge[0, 1, 0] = 1.0, 2.0  # both ends of the range load
+    serialization.load_state_dict(dict(sd, **{"experts.macro_scales": edge}))

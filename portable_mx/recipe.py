@@ -23,6 +23,7 @@ constant of the graph (no graph break, no recompilation).
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any, Literal, Optional
 
 import torch
@@ -152,6 +153,20 @@ class QuantRecipe(BaseModel):
             if data.get("scale_rule") is None:
                 data = {**data, "scale_rule": "rceil"}
         return data
+
+    @field_validator("seed", "macro_block", "outliers_per_block", mode="before")
+    @classmethod
+    def _integers_only(cls, v: Any, info: Any) -> Any:
+        # pydantic's lax mode would read True as 1, "3" as 3 and 5.0 as 5: seed=True (meant
+        # as "stochastic, please") silently gave seed 1 with nearest rounding
+        if v is None and info.field_name == "macro_block":
+            return v
+        if isinstance(v, (bool, str, bytes, float)):
+            raise ValueError(f"{info.field_name} must be an integer; got {type(v).__name__} {v!r}")
+        try:
+            return operator.index(v)  # int, numpy and torch integers
+        except TypeError:
+            raise ValueError(f"{info.field_name} must be an integer; got {type(v).__name__} {v!r}") from None
 
     @field_validator("macro_block")
     @classmethod

@@ -33,6 +33,14 @@ def test_macro_block_selects_rceil_and_rejects_other_rules():
         ({"outliers_per_block": 3}, ["outliers_per_block", "0", "1", "2"]),
         ({"seed": -1}, ["seed", "greater than or equal to 0"]),
         ({"block_size": 16}, ["block_size", "Extra inputs are not permitted"]),
+        # pydantic's lax mode used to read these as 1, 3, 5, 1 and 64: seed=True (meant as
+        # "stochastic") gave seed 1 with nearest rounding, silently
+        ({"seed": True}, ["seed must be an integer; got bool True"]),
+        ({"seed": "3"}, ["seed must be an integer; got str '3'"]),
+        ({"seed": 5.0}, ["seed must be an integer; got float 5.0"]),
+        ({"outliers_per_block": True}, ["outliers_per_block must be an integer; got bool True"]),
+        ({"macro_block": "64"}, ["macro_block must be an integer; got str '64'"]),
+        ({"macro_block": 64.0}, ["macro_block must be an integer; got float 64.0"]),
     ],
 )
 def test_invalid_recipes_name_field_and_allowed_values(kwargs, words):
@@ -96,6 +104,7 @@ def _bypassed(**fields):
 @pytest.mark.parametrize("fields,words", [
     ({"scale_rule": "floor", "macro_block": 64}, "scale_rule must be 'rceil'"),
     ({"outliers_per_block": 40}, "outliers_per_block"),
+    ({"rounding": "stochastic", "seed": True}, "seed must be an integer"),
 ])
 def test_a_recipe_built_around_validation_is_refused_where_it_enters(fields, words):
     bad = _bypassed(**fields)
@@ -115,10 +124,21 @@ def test_a_recipe_built_around_validation_is_refused_where_it_enters(fields, wor
         pmx.quantize(x, empty)
 
 
+def test_integer_fields_take_numpy_and_torch_integers():
+    import numpy as np
+    r = pmx.QuantRecipe(rounding="stochastic", seed=np.int64(7), macro_block=np.int32(64),
+                        outliers_per_block=torch.tensor(2))
+    assert (r.seed, r.macro_block, r.outliers_per_block) == (7, 64, 2)
+    assert all(type(v) is int for v in (r.seed, r.macro_block, r.outliers_per_block))
+    assert r == pmx.QuantRecipe(rounding="stochastic", seed=7, macro_block=64, outliers_per_block=2)
+
+
 def test_the_same_arguments_give_the_same_recipe():
     a = pmx.QuantRecipe(activations="bf16", seed=1)
     assert a is pmx.QuantRecipe(seed=1, activations="bf16")
-    assert pmx.QuantRecipe(seed=True) == pmx.QuantRecipe(seed=1)  # pydantic's coercion, unchanged
+    assert pmx.QuantRecipe(seed=1) is not pmx.QuantRecipe(seed=2)
+    with pytest.raises(pydantic.ValidationError, match="seed must be an integer"):
+        pmx.QuantRecipe(seed=True)  # the key tells True from 1: no interned seed-1 recipe comes back
     assert pmx.QuantRecipe() == pmx.recipe.DEFAULT_RECIPE
 
 

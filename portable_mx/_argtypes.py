@@ -1,12 +1,14 @@
-"""argparse ``type=`` callables the subcommands share: numbers with a lower bound, each
-refused with one line that says what was expected (``portable-mx ...: error: argument
---jobs: must be >= 1; got 0``, exit 2)."""
+"""What the subcommands share in reading their arguments: argparse ``type=`` callables
+for numbers with a lower bound, each refused with one line that says what was expected
+(``portable-mx ...: error: argument --jobs: must be >= 1; got 0``, exit 2), and the check
+of an output file's path made before any work."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+import os
+from typing import Callable, Optional
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -34,3 +36,19 @@ def finite_at_least_0(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0; got {text}")
     return value
+
+
+def output_file_problem(flag: str, path: str) -> Optional[str]:
+    """Why ``path`` (given as ``flag``) cannot take an output file, or None when it can:
+    it is a folder, or its folder cannot be made (a parent is a file, no permission). Its
+    folder is made here. Checked before the work, whose result would otherwise be lost
+    after minutes of it."""
+    from .tuning.files import make_dir
+
+    if os.path.isdir(path):
+        return f"{flag} {path} is a folder; give a file path"
+    try:
+        make_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as err:
+        return f"{flag} {path}: {err}"
+    return None

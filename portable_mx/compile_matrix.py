@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
-from ._argtypes import int_at_least
+from ._argtypes import int_at_least, output_file_problem
 
 if TYPE_CHECKING:
     from .aot import CompileResult
@@ -234,15 +234,9 @@ def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> i
         if text is not None and not _names(text):
             print(f"portable-mx compile-matrix: {flag} names nothing ({text!r})", file=sys.stderr)
             return 2
-    if args.json:  # before the compile (minutes), not after it
-        if os.path.isdir(args.json):
-            print(f"portable-mx compile-matrix: --json {args.json} is a folder; give a file path", file=sys.stderr)
-            return 2
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        except OSError as err:
-            print(f"portable-mx compile-matrix: --json {args.json}: {err}", file=sys.stderr)
-            return 2
+    if args.json and (problem := output_file_problem("--json", args.json)):  # before the compile (minutes)
+        print(f"portable-mx compile-matrix: {problem}", file=sys.stderr)
+        return 2
     try:
         items = collect(registry.registered() if backends is None else backends,
                         targets=_names(args.targets), kernels=_names(args.kernels))

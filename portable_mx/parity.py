@@ -52,6 +52,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from ._argtypes import output_file_problem
 from .decompose import DEFINITIONS
 
 HELP = "bit-exact parity report of quantize/decompose on a fixed corpus, or compare reports"
@@ -761,16 +762,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"parity: cannot use device {args.device or _default_device()}: {type(err).__name__}: {err}",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
-    if args.json:  # where the report goes, checked before the corpus runs
-        try:
-            from .tuning.files import make_dir
-
-            make_dir(os.path.dirname(os.path.abspath(args.json)))
-            if os.path.isdir(args.json):
-                raise IsADirectoryError(f"{args.json} is a directory; --json takes a file path")
-        except OSError as err:
-            print(f"parity: --json {args.json}: {err}", file=sys.stderr)
-            return EXIT_UNAVAILABLE
+    if args.json and (problem := output_file_problem("--json", args.json)):  # before the corpus runs
+        print(f"parity: {problem}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     start = time.perf_counter()
     with forced_backend(args.backend):
         try:

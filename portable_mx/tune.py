@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from ._argtypes import finite_at_least_0, int_at_least
+from ._argtypes import finite_at_least_0, int_at_least, output_file_problem
 HELP = ("tune the GEMM's tiles on this device (Optuna) into the config cache; --static: only "
         "the ahead-of-time pruning and cost-model ranking for a --target; --replay: a recorded exhaustive run, "
         "no device; --macro: macro-block study")
@@ -559,14 +559,8 @@ def output_errors(args: argparse.Namespace) -> list[str]:
     from .tuning import files
 
     errors = []
-    if args.json:
-        if os.path.isdir(args.json):
-            errors.append(f"--json {args.json} is a folder; give a file path")
-        else:
-            try:
-                files.make_dir(os.path.dirname(os.path.abspath(args.json)))
-            except OSError as err:
-                errors.append(f"--json {args.json}: {err}")
+    if args.json and (problem := output_file_problem("--json", args.json)):
+        errors.append(problem)
     if args.study_dir is not None:
         try:
             files.make_dir(args.study_dir)

@@ -248,7 +248,7 @@ def test_cli_refuses_a_device_string_and_a_json_path_it_cannot_use_before_runnin
     monkeypatch.setattr(parity, "build_report", lambda *a, **k: pytest.fail("the corpus ran"))
     (tmp_path / "afile").write_text("x")
     for argv, words in ((["--device", "bogus"], "cannot use device bogus"),
-                        (["--json", str(tmp_path)], "is a directory"),
+                        (["--json", str(tmp_path)], "is a folder"),
                         (["--json", str(tmp_path / "afile" / "r.json")], "afile is a file")):
         assert parity.run(_parser().parse_args(argv + ["--backend", "reference"])) == 2, argv
         err = capsys.readouterr().err.strip()

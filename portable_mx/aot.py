@@ -465,6 +465,20 @@ def _without_interpreter() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = saved
 
 
+@contextlib.contextmanager
+def binaries_dir(what: str) -> Iterator[Optional[str]]:
+    """Where ahead-of-time binaries go (``cache_dir`` of :func:`compile_all`): Triton's
+    cache when the user named one (TRITON_CACHE_DIR), else a temporary folder removed
+    afterwards. Binaries for targets this machine does not run are never loaded again, and
+    in Triton's default cache (~/.triton/cache) every compile-matrix run after a kernel
+    change left about a gigabyte. ``what`` names the folder (``portable-mx-<what>-...``)."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix=f"portable-mx-{what}-") as tmp:
+        yield tmp
+
+
 def compile_all(
     items: Sequence[tuple[KernelLaunch, Target]],
     jobs: Optional[int] = None,

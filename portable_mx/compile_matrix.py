@@ -27,15 +27,13 @@ JSON written by ``--json PATH`` (``SCHEMA``)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from ._argtypes import int_at_least, output_file_problem
 
@@ -205,24 +203,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile worker processes (default: CPU count)")
 
 
-@contextlib.contextmanager
-def _binaries_dir() -> Iterator[Optional[str]]:
-    """Where the matrix's compiled binaries go: Triton's cache when the user named one
-    (TRITON_CACHE_DIR), else a temporary folder removed afterwards. Binaries for targets
-    this machine does not run are never loaded again, and in Triton's default cache
-    (~/.triton/cache) every run after a kernel change left about a gigabyte."""
-    if os.environ.get("TRITON_CACHE_DIR"):
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="portable-mx-compile-matrix-") as tmp:
-        yield tmp
-
-
 def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> int:
     """The subcommand: compile, print the table and the summary line, write the JSON.
     ``backends`` defaults to the registered ones."""
     from . import registry
-    from .aot import compile_all
+    from .aot import binaries_dir, compile_all
     from .backends.triton import required_for
 
     missing = required_for("portable-mx compile-matrix",
@@ -250,7 +235,7 @@ def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> i
 
     progress = _progress(len(items))
     start = time.perf_counter()
-    with _binaries_dir() as cache_dir:
+    with binaries_dir("compile-matrix") as cache_dir:
         try:
             results = compile_all([(i.launch, i.target) for i in items], jobs=args.jobs,
                                   on_result=lambda r: progress.update(1), cache_dir=cache_dir)

@@ -235,9 +235,10 @@ def launched_note(requested: Any, launched: Any, where: str) -> str:
 def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
     import dataclasses
 
+    from . import aot
     from .backends.targets import TARGETS
     from .recipe import QuantRecipe
-    from .tuning import cost, search
+    from .tuning import cost
     from .tuning.static import DEFAULT_KP, backend_for_target
 
     if args.target not in TARGETS:
@@ -247,13 +248,26 @@ def run_static(args: argparse.Namespace, compile_fn: Any = None) -> int:
     target = TARGETS[args.target]
     backend = backend_for_target(target.name)
     recipe = args.recipe or QuantRecipe()
-    given = bool(args.shapes)
     shapes = args.shapes or [(*STATIC_SHAPE, DEFAULT_KP)]
     props = cost.device_props(target)
     if args.sm_count:
         props = dataclasses.replace(props, sm_count=args.sm_count, source=f"{props.source}, --sm-count {args.sm_count}")
     doc: dict[str, Any] = {"target": target.name, "backend": backend.name, "recipe": recipe.describe(),
                            "device_props": props.to_json(), "spaces": []}
+    with aot.binaries_dir("tune-static") as cache_dir:
+        if compile_fn is None:  # binaries for --target, which this machine may not run: not in Triton's cache
+
+            def compile_fn(items, **kw):
+                return aot.compile_all(items, cache_dir=cache_dir, **kw)
+
+        return _static_spaces(args, target, backend, recipe, shapes, props, doc, compile_fn)
+
+
+def _static_spaces(args: argparse.Namespace, target: Any, backend: Any, recipe: Any, shapes: list, props: Any,
+                   doc: dict[str, Any], compile_fn: Any) -> int:
+    from .tuning import search
+
+    given = bool(args.shapes)
     any_survivor = False
     for m, n, k in shapes:
         problem = search.Problem(m, n, k, recipe)

@@ -215,7 +215,8 @@ class FakeCompile:
     def __init__(self):
         self.compiled = []
 
-    def __call__(self, items, jobs=None, on_result=None):
+    def __call__(self, items, jobs=None, on_result=None, cache_dir=None):
+        self.cache_dirs = getattr(self, "cache_dirs", []) + [cache_dir]
         out = []
         for launch, target in items:
             self.compiled.append(launch.label)
@@ -727,6 +728,28 @@ def test_tune_static_prints_survivors_and_pruned_by_reason(tmp_path, capsys, mon
     assert f"shared memory overflow: {len(doc['pruned'])}" in out
     assert all(s["config"].startswith(("m128", "m256")) for s in doc["survivors"])  # native M tiles only
     assert cli.main(argv) == 0 and len(fake.compiled) == doc["compiles"]  # verdicts reused
+
+
+def test_tune_static_leaves_no_binaries_in_the_triton_cache(tmp_path, monkeypatch):
+    """--static compiles for a --target this machine may not run: like the compile matrix,
+    its binaries go to a temporary folder removed afterwards (they went to Triton's default
+    cache), or to the cache the user names with TRITON_CACHE_DIR."""
+    import os
+
+    import portable_mx.aot
+
+    fake = FakeCompile()
+    monkeypatch.setattr(portable_mx.aot, "compile_all", fake)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    argv = ["tune", "--static", "--target", "sm_90", "--shapes", "128x128x256", "--study-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    used = set(fake.cache_dirs)
+    assert len(used) == 1 and None not in used, used
+    (folder,) = used
+    assert os.path.basename(folder).startswith("portable-mx-tune-static-") and not os.path.exists(folder)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "named"))
+    assert cli.main([*argv, "--study-dir", str(tmp_path / "fresh")]) == 0
+    assert fake.cache_dirs[-1] is None  # compile_all's default: the named cache
 
 
 def _interpreted_tune(tmp_path, monkeypatch, trials: int) -> list[str]:

@@ -381,7 +381,7 @@ def test_tune_sweep_args():
     sweep = _sweep()
     args = sweep.parse_args(["--out", "/tmp/x"])
     assert args.problems == list(sweep.PROBLEMS) and args.study_dir == os.path.join("/tmp/x", "studies")
-    assert [k for k, _ in args.problems] == ["w4a16", "w4a16", "a4w4"]
+    assert [k for k, _ in args.problems] == ["w4a16", "w4a16", "a4w4", "a4w4"]
     assert (args.budget_s, args.rep_ms, args.warmup_ms) == (150.0, 40.0, 10.0)
     args = sweep.parse_args(["--out", "o", "--problems", "a4w4:1x64x128,w4a16:8x32x64"])
     assert args.problems == [("a4w4", (1, 64, 128)), ("w4a16", (8, 32, 64))]

@@ -7,10 +7,12 @@ at most 20%).
     python benchmarks/sweeps/tune_sweep.py --static-only --target sm_90 [--study-dir DIR]   # no GPU
     python benchmarks/sweeps/tune_sweep.py --cpu-smoke --out DIR                             # interpreter
 
-Per problem (default: W4A16 16x8192x8192, W4A16 4096x4096x4096, A4W4 4096x4096x4096; a
-problem is studied as the launch the dispatch makes for it, :meth:`Problem.launched`: on
-upcast targets A4W4 4096^3 runs as the W4A16 GEMM on the activations' values, the second
-problem's launch, so it is studied once there):
+Per problem (default: W4A16 16x8192x8192, W4A16 4096x4096x4096, A4W4 4096x4096x4096, A4W4
+16x8192x8192; a problem is studied as the launch the dispatch makes for it,
+:meth:`Problem.launched`: on upcast targets A4W4 4096^3 runs as the W4A16 GEMM on the
+activations' values, the second problem's launch, so it is studied once there, and A4W4 at
+M = 16 as the one-launch kernel that quantizes its tokens itself, cache key ``a:bf16/quant``,
+last because the budget may skip it):
 
 1. static stage: every candidate of the curated space compiled ahead of time for the
    device's target in ``--jobs`` processes (verdicts kept in ``--study-dir``: a second run,
@@ -49,7 +51,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: portable_mx
 
-PROBLEMS = (("w4a16", (16, 8192, 8192)), ("w4a16", (4096, 4096, 4096)), ("a4w4", (4096, 4096, 4096)))
+PROBLEMS = (("w4a16", (16, 8192, 8192)), ("w4a16", (4096, 4096, 4096)), ("a4w4", (4096, 4096, 4096)),
+            ("a4w4", (16, 8192, 8192)))
 SMOKE_PROBLEMS = (("w4a16", (16, 64, 128)), ("a4w4", (32, 64, 128)))
 RECIPES = {"w4a16": {"activations": "bf16"}, "a4w4": {}}
 GOAL = 0.20

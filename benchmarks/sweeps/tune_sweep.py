@@ -19,7 +19,8 @@ last because the budget may skip it):
    or a run after ``--static-only`` on another machine with the same triton and kernel
    source, compiles nothing);
 2. warm-up: every survivor launched once in ``--jobs`` worker processes, so that the
-   Triton JIT cache holds them before timing;
+   Triton JIT cache holds them before timing (per problem, just before its study: a
+   problem the budget skips costs no JIT time);
 3. exhaustive study (``portable_mx.tuning.search.tune(exhaustive=True)``): every survivor
    checked against the reference GEMM and timed with do_bench (median; L2 flushed before
    each run), in the cost model's order; the best goes into the config cache written to
@@ -57,6 +58,7 @@ SMOKE_PROBLEMS = (("w4a16", (16, 64, 128)), ("a4w4", (32, 64, 128)))
 RECIPES = {"w4a16": {"activations": "bf16"}, "a4w4": {}}
 GOAL = 0.20
 SECONDS_PER_CONFIG = 0.2  # timing one config on the GPU (check + do_bench), for the budget check
+SECONDS_PER_WARM = 0.18  # its JIT warm-up, 16 jobs (the H200 of 2026-11-26: 190 launches in 33 s)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -191,15 +193,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
     doc["phases"]["static_s"] = time.perf_counter() - t0
 
-    # 2. warm-up: every survivor compiled by the JIT in parallel (GPU only)
-    t0 = time.perf_counter()
-    if device.type == "cuda" and args.jobs > 0:
-        tasks = [(problem, c) for _, problem, p, same in plans if same is None for c in p.survivors]
-        report = warm.warm(tasks, backend.name, str(device), jobs=args.jobs, seed=args.seed)
-        print(f"warm-up: {report.launched} launches, {report.failed} failed, {report.seconds:.0f} s", flush=True)
-    doc["phases"]["warm_s"] = time.perf_counter() - t0
-
-    # 3. exhaustive studies; 4. replays
+    # per problem, while the budget lasts: 2. warm-up, its survivors compiled by the JIT in
+    # parallel (GPU only; per problem, so that a problem the budget skips costs no JIT
+    # time); 3. the exhaustive study; 4. the replays
+    doc["phases"]["warm_s"] = 0.0
     out = os.path.join(args.out, "tune_sweep.json")
     t0 = time.perf_counter()
     recordings, rows = [], []
@@ -208,7 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             doc["problems"].append({"kind": kind, "shape": problem.shape, "key": problem.key(), "same_as": same})
             continue
         elapsed = time.perf_counter() - t_start
-        need = len(p.survivors) * SECONDS_PER_CONFIG
+        need = len(p.survivors) * (SECONDS_PER_CONFIG + (SECONDS_PER_WARM if device.type == "cuda" else 0.0))
         entry: dict[str, Any] = {"kind": kind, "shape": problem.shape, "key": problem.key(),
                                  "candidates": len(p.candidates), "survivors": len(p.survivors),
                                  "static_pruned": len(p.pruned)}
@@ -218,6 +215,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{kind} {problem.shape}: SKIPPED ({entry['skipped']})", flush=True)
             doc["problems"].append(entry)
             continue
+        if device.type == "cuda" and args.jobs > 0:
+            t1 = time.perf_counter()
+            report = warm.warm([(problem, c) for c in p.survivors], backend.name, str(device), jobs=args.jobs,
+                               seed=args.seed)
+            doc["phases"]["warm_s"] += time.perf_counter() - t1
+            print(f"warm-up {kind} {problem.shape}: {report.launched} launches, {report.failed} failed, "
+                  f"{report.seconds:.0f} s", flush=True)
         t1 = time.perf_counter()
         result = search.tune(problem, device=device, backend=backend, trials=0, directory=args.study_dir,
                              seed=args.seed, timer=timer, out=os.path.join(args.out, "configs"), exhaustive=True,
@@ -242,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{kind} {problem.shape}: {result.trials} measured ({result.failed} failed) in {entry['seconds']:.0f} s; "
               f"best {entry['best']} {result.best_ms or float('nan'):.4f} ms, default {result.default_ms or float('nan'):.4f} ms; "
               f"ranked within 2% after {ranked['trials']} ({(ranked['fraction'] or 1):.0%})", flush=True)
-    doc["phases"]["studies_s"] = time.perf_counter() - t0
+    doc["phases"]["studies_s"] = time.perf_counter() - t0 - doc["phases"]["warm_s"]
     doc["phases"]["total_s"] = time.perf_counter() - t_start
     measured = [e for e in doc["problems"] if "replay" in e]
     fractions = [e["replay"][strategy.DEFAULT_STRATEGY]["fraction"] for e in measured]

@@ -19,8 +19,8 @@ last because the budget may skip it):
    or a run after ``--static-only`` on another machine with the same triton and kernel
    source, compiles nothing);
 2. warm-up: every survivor launched once in ``--jobs`` worker processes, so that the
-   Triton JIT cache holds them before timing (per problem, just before its study: a
-   problem the budget skips costs no JIT time);
+   Triton JIT cache holds them before timing (only the problems ``--budget-s`` is predicted
+   to reach: one the budget skips costs no JIT time);
 3. exhaustive study (``portable_mx.tuning.search.tune(exhaustive=True)``): every survivor
    checked against the reference GEMM and timed with do_bench (median; L2 flushed before
    each run), in the cost model's order; the best goes into the config cache written to
@@ -59,6 +59,19 @@ RECIPES = {"w4a16": {"activations": "bf16"}, "a4w4": {}}
 GOAL = 0.20
 SECONDS_PER_CONFIG = 0.2  # timing one config on the GPU (check + do_bench), for the budget check
 SECONDS_PER_WARM = 0.18  # its JIT warm-up, 16 jobs (the H200 of 2026-11-26: 190 launches in 33 s)
+
+
+def reached(survivors: Sequence[int], left_s: float) -> set[int]:
+    """The problems (indices into ``survivors``, their survivor counts in study order) that
+    the budget's ``left_s`` seconds are predicted to reach, warm-up and timing counted: as
+    the study loop decides, a problem that does not fit is skipped and the next ones may."""
+    out = set()
+    for i, n in enumerate(survivors):
+        cost = n * (SECONDS_PER_CONFIG + SECONDS_PER_WARM)
+        if cost <= left_s:
+            out.add(i)
+            left_s -= cost
+    return out
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -193,10 +206,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
     doc["phases"]["static_s"] = time.perf_counter() - t0
 
-    # per problem, while the budget lasts: 2. warm-up, its survivors compiled by the JIT in
-    # parallel (GPU only; per problem, so that a problem the budget skips costs no JIT
-    # time); 3. the exhaustive study; 4. the replays
+    # 2. warm-up: the survivors of the problems the budget is predicted to reach, compiled by
+    # the JIT in parallel, in one pool (GPU only; a problem the budget skips costs no JIT
+    # time); a problem reached after all, the studies being faster than predicted, is
+    # warmed just before its study
+    cuda = device.type == "cuda" and args.jobs > 0
+    todo = [(problem, p) for _, problem, p, same in plans if same is None]
+    warmed = (set(range(len(todo))) if not args.budget_s or args.cpu_smoke else
+              reached([len(p.survivors) for _, p in todo], args.budget_s - (time.perf_counter() - t_start)))
     doc["phases"]["warm_s"] = 0.0
+
+    def warm_up(items: list) -> None:
+        if not cuda or not items:
+            return
+        t1 = time.perf_counter()
+        report = warm.warm([(problem, c) for problem, p in items for c in p.survivors], backend.name, str(device),
+                           jobs=args.jobs, seed=args.seed)
+        doc["phases"]["warm_s"] += time.perf_counter() - t1
+        print(f"warm-up of {len(items)} problem(s): {report.launched} launches, {report.failed} failed, "
+              f"{report.seconds:.0f} s", flush=True)
+
+    warm_up([todo[i] for i in sorted(warmed)])
+
+    # 3. exhaustive studies; 4. replays
     out = os.path.join(args.out, "tune_sweep.json")
     t0 = time.perf_counter()
     recordings, rows = [], []
@@ -205,7 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             doc["problems"].append({"kind": kind, "shape": problem.shape, "key": problem.key(), "same_as": same})
             continue
         elapsed = time.perf_counter() - t_start
-        need = len(p.survivors) * (SECONDS_PER_CONFIG + (SECONDS_PER_WARM if device.type == "cuda" else 0.0))
+        index = next(i for i, (q, _) in enumerate(todo) if q is problem)
+        need = len(p.survivors) * (SECONDS_PER_CONFIG + (SECONDS_PER_WARM if cuda and index not in warmed else 0.0))
         entry: dict[str, Any] = {"kind": kind, "shape": problem.shape, "key": problem.key(),
                                  "candidates": len(p.candidates), "survivors": len(p.survivors),
                                  "static_pruned": len(p.pruned)}
@@ -215,13 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{kind} {problem.shape}: SKIPPED ({entry['skipped']})", flush=True)
             doc["problems"].append(entry)
             continue
-        if device.type == "cuda" and args.jobs > 0:
-            t1 = time.perf_counter()
-            report = warm.warm([(problem, c) for c in p.survivors], backend.name, str(device), jobs=args.jobs,
-                               seed=args.seed)
-            doc["phases"]["warm_s"] += time.perf_counter() - t1
-            print(f"warm-up {kind} {problem.shape}: {report.launched} launches, {report.failed} failed, "
-                  f"{report.seconds:.0f} s", flush=True)
+        if index not in warmed:
+            warm_up([(problem, p)])
         t1 = time.perf_counter()
         result = search.tune(problem, device=device, backend=backend, trials=0, directory=args.study_dir,
                              seed=args.seed, timer=timer, out=os.path.join(args.out, "configs"), exhaustive=True,

@@ -270,6 +270,41 @@ def test_frozen_state_dict_is_the_checkpoint_layout():
     assert torch.equal(other(x, ids, wts), y)
 
 
+@pytest.mark.parametrize("how", ["set_", "data", "copy_", "non_contiguous"])
+def test_frozen_experts_follow_new_bytes_in_the_same_buffer_objects(how):
+    """Frozen experts memoise their MXTensor. Buffers whose storage was replaced in place
+    (``buf.set_(...)``, ``buf.data = ...``: the same tensor objects on other bytes) used to
+    leave the forward on the old bytes (max difference 499 in the audit); a fresh module
+    from the same bytes is the oracle. In-place writes and a non-contiguous blocks buffer
+    (reshaped into a copy) are followed too."""
+    x = torch.randn(T, H)
+    ids, wts = routing(12)
+    src = frozen_experts("swiglu", seed=3)
+    m = frozen_experts("swiglu", seed=4)
+    with torch.no_grad():
+        m.gate_up_proj_bias.copy_(src.gate_up_proj_bias)
+        m.down_proj_bias.copy_(src.down_proj_bias)
+    names = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+    if how == "non_contiguous":  # each block's 16 bytes strided in memory: reshaping them copies
+        for n in ("gate_up_proj_blocks", "down_proj_blocks"):
+            b = getattr(m, n)
+            setattr(m, n, b.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0))
+        b = m.gate_up_proj_blocks  # [E, 2I, 2, 16]: its reshape to [E, 2I, 32] copies (down_proj's, 1 block, does not)
+        assert b.reshape(E, 2 * I, -1).data_ptr() != b.data_ptr()
+    before = m(x, ids, wts)
+    assert not torch.equal(before, src(x, ids, wts))
+    with torch.no_grad():
+        for n in names:
+            new, buf = getattr(src, n).clone(), getattr(m, n)
+            if how == "set_":
+                buf.set_(new)
+            elif how == "data":
+                buf.data = new
+            else:
+                buf.copy_(new)
+    assert torch.equal(m(x, ids, wts), src(x, ids, wts))
+
+
 def test_bad_input_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="activation must be one of"):
         MXExperts(E, H, I, activation="gelu")

@@ -211,11 +211,14 @@ class MXExperts(torch.nn.Module):
     def _frozen_mx(self, proj: str) -> MXTensor:
         # the buffers read from the module's dict (_member); the MXTensor is rebuilt only
         # when one of them was replaced (model.to(...), load_state_dict into new tensors, a
-        # reassignment)
+        # reassignment) or its storage was (``buf.set_(...)``, ``buf.data = ...``: the same
+        # tensor object on other bytes). The memo's parts are views of the storage they were
+        # made from and keep it alive, so a replaced storage is at another address: the
+        # addresses tell, and in-place writes to the same storage need no rebuild.
         table, names = self._buffers, _BUFFERS[proj]
         bufs = tuple(_member(self, table, name) for name in names)
-        hit = self._mx_memo.get(proj)
-        if hit is not None and all(a is b for a, b in zip(hit[0], bufs)):
+        hit = None if torch.compiler.is_compiling() else self._mx_memo.get(proj)
+        if hit is not None and all(a is b for a, b in zip(hit[0], bufs)) and hit[2] == _addresses(bufs):
             return hit[1]
         shape, dtype, recipe = self._mx_meta[proj]
         blocks, scales, macro, ov, oi = bufs
@@ -223,7 +226,10 @@ class MXExperts(torch.nn.Module):
         mx = MXTensor(qdata=blocks.reshape(e, n, g * 16), scales=scales, shape=shape, dtype=dtype, axis=2,
                       recipe=recipe, macro_scales=None if macro is None else macro.view(torch.float32),
                       outlier_values=None if ov is None else ov.view(torch.bfloat16), outlier_indices=oi)
-        self._mx_memo[proj] = (bufs, mx)
+        if not torch.compiler.is_compiling() and mx.qdata.data_ptr() == blocks.data_ptr():
+            # (a non-contiguous blocks buffer is reshaped into a copy, which in-place
+            # writes to the buffer would not reach: such a weight is rebuilt every call)
+            self._mx_memo[proj] = (bufs, mx, _addresses(bufs))
         return mx
 
     def _quantizer(self, proj: str):
@@ -312,6 +318,11 @@ class MXExperts(torch.nn.Module):
         if not isinstance(self.__dict__.get("_pmx_weight_cache"), WeightCache):
             self._pmx_weight_cache = WeightCache()
         self._mx_memo = {}
+
+
+def _addresses(bufs: tuple) -> tuple:
+    """Where each buffer's bytes start (None for an absent one)."""
+    return tuple(None if b is None else b.data_ptr() for b in bufs)
 
 
 def _as_out_in(w: MXTensor, name: str) -> MXTensor:

@@ -22,7 +22,10 @@ its quantized weight and reuses it until one of these happens, each of which it 
   dtype or device), or the layer's recipe changes.
 
 By entering the block the caller promises that nothing else changes the weights inside
-it: no writes through ``.data`` or numpy views, no code running under
+it: no writes through ``.data``, numpy views or any other tensor that shares a weight's
+storage with a version counter of its own (after
+``torch.nn.utils.vector_to_parameters(vec, params)`` the weights are views of ``vec``
+made through ``.data``: an in-place write to ``vec`` is not seen), no code running under
 ``torch.autograd._unsafe_preserve_version_counter``. Layers managed by FSDP (FSDP2's
 ``fully_shard``, FSDP1) never cache, in or out of the block: FSDP refills their unsharded
 weights in place without a version bump. ``torch.compile``d code never consults the
@@ -94,11 +97,15 @@ class WeightCache:
         if key is None:
             self.entries.pop(name, None)
         else:
-            # the weight itself, held until the entry is replaced or the block ends: a
-            # weakref made torch.utils.swap_tensors (module.half(), load_state_dict under
-            # torch.__future__.set_swap_module_params_on_conversion) refuse the weight, and
-            # holding it keeps its id and address from being reused by another tensor
-            self.entries[name] = (key, w, value)
+            # the weight itself and its storage (through an alias), held until the entry is
+            # replaced or the block ends: a weakref made torch.utils.swap_tensors
+            # (module.half(), load_state_dict under
+            # torch.__future__.set_swap_module_params_on_conversion) refuse the weight;
+            # holding the object keeps its id from being reused, and holding the storage its
+            # address: ``w.data = other`` or a swap frees the weight's old storage, and
+            # the allocator handed that address to the next tensor of the same size, whose
+            # fresh version counter then matched the key (a stale weight, in the audit)
+            self.entries[name] = (key, w, value, w.detach())
         return value
 
     def clear(self) -> None:

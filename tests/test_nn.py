@@ -392,6 +392,53 @@ def test_convert_shared_and_root_linear():
     assert convert(root, skip=lambda name, m: True) is root
 
 
+def test_convert_keeps_what_a_user_added_to_a_linear():
+    """Parameters, buffers (persistent or not), child modules and attributes added to a
+    plain nn.Linear go to its MXLinear as the same objects (they were dropped: the state
+    dict lost ``act_scale`` and ``adapter.weight``), a child Linear converted like every
+    other; a name MXLinear uses is refused."""
+    lin = nn.Linear(64, 32)
+    lin.register_buffer("act_scale", torch.full((64,), 0.5))
+    lin.register_buffer("scratch", torch.zeros(3), persistent=False)
+    lin.register_parameter("gain", nn.Parameter(torch.ones(32)))
+    lin.adapter = nn.Linear(64, 32, bias=False)
+    lin.note = "calibrated"
+    model = nn.Sequential(lin)
+    before = model.state_dict(keep_vars=True)
+    convert(model)
+    new = model[0]
+    assert isinstance(new, MXLinear)
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before) and all(after[k] is before[k] for k in before)
+    assert new.scratch is lin.scratch and "0.scratch" not in after
+    assert new.note == "calibrated"
+    # the child Linear is converted too, inside the new layer (it was set on the old one)
+    assert isinstance(new.adapter, MXLinear) and new.adapter.weight is lin.adapter.weight
+    assert {id(p) for p in new.parameters()} == {id(p) for p in lin.parameters()}
+    x = torch.randn(4, 64)
+    assert new(x).shape == (4, 32)
+    clash = nn.Linear(64, 32)
+    clash._recipe = "mine"
+    with pytest.raises(TypeError, match="attribute '_recipe', a name MXLinear uses itself"):
+        MXLinear.from_linear(clash)
+
+
+@pytest.mark.parametrize("skip", [["a"], ["b"]])
+def test_convert_skips_a_shared_linear_when_any_of_its_names_is_skipped(skip):
+    """A Linear registered under two names stays one module: skipped by either name (it
+    was split, 'a' float and 'b' an MXLinear on the same Parameters, when the first name
+    was skipped, and converted whole, with a warning that 'b' matched nothing, when the
+    second was)."""
+    model = nn.Module()
+    model.a = nn.Linear(32, 32)
+    model.b = model.a
+    model.c = nn.Linear(32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the pattern matched a name: no warning
+        convert(model, skip=skip)
+    assert type(model.a) is nn.Linear and model.a is model.b and isinstance(model.c, MXLinear)
+
+
 def test_convert_rejects_bad_input():
     with pytest.raises(TypeError, match="nn.Module"):
         convert("model")

@@ -51,7 +51,9 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     rule is kept. A pattern that matches no ``nn.Linear`` of the model skips nothing: one
     ``UserWarning`` lists such patterns with some of the Linear layers' names (a typo, or a
     pattern naming a container, e.g. ``"layers.0"`` where ``"layers.0.*"`` was meant).
-    A Linear shared by several parents becomes one shared MXLinear. A Linear that
+    A Linear shared by several parents (several names) becomes one shared MXLinear, or
+    stays one float Linear when a rule skips any of its names. A Linear inside a converted
+    Linear (a child module a user added) is converted too, inside the new layer. A Linear that
     ``torch.nn.utils.parametrize`` made a subclass (weight_norm, spectral_norm, ...) stays
     in float with one ``UserWarning`` naming it: convert first, then parametrize the
     MXLinear. A model already sharded by FSDP2's ``fully_shard`` (a Linear of its becomes
@@ -98,7 +100,10 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
 
     if not keep("", model):
         return converted(model, "")
-    swapped: dict[int, torch.nn.Module] = {}
+    # every place each module sits (a module shared by several parents, or registered
+    # twice in one, has several names), then one decision per module: it stays when any of
+    # its names is skipped (a shared Linear is never split into a float and an MX copy)
+    modules: dict[int, tuple[torch.nn.Module, list[str]]] = {}
     places: list[tuple[torch.nn.Module, str, int]] = []  # set once every layer converted: an error changes nothing
     for parent_name, parent in list(model.named_modules()):
         # _modules, not named_children(): that skips a child registered twice in one parent
@@ -106,13 +111,18 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             if child is None:
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if id(child) in swapped:
-                places.append((parent, child_name, id(child)))
-            elif not keep(name, child):
-                swapped[id(child)] = converted(child, name)
-                places.append((parent, child_name, id(child)))
+            modules.setdefault(id(child), (child, []))[1].append(name)
+            places.append((parent, child_name, id(child)))
+    swapped: dict[int, torch.nn.Module] = {}
+    for key, (child, names) in modules.items():
+        if not any([keep(name, child) for name in names]):  # (every name asked: patterns match through any)
+            swapped[key] = converted(child, names[0])
     for parent, child_name, key in places:
-        setattr(parent, child_name, swapped[key])
+        if key in swapped:
+            # a child of a converted Linear (its new layer holds the same children) goes
+            # into the new layer, so that the model's tree holds the converted child
+            home = swapped[id(parent)] if id(parent) in swapped and type(parent) is torch.nn.Linear else parent
+            setattr(home, child_name, swapped[key])
     if parametrized:
         warnings.warn(f"convert: {len(parametrized)} parametrized nn.Linear layer(s) stay in float "
                       f"({', '.join(repr(n) for n in parametrized[:6])}{', ...' if len(parametrized) > 6 else ''}): "

@@ -52,6 +52,32 @@ _HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_
 has)."""
 
 
+_PLAIN_LINEAR_KEYS = frozenset(torch.nn.Linear(1, 1, device="meta").__dict__)
+"""The instance attributes every ``nn.Linear`` has (its tables, sizes, training flag)."""
+
+
+def _carry_additions(linear: torch.nn.Linear, new: torch.nn.Module) -> None:
+    """What a user added to a plain ``nn.Linear`` goes with it to the new layer, the same
+    objects: Parameters beside weight and bias, buffers (persistent or not), child modules
+    and plain attributes. They used to be dropped: the state dict lost their keys and a
+    carried hook that read them failed. An attribute whose name the new layer uses
+    itself is refused rather than overwritten."""
+    for name, p in linear._parameters.items():
+        if name not in ("weight", "bias"):
+            new.register_parameter(name, p)
+    for name, b in linear._buffers.items():
+        new.register_buffer(name, b, persistent=name not in linear._non_persistent_buffers_set)
+    for name, m in linear._modules.items():
+        new.add_module(name, m)
+    for name, value in linear.__dict__.items():
+        if name in _PLAIN_LINEAR_KEYS:
+            continue
+        if name in new.__dict__:
+            raise TypeError(f"from_linear: this Linear has an attribute {name!r}, a name {type(new).__name__} "
+                            "uses itself; rename it, or leave the layer unconverted")
+        new.__dict__[name] = value
+
+
 class MXLinear(torch.nn.Linear):
     """``torch.nn.Linear`` whose GEMM is MXFP4: ``y = x @ W^T + bias``.
 
@@ -126,7 +152,9 @@ class MXLinear(torch.nn.Linear):
         is refused: its Parameters are others (``weight_g``, ``weight_v``, ...), which
         this layer would not use. So is a Linear parametrized by
         ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm`` ...): convert the
-        plain Linear, then register the parametrization on the MXLinear (that works)."""
+        plain Linear, then register the parametrization on the MXLinear (that works).
+        What else a user registered or set on the Linear (Parameters, buffers, child
+        modules, attributes) goes to the new layer as the same objects."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear expects a torch.nn.Linear; got {type(linear).__name__}")
         if torch.nn.utils.parametrize.is_parametrized(linear):
@@ -149,6 +177,7 @@ class MXLinear(torch.nn.Linear):
         for table in _HOOK_TABLES:
             if hasattr(linear, table):
                 setattr(new, table, getattr(linear, table))
+        _carry_additions(linear, new)
         return new
 
     def quantized_weight(self) -> MXTensor:

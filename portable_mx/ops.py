@@ -58,7 +58,17 @@ def _check_float_tensor(x: Any, name: str, mx_ok: bool = True) -> torch.Tensor:
         raise TypeError(
             f"{name} must be a floating-point tensor (float32, bfloat16, float16 or float64); got {x.dtype}"
         )
+    if x.layout is not _STRIDED:
+        raise TypeError(dense_error(name, x))
     return x
+
+
+_STRIDED = torch.strided
+
+
+def dense_error(name: str, x: torch.Tensor) -> str:
+    """The message refusing a sparse (or other non-strided) tensor ``x``."""
+    return f"{name} must be a dense (strided) tensor; got layout {x.layout} ({name}.to_dense() gives one)"
 
 
 def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
@@ -77,8 +87,6 @@ def _prepare(op: str, x: Any, recipe: Any, axis: Any, compiling: bool) -> tuple[
     elif compiling or id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
         recipe = _recipe(recipe)
     x = _check_float_tensor(x, "x", mx_ok=False)
-    if x.layout != torch.strided:
-        raise TypeError(f"{op}: x must be a dense (strided) tensor; got layout {x.layout} (x.to_dense() gives one)")
     nd = x.dim()
     if nd == 0:
         raise ValueError(f"{op} needs a tensor with at least one dimension; got a 0-d tensor")

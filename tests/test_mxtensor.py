@@ -139,6 +139,18 @@ def test_clear_errors_for_the_wrong_kind_of_input():
         q.to(torch.float16)
     with pytest.raises(TypeError, match="dense"):
         pmx.quantize(_x(4, 64).to_sparse())
+    # sparse operands of the GEMMs and layers failed deep in a backend ("unsupported memory
+    # format option Contiguous"); each is named now
+    x, w = _x(4, 64), _x(64, 32)
+    experts, offsets = pmx.quantize(_x(2, 32, 64), axis=-1), torch.tensor([2, 4], dtype=torch.int32)
+    for call, words in ((lambda: pmx.matmul(x.to_sparse(), w), "a must be a dense"),
+                        (lambda: pmx.matmul(x, w.to_sparse()), "b must be a dense"),
+                        (lambda: pmx.nn.MXLinear(64, 32)(x.to_sparse()), "MXLinear: x must be a dense"),
+                        (lambda: pmx.grouped_matmul(x.to_sparse(), experts, offsets=offsets), "x must be a dense"),
+                        (lambda: pmx.grouped_matmul(x, _x(2, 32, 64).to_sparse(), offsets=offsets),
+                         "w must be a dense")):
+        with pytest.raises(TypeError, match=words):
+            call()
 
 
 def test_memos_of_inference_tensors_are_rebuilt_not_read():

@@ -32,6 +32,7 @@ from .weight_cache import WeightCache
 
 Operand = Union[Tensor, MXTensor]
 _Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
 
 __all__ = ["MXLinear", "mx_parts"]
 
@@ -195,6 +196,8 @@ class MXLinear(torch.nn.Linear):
         w = _member(self, params, "weight")
         if not isinstance(x, Tensor):
             raise TypeError(f"MXLinear expects a torch.Tensor; got {type(x).__name__}")
+        if x.layout is not _STRIDED:
+            raise TypeError(f"MXLinear: {ops.dense_error('x', x)}")
         if w.dim() != 2:
             raise ValueError(f"MXLinear: the weight must be 2-D [out_features, in_features]; got {tuple(w.shape)}")
         n, k = w.shape  # (the weight's, not the attributes': a replaced weight may differ from them)

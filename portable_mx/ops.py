@@ -155,7 +155,9 @@ def decompose(
     NaN statistics, and the whole-tensor figures of the result (``totals``, ``shares``,
     ``relative_mse``, ``summary``) raise ValueError. The statistics are right for every
     finite x, subnormals to the fp32 maximum (per-block energies are float64; see
-    :mod:`portable_mx.decompose`). Under ``torch.compile`` (``fullgraph=True`` too) the
+    :mod:`portable_mx.decompose`). float64 x is decomposed as the fp32 values it rounds to,
+    as it is quantized: a value below fp32's range (|x| < 2**-150) counts as 0 (no signal,
+    no error, not deadzoned), one above it is Inf there (the whole-tensor figures raise). Under ``torch.compile`` (``fullgraph=True`` too) the
     call traces as one ``portable_mx::decompose`` op; the whole-tensor figures read the
     device, so call them outside the compiled function. A measurement, not a
     differentiable op: x is detached, and no result requires grad on any backend.
@@ -177,7 +179,9 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     along its last axis; b: float ``[K, N]`` or an MXTensor of shape (K, N) quantized along
     axis 0 (the weight). Float operands are quantized with ``recipe`` (MXTensor operands
     keep theirs); with ``recipe.activations`` "bf16"/"fp16" a float ``a`` is rounded to that
-    format instead (W4A16). Returns ``[..., M, N]`` in a's (original) dtype.
+    format instead (W4A16; a float64 ``a`` is rounded to fp32 first, as everywhere, which
+    can differ from one rounding by one 16-bit ulp at a tie). Returns ``[..., M, N]`` in
+    a's (original) dtype.
 
     Exact up to accumulation order: the result is the fp32-accumulated product of the
     dequantized operands, rounded once to a's dtype. One exception: W4A16 with fp16

@@ -62,8 +62,8 @@ class QuantRecipe(BaseModel):
     - ``outliers_per_block``: 0, 1 or 2 elements per 32-block kept exactly in bf16.
     - ``activations``: the left operand of :func:`portable_mx.matmul` (activations, and the
       output gradient in the backward dX GEMM): "mxfp4" (A4W4, the default) or "bf16" /
-      "fp16" (W4A16: rounded once to that 16-bit format, never quantized; the weight-only
-      recipe). The right operand (the weight) is always MXFP4.
+      "fp16" (W4A16: rounded once to that 16-bit format, float64 through fp32, never
+      quantized; the weight-only recipe). The right operand (the weight) is always MXFP4.
     - ``grad_input``: the backward GEMM dX = dY @ W^T: "mxfp4" quantizes dY and the
       high-precision W along N (their reduction axis); "high" multiplies them unquantized.
     - ``grad_weight``: the backward GEMM dW = X^T @ dY: "mxfp4" quantizes X and dY along M;

@@ -500,6 +500,17 @@ def test_writers_through_two_links_to_one_file_share_its_lock(tmp_path):
     assert entered.is_set()
 
 
+def test_another_cache_dir_is_read_when_the_variable_points_there(tmp_path, monkeypatch):
+    """The index of read entries is per user cache dir: pointing PORTABLE_MX_CACHE_DIR
+    at another folder mid-process used to keep serving the first folder's entries."""
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "empty"))
+    assert _caught(lambda: cache.lookup("interpret", "cpu", KEY))[0] is None
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+
+
 def test_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

@@ -413,7 +413,7 @@ def stale_keys(cache: CacheFile) -> list[str]:
 # ----------------------------------------------------------------------------- the index
 
 _lock = threading.Lock()
-_index: dict[tuple[str, str], dict[str, ConfigEntry]] = {}
+_index: dict[tuple[str, str, str], dict[str, ConfigEntry]] = {}
 
 
 def _sources(arch: str, device_name: str) -> list[Path]:
@@ -436,8 +436,9 @@ def other_files(arch: str, device_name: str, directory: Optional[Path] = None) -
 
 def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
     """Every entry valid for this device, the user cache over the shipped one; read from
-    disk once per process (and again after :func:`record` or :func:`clear`)."""
-    key = (arch, device_name)
+    disk once per process and user cache dir (and again after :func:`record` or
+    :func:`clear`): pointing ``PORTABLE_MX_CACHE_DIR`` elsewhere reads that folder."""
+    key = (arch, device_name, os.environ.get(ENV_CACHE_DIR, ""))
     found = _index.get(key)
     if found is None:
         with _lock:

@@ -19,6 +19,7 @@ and :func:`load_safetensors` raise an ImportError saying so where it is missing.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -162,7 +163,18 @@ def load_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
     for k, v in state.items():
         if k not in taken:
             out[k] = v
+    orphans = sorted(k[: -len(".qdata")] for k in state if k.endswith(".qdata") and k not in taken
+                     and _is_uint8(state[k]) and _is_uint8(state.get(k[: -len(".qdata")] + ".scales")))
+    if orphans:
+        shown = ", ".join(repr(n) for n in orphans[:4]) + (", ..." if len(orphans) > 4 else "")
+        warnings.warn(f"load_state_dict: {len(orphans)} entr{'y' if len(orphans) == 1 else 'ies'} ({shown}) "
+                      f"hold uint8 qdata and scales but no {META}: they look like MXTensors whose metadata was "
+                      "lost, and are returned as plain tensors", UserWarning, stacklevel=2)
     return out
+
+
+def _is_uint8(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8
 
 
 def _safetensors() -> Any:

@@ -150,3 +150,19 @@ def test_damaged_macro_factors_are_refused_at_load(value):
     edge = m.clone()
     edge[0, 0, 0], edge[0, 1, 0] = 1.0, 2.0  # both ends of the range load
     serialization.load_state_dict(dict(sd, **{"experts.macro_scales": edge}))
+
+
+def test_parts_whose_metadata_was_lost_are_warned_about():
+    """A file holding ``w.qdata`` and ``w.scales`` (uint8) but no ``w.mx_meta`` (lost, or
+    dropped by a tool that filtered keys) loaded them as plain tensors, silently."""
+    import warnings
+
+    sd = serialization.state_dict(weights())
+    del sd["experts.mx_meta"]
+    with pytest.warns(UserWarning, match=r"1 entry \('experts'\) hold uint8 qdata and scales but no mx_meta"):
+        out = serialization.load_state_dict(sd)
+    assert isinstance(out["experts.qdata"], torch.Tensor) and isinstance(out["layer.weight"], pmx.MXTensor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        serialization.load_state_dict(serialization.state_dict(weights()))  # whole: silent
+        serialization.load_state_dict({"norm.qdata": torch.zeros(3), "norm.scales": torch.ones(3)})  # floats: silent

@@ -421,6 +421,10 @@ def test_convert_keeps_what_a_user_added_to_a_linear():
     clash._recipe = "mine"
     with pytest.raises(TypeError, match="attribute '_recipe', a name MXLinear uses itself"):
         MXLinear.from_linear(clash)
+    wrapped = nn.Linear(64, 32)
+    wrapped.forward = lambda x: nn.Linear.forward(wrapped, x)  # as wrappers set it: a float forward
+    with pytest.raises(TypeError, match="attribute 'forward', a name MXLinear uses itself"):
+        MXLinear.from_linear(wrapped)
 
 
 @pytest.mark.parametrize("skip", [["a"], ["b"]])

@@ -62,7 +62,8 @@ def _carry_additions(linear: torch.nn.Linear, new: torch.nn.Module) -> None:
     objects: Parameters beside weight and bias, buffers (persistent or not), child modules
     and plain attributes. They used to be dropped: the state dict lost their keys and a
     carried hook that read them failed. An attribute whose name the new layer uses
-    itself is refused rather than overwritten."""
+    itself is refused rather than overwritten or shadowed (a ``forward`` that a wrapper set
+    on the instance would run the float Linear's)."""
     for name, p in linear._parameters.items():
         if name not in ("weight", "bias"):
             new.register_parameter(name, p)
@@ -73,7 +74,7 @@ def _carry_additions(linear: torch.nn.Linear, new: torch.nn.Module) -> None:
     for name, value in linear.__dict__.items():
         if name in _PLAIN_LINEAR_KEYS:
             continue
-        if name in new.__dict__:
+        if name in new.__dict__ or hasattr(type(new), name):  # (forward set on the instance by a wrapper, too)
             raise TypeError(f"from_linear: this Linear has an attribute {name!r}, a name {type(new).__name__} "
                             "uses itself; rename it, or leave the layer unconverted")
         new.__dict__[name] = value

@@ -40,13 +40,26 @@ def _set_highest():
     return lambda: torch.set_float32_matmul_precision(prev)
 
 
+def _is_highest() -> bool:
+    """Whether fp32 matmuls run in full fp32 now (read through the API :func:`_set_highest`
+    would use)."""
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:
+        return all(m.fp32_precision == "ieee" for m in _backends_with_precision())
+
+
 class HighestPrecision:
     """Context: fp32 matmuls in full fp32 (no TF32, no bf16) and no autocast while inside.
 
-    The precision is a process-wide torch setting: the first thread to enter sets it and
-    the last to leave restores the caller's (threads inside at the same time all see full
-    fp32; none leaves the process at "highest"). Autocast is turned off for this thread
-    only (an autocast region of the caller would otherwise run these matmuls in bf16)."""
+    The precision is a process-wide torch setting. A thread entering sets it to full fp32
+    when it is not (remembering the setting it found); the last thread to leave puts back
+    the setting last found, unless the setting was changed while inside (another thread of
+    the caller's set its own precision: that one stays; it used to be overwritten by the
+    value found first). A precision another thread sets while a portable_mx GEMM runs
+    applies to that GEMM too: torch has no per-thread setting. Autocast is turned off for
+    this thread only (an autocast region of the caller would otherwise run these matmuls
+    in bf16)."""
 
     def __enter__(self) -> None:
         global _depth, _restore
@@ -55,7 +68,7 @@ class HighestPrecision:
             if torch.is_autocast_enabled(device_type):
                 self._autocast.enter_context(torch.autocast(device_type, enabled=False))
         with _LOCK:
-            if _depth == 0:
+            if not _is_highest():  # first in, or the caller changed it since: theirs is put back
                 _restore = _set_highest()
             _depth += 1
 
@@ -65,5 +78,6 @@ class HighestPrecision:
             _depth -= 1
             if _depth == 0:
                 restore, _restore = _restore, None
-                restore()
+                if restore is not None and _is_highest():  # (changed while inside: left as set)
+                    restore()
         self._autocast.close()

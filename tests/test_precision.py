@@ -102,3 +102,38 @@ def test_highest_precision_nests_and_restores_on_errors(restore_precision):
             assert torch.get_float32_matmul_precision() == "highest"
             raise ValueError
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_a_precision_set_while_another_context_is_inside_is_kept(restore_precision):
+    """Another thread of the caller's sets its precision while a portable_mx GEMM is inside
+    the context (simulated here in one thread, in the order two threads can interleave):
+    the last context to leave used to put back the setting found first, undoing the
+    caller's new one for good (the audit: 'medium' lost in 3340 of 3341 checks). Now the
+    new setting stays, and a context entered after it still runs in full fp32."""
+    torch.set_float32_matmul_precision("high")
+    with HighestPrecision():
+        torch.set_float32_matmul_precision("medium")  # the other thread
+    assert torch.get_float32_matmul_precision() == "medium"
+
+    torch.set_float32_matmul_precision("high")
+    outer = HighestPrecision()
+    outer.__enter__()
+    torch.set_float32_matmul_precision("medium")  # the other thread
+    with HighestPrecision():  # a GEMM entering now: full fp32 again
+        assert torch.get_float32_matmul_precision() == "highest"
+    outer.__exit__(None, None, None)
+    assert torch.get_float32_matmul_precision() == "medium"  # the caller's latest, not "high"
+
+
+def test_the_per_backend_setting_changed_while_inside_is_kept(restore_precision):
+    if not restore_precision:
+        pytest.skip("this torch has no per-backend fp32_precision")
+    mkldnn = torch.backends.mkldnn.matmul
+    mkldnn.fp32_precision = "bf16"
+    with HighestPrecision():
+        assert mkldnn.fp32_precision == "ieee"
+        mkldnn.fp32_precision = "tf32"  # the other thread
+    assert mkldnn.fp32_precision == "tf32"
+    with HighestPrecision():
+        assert mkldnn.fp32_precision == "ieee"
+    assert mkldnn.fp32_precision == "tf32"

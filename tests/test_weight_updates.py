@@ -327,3 +327,56 @@ def test_weight_cache_keeps_a_replaced_weights_storage_until_the_next_forward():
                 layer.weight.data = torch.randn(128, 256)
                 y = layer(x)
             assert torch.equal(y, layer(x))
+
+
+def test_writes_into_the_handed_out_quantized_weight_do_not_reach_later_forwards():
+    """quantized_weight() hands out the cached MXTensor inside a block; writing into its
+    parts made every later forward use those bytes (the audit: max difference ~1.5). The
+    entry now checks its parts' versions and is rebuilt from the weight."""
+    torch.manual_seed(0)
+    lin = MXLinear(128, 64, bias=False)
+    x = torch.randn(4, 128)
+    with torch.no_grad():
+        want = lin(x)  # uncached
+        with pmx.nn.weight_cache(lin):
+            lin(x)
+            lin.quantized_weight().scales.add_(1)
+            assert torch.equal(lin(x), want)
+            lin.quantized_weight().qdata.zero_()
+            assert torch.equal(lin(x), want)
+            assert lin.quantized_weight() is lin.quantized_weight()  # still cached when untouched
+
+
+def test_a_block_in_one_thread_does_not_cache_for_another():
+    """A weight_cache block covers the thread that entered it. Another thread's forward,
+    outside any block, made no promise about untracked writes, and must see its own
+    .data write (the block's depth was shared by every thread: it got the stale weight,
+    max difference 0.85 in the audit)."""
+    import threading
+
+    torch.manual_seed(0)
+    lin = MXLinear(128, 64, bias=False)
+    x = torch.randn(4, 128)
+    cached, release, errors = threading.Event(), threading.Event(), []
+
+    def rollouts():
+        try:
+            with torch.no_grad(), pmx.nn.weight_cache(lin):
+                lin(x)
+                cached.set()
+                release.wait(10)
+        except Exception as err:  # noqa: BLE001  (reported below)
+            errors.append(err)
+
+    t = threading.Thread(target=rollouts)
+    t.start()
+    try:
+        assert cached.wait(10)
+        with torch.no_grad():
+            lin.weight.data.mul_(0.5)  # untracked: allowed outside a block
+            fresh = copy.deepcopy(lin)
+            assert torch.equal(lin(x), fresh(x))
+    finally:
+        release.set()
+        t.join(10)
+    assert not errors

@@ -41,6 +41,7 @@ serves many forwards::
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
@@ -49,6 +50,8 @@ import torch
 from ..tensor import version_of
 
 __all__ = ["WeightCache", "weight_cache"]
+
+_get_ident = threading.get_ident
 
 _STEPS = [0]  # optimizer steps taken since the hook was installed (any optimizer)
 _HOOK: list[Any] = []
@@ -74,15 +77,38 @@ class WeightCache:
     and the process-wide optimizer step count. Copies and pickles of a layer get an
     empty, inactive cache."""
 
-    __slots__ = ("depth", "entries", "__weakref__")
+    __slots__ = ("depths", "entries", "__weakref__")
 
     def __init__(self) -> None:
-        self.depth = 0
+        self.depths: dict[int, int] = {}  # thread id -> blocks of that thread covering the layer
         self.entries: dict[str, tuple] = {}
+
+    @property
+    def depth(self) -> int:
+        """How many :func:`weight_cache` blocks of the calling thread cover the layer: a
+        block covers the thread that entered it (another thread's forward, which made no
+        promise, quantizes as outside any block)."""
+        return self.depths.get(_get_ident(), 0)
 
     @property
     def active(self) -> bool:
         return self.depth > 0
+
+    def enter(self) -> None:
+        t = _get_ident()
+        self.depths[t] = self.depths.get(t, 0) + 1
+
+    def leave(self) -> None:
+        """One block of the calling thread ends; the last block of every thread frees
+        the cached weights."""
+        t = _get_ident()
+        left = self.depths.get(t, 0) - 1
+        if left > 0:
+            self.depths[t] = left
+        else:
+            self.depths.pop(t, None)
+        if not self.depths:
+            self.clear()
 
     def get(self, name: str, w: torch.Tensor, recipe: Any, build: Callable[[torch.Tensor], Any]) -> Any:
         """``build(w)``, or the value built for this same ``(w, recipe)`` earlier in the
@@ -91,10 +117,11 @@ class WeightCache:
             return build(w)
         key = _key(w, recipe)
         hit = self.entries.get(name)
-        if key is not None and hit is not None and hit[0] == key and hit[1] is w:
+        if key is not None and hit is not None and hit[0] == key and hit[1] is w and _versions(hit[2]) == hit[4]:
             return hit[2]
         value = build(w)
-        if key is None:
+        versions = _versions(value)
+        if key is None or (versions is not None and None in versions):
             self.entries.pop(name, None)
         else:
             # the weight itself and its storage (through an alias), held until the entry is
@@ -105,7 +132,9 @@ class WeightCache:
             # address: ``w.data = other`` or a swap frees the weight's old storage, and
             # the allocator handed that address to the next tensor of the same size, whose
             # fresh version counter then matched the key (a stale weight, in the audit)
-            self.entries[name] = (key, w, value, w.detach())
+            # the value's own parts' versions too: a caller who wrote into the cached value
+            # (quantized_weight() hands it out) made every later forward use its bytes
+            self.entries[name] = (key, w, value, w.detach(), versions)
         return value
 
     def clear(self) -> None:
@@ -120,6 +149,13 @@ class WeightCache:
 
     def __reduce__(self) -> tuple:
         return (WeightCache, ())
+
+
+def _versions(value: Any) -> Optional[tuple]:
+    """The version counters of a cached value's tensors (an MXTensor's parts), or None
+    for a value of another kind."""
+    parts = getattr(value, "parts", None)
+    return None if parts is None else tuple(version_of(p) for p in parts())
 
 
 def _key(w: torch.Tensor, recipe: Any) -> Optional[tuple]:
@@ -214,16 +250,14 @@ def weight_cache(model: torch.nn.Module) -> Iterator[int]:
     optimizer step, a version-bumping in-place update or a replaced weight (see the
     module doc for the exact rule, and what the caller promises). Yields the number of
     layers that cache (FSDP-managed layers do not). Blocks nest; leaving the outermost
-    block frees the cached weights."""
+    block frees the cached weights. A block covers the thread that entered it: a forward
+    in another thread (which made no promise) quantizes as outside any block."""
     caches = [c for _, c in layer_caches(model)]
     _install_step_hook()
     for c in caches:
-        c.depth += 1
+        c.enter()
     try:
         yield len(caches)
     finally:
         for c in caches:
-            c.depth -= 1
-            if c.depth <= 0:
-                c.depth = 0
-                c.clear()
+            c.leave()

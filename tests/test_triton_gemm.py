@@ -252,3 +252,42 @@ def test_gemm_reads_swizzled_scales(gemm_kernel, layout, monkeypatch):
             assert_accumulation_close(got, a, b.to("cpu"), k)
             assert torch.equal(got.cpu(), again.cpu())
     assert len(swizzles) == 4
+
+
+def test_interpreter_launches_run_one_at_a_time():
+    """The interpreter keeps global state (launches from two threads failed with
+    InterpreterErrors) and its launch context patches a process-wide function: two
+    overlapping launches put it back in the wrong order, so the second ran on triton's
+    own fp16 widening (bf16 tokens >= 65520 became inf) and the patch stayed installed.
+    A launch in a second thread now waits for the first to end."""
+    import threading
+
+    interpret = registry.get("triton-interpret")
+    why = interpret.unavailable_reason(torch.device("cpu"))
+    if why:
+        pytest.skip(f"the Triton interpreter is not on here: {why}")
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_mxfp_value_handle_to_float32", None)
+    inside, release, entered = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with interpret.running():
+            inside.set()
+            release.wait(10)
+
+    def second():
+        with interpret.running():
+            entered.set()
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    assert inside.wait(10)
+    t2 = threading.Thread(target=second)
+    t2.start()
+    assert not entered.wait(0.5)  # waits while the first launch runs
+    release.set()
+    t1.join(10)
+    t2.join(10)
+    assert entered.is_set()
+    assert getattr(interpreter, "_mxfp_value_handle_to_float32", None) is original

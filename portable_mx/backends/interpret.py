@@ -6,6 +6,7 @@ reference backend. Numerics caveats of the interpreter: numerics.md section 5.""
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -20,6 +21,9 @@ _TILE = TileConfig(64, 256, num_warps=4)
 TILES = {key: _TILE for key in ("quantize", "quantize-heavy", "dequantize", "decompose", "decompose-full")}
 _GEMM = GemmConfig(64, 64, 128, group_m=2)
 GEMM_TILES = {"interpret": {key: _GEMM for key in ("a4w4", "a4w4-small", "w4a16", "w4a16-small")}}
+
+
+_ONE_LAUNCH = threading.RLock()
 
 
 class InterpretBackend(TritonBackend):
@@ -52,10 +56,14 @@ class InterpretBackend(TritonBackend):
     def running(self):
         """numpy runs the kernels: its overflow/invalid warnings on inf/NaN lanes (which
         the kernels mask out) are noise, so they are silenced during launches; and the
-        interpreter's ``tl.dot_scaled`` reads a bf16 operand exactly (:func:`_exact_bf16_operands`)."""
+        interpreter's ``tl.dot_scaled`` reads a bf16 operand exactly (:func:`_exact_bf16_operands`).
+        One launch at a time in the process: the interpreter keeps global state (launches
+        from two threads failed with InterpreterErrors), and two overlapping launches put
+        that patch back in the wrong order (the second ran on triton's own conversion)."""
         import numpy as np
 
         stack = contextlib.ExitStack()
+        stack.enter_context(_ONE_LAUNCH)  # (first: the patch below is process-wide, as is the interpreter's state)
         stack.enter_context(np.errstate(all="ignore"))
         stack.enter_context(_exact_bf16_operands())
         return stack

@@ -69,6 +69,16 @@ class DemoConfig:
     parity_rows: int = 256
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        # a group of one has no relative baseline: torch's std of one value is NaN, and
+        # the advantages, the loss and every later weight became NaN
+        for name in ("group_size", "probe_group"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2 (group-relative advantages need two samples); "
+                                 f"got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0; got {self.temperature}")
+
     def arm(self, name: str) -> Arm:
         base = dict(scale_rule=self.scale_rule)
         mbs = dict(macro_block=self.macro_block)

@@ -10,7 +10,8 @@ noise); exact-match rewards; advantages normalised within each group
 
 with rho = pi_theta / pi_rollout (the log-probabilities the rollout model sampled with),
 and k3 = exp(d) - d - 1, d = ref - logp, the KL estimator to the warm-up policy
-(:func:`grpo_loss`). k3 grows as exp(d): one token that the warm-up policy likes and the
+computed with the arm's numerics (:func:`grpo_loss`; log-probabilities at the sampling
+temperature). k3 grows as exp(d): one token that the warm-up policy likes and the
 trained one all but rules out (d = 27 gives 5e11) would otherwise outweigh the whole
 clipped policy term, so each token's k3 is capped at ``kl_cap`` (10, as verl's
 ``low_var_kl`` clamps it; volcengine/verl, trainer/ppo/core_algos.py), and the fraction
@@ -20,6 +21,7 @@ of capped tokens is logged per iteration (``kl_capped``).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Any, Callable, Optional
 
@@ -146,15 +148,20 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     after the cap), ``capped`` (the fraction of tokens whose k3 reached ``kl_cap``) and
     ``clipped`` (the fraction whose ratio left [1 - eps, 1 + eps]).
 
-    A capped token adds nothing to the gradient. d is clamped to [-20, 20] before the
-    exponential (k3(20) = 4.9e8 is far above any cap), so that exp never overflows: an
-    infinite k3 would make the clamp's zero gradient 0 * inf = NaN."""
+    A capped token adds nothing to the gradient. With a finite cap, d is clamped at 80
+    before the exponential (k3(80) = 5.5e34 is above any finite cap, and exp(80) is finite
+    in fp32), so that an infinite k3 never makes the cap's zero gradient 0 * inf = NaN;
+    nothing is clamped below (exp(d) cannot overflow there; a clamp at -20, as before,
+    gave k3(-25) = 19 instead of 24 and no gradient under a cap above 19). Uncapped
+    (``kl_cap`` inf), k3 is exact, and inf where exp(d) overflows."""
     if not kl_cap > 0:
         raise ValueError(f"kl_cap must be > 0 (inf: uncapped); got {kl_cap}")
     ratio = torch.exp(logp - old_logp)
     A = adv[:, None]
     pg = -torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
-    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    d = ref_logp - logp
+    if math.isfinite(kl_cap):
+        d = d.clamp(max=80.0)  # k3(80) = 5.5e34: above any finite cap, and exp(80) finite in fp32
     k3_raw = torch.exp(d) - d - 1
     k3 = k3_raw.clamp(max=kl_cap)
     loss = (pg + kl_coef * k3).mean()
@@ -188,6 +195,10 @@ def run_arm(
     ref = GPT(cfg.model).to(dev)
     ref.load_state_dict(state)
     ref.requires_grad_(False)
+    # the reference computes with the arm's numerics: k3 measures drift from the warm-up
+    # policy, not the gap between MXFP4 and fp32 forwards (an fp32 reference put 1.15
+    # nats a token of k3 on the MXFP4 arm before any update, and none on fp32's)
+    ref_view = numerics_view(ref, arm.recipe) if arm.recipe is not None else ref
     model = GPT(cfg.model).to(dev)
     model.load_state_dict(state)
     view = numerics_view(model, arm.recipe) if arm.recipe is not None else model
@@ -226,11 +237,11 @@ def run_arm(
         r = reward(ans, a)
         adv = group_advantages(r, g)
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, p, ans, pos)
+            ref_logp = token_logprobs(ref_view, p, ans, pos, cfg.temperature)
         order = torch.randperm(p.shape[0], generator=perm_gen).to(dev)
         kls, capped, clips, losses = [], [], [], []
         for mb in order.chunk(cfg.minibatches):
-            logp = token_logprobs(view, p[mb], ans[mb], pos)
+            logp = token_logprobs(view, p[mb], ans[mb], pos, cfg.temperature)
             loss, st = grpo_loss(logp, old_logp[mb], ref_logp[mb], adv[mb], cfg.clip_eps, cfg.kl_coef, cfg.kl_cap)
             opt.zero_grad(set_to_none=True)
             loss.backward()

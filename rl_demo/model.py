@@ -198,7 +198,12 @@ def answer_logits(model: GPT, prompts: torch.Tensor, answers: torch.Tensor, posi
     return logits[:, prompts.shape[1] - 1 :].float()
 
 
-def token_logprobs(model: GPT, prompts: torch.Tensor, answers: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """log pi(answer_t | prefix) [B, A] (differentiable)."""
-    logp = torch.log_softmax(answer_logits(model, prompts, answers, positions), dim=-1)
+def token_logprobs(model: GPT, prompts: torch.Tensor, answers: torch.Tensor, positions: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log pi_T(answer_t | prefix) [B, A] (differentiable): at the sampling ``temperature``
+    T, the distribution :func:`generate` draws from (its ``old_logp``)."""
+    logits = answer_logits(model, prompts, answers, positions)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(2, answers[..., None])[..., 0]

@@ -310,7 +310,7 @@ def plot(results: dict, path: Path) -> None:
     for c, lab in centers:
         ax.text(c, -0.09, lab, ha="center", va="top", fontsize=7, transform=ax.get_xaxis_transform())
     ax.set_ylim(0, 1.06)
-    ax.set_ylabel("share of the error energy")
+    ax.set_ylabel("share of the error energy (mean over layers)")
     ax.set_title("Error shares per arm (end; W/X/dY; numbers: dead fraction)", fontsize=10)
     ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
 

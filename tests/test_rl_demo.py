@@ -226,6 +226,12 @@ def test_study_verdict_rules():
     assert decide("within", -0.005, 0.02, 0.007) == "supported"
     assert decide("within", -0.05, -0.01, 0.007) == "refuted"
     assert decide("within", -0.05, 0.01, 0.007) == "inconclusive"
+    # both rules met: an effect that excludes 0 but lies inside the margin (the committed
+    # AQN entropy interval [+0.0032, +0.0087] against 0.018 read 'supported' by test order)
+    assert decide("two-sided", 0.0032, 0.0087, 0.018) == "negligible"
+    assert decide("two-sided", -0.0087, -0.0032, 0.018) == "negligible"
+    assert decide("one-sided", 0.005, 0.015, 0.0214) == "negligible"
+    assert decide("one-sided", 0.005, 0.015, 0.0) == "supported"  # no margin: any effect counts
     with pytest.raises(ValueError, match="unknown rule"):
         decide("sideways", 0, 1, 0)
 
@@ -291,10 +297,10 @@ def test_grpo_loss_matches_float64_and_caps_the_kl_term():
     assert float(st["capped"]) == pytest.approx(n_capped / 6) and n_capped == 2
     assert float(st["clipped"]) == pytest.approx(n_clipped / 6)
     assert float(st["k3"].max()) == cap
-    # uncapped (inf), d is still clamped at 20 before exp: the two tokens' k3 are
-    # exp(20) - 21 = 4.9e8 each, finite, and they outweigh every other term
+    # uncapped (inf), k3 is exact (it used to be clamped at d = 20, 4.9e8): d = 200
+    # overflows fp32's exp, and the loss is inf, as the formula's value is beyond fp32
     inf_loss, _ = grpo_loss(logp, old, ref, adv, eps, coef, math.inf)
-    assert float(inf_loss) == pytest.approx((total + 2 * coef * (math.expm1(20) - 20 - cap)) / 6, rel=1e-5)
+    assert float(inf_loss) == math.inf
     with pytest.raises(ValueError, match="kl_cap"):
         grpo_loss(logp, old, ref, adv, eps, coef, 0.0)
 
@@ -451,3 +457,86 @@ def test_the_criterion_says_how_often_a_loss_at_the_bound_is_detected():
     p = detection_at_bound(0.021527, 0.015880, 16)
     assert p == pytest.approx(0.5 * (1 + math.erf(t15 * (0.021527 - 0.015880) / 0.015880 / math.sqrt(2))), abs=1e-6)
     assert 0.77 < p < 0.79
+
+
+def test_grpo_loss_is_exact_for_any_cap_and_uncapped():
+    """The clamp of d used to be [-20, 20]: under a cap above 19 (or none) a token with
+    d = -25 got k3 = 19 instead of 24 and no gradient, and uncapped d = 25 gave 4.9e8
+    instead of 7.2e10. Checked against float64 k3 = exp(d) - d - 1 and its derivative
+    d k3 / d logp = 1 - exp(d)."""
+    from rl_demo.grpo import grpo_loss
+
+    logp = torch.tensor([[-1.0, -2.0]])
+    for d_val, cap in ((-25.0, 50.0), (-25.0, math.inf), (25.0, math.inf), (25.0, 1e12)):
+        ref = logp + torch.tensor([[d_val, 0.0]])
+        x = logp.clone().requires_grad_(True)
+        loss, st = grpo_loss(x, logp, ref, torch.zeros(1), 0.2, 1.0, cap)
+        loss.backward()
+        k3 = math.exp(d_val) - d_val - 1
+        assert float(loss) == pytest.approx(min(k3, cap) / 2, rel=1e-5), (d_val, cap)
+        want = 0.0 if k3 >= cap else (1 - math.exp(d_val)) / 2
+        assert float(x.grad[0, 0]) == pytest.approx(want, rel=1e-5, abs=1e-7), (d_val, cap)
+        assert float(st["capped"]) == (0.5 if k3 >= cap else 0.0)
+
+
+def test_token_logprobs_at_the_sampling_temperature_are_the_rollouts():
+    """generate() samples and returns log-probabilities at temperature T; the policy's
+    and the reference's log-probabilities ignored T, so at T = 0.7 the first, on-policy
+    minibatch saw ratios far from 1 (42-46% of tokens clipped in the audit)."""
+    from rl_demo.model import GPT, ModelConfig, generate, token_logprobs
+    from rl_demo.tasks import Task
+
+    torch.manual_seed(0)
+    task = Task("add")
+    model = GPT(ModelConfig(d_model=32, n_layers=2, n_heads=2)).eval()
+    prompts, _ = task.sample(6, torch.Generator().manual_seed(1))
+    pos = task.positions(True)
+    for t in (1.0, 0.7):
+        out = generate(model, prompts, pos, 5, greedy=False, generator=torch.Generator().manual_seed(2),
+                       temperature=t)
+        answers, old_logp = out[0], out[1]
+        with torch.no_grad():
+            logp = token_logprobs(model, prompts, answers, pos, t)
+        assert torch.allclose(logp, old_logp, atol=1e-5), t
+
+
+def test_config_refuses_groups_of_one_and_a_nonpositive_temperature():
+    """A group of one has no relative baseline: torch's std of one value is NaN, and the
+    advantages, the loss and every weight after it were NaN."""
+    from rl_demo.config import DemoConfig
+
+    for kw in ({"group_size": 1}, {"probe_group": 1}, {"temperature": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            DemoConfig(**kw)
+
+
+def test_the_reference_computes_with_the_arms_numerics(monkeypatch):
+    """k3 is the drift from the warm-up policy: the reference must compute with the arm's
+    numerics. An fp32 reference put the MXFP4-fp32 gap into k3 before any update (1.15
+    nats a token on the study's checkpoint, none on the fp32 arm): an extra pull on the
+    quantized arms only. On the first, pre-update minibatch (one minibatch an iteration)
+    the policy's and the reference's log-probabilities are now the same numbers."""
+    from dataclasses import replace
+
+    from rl_demo import grpo
+    from rl_demo.config import preset
+    from rl_demo.model import GPT
+    from rl_demo.run import _eval_set
+
+    cfg = replace(preset("tiny"), iterations=1, minibatches=1, eval_every=100)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ev, probe = _eval_set(cfg), grpo.make_probe(cfg, model)
+    seen, loss = [], grpo.grpo_loss
+
+    def spy(logp, old_logp, ref_logp, *args):
+        seen.append((logp.detach().clone(), ref_logp.clone()))
+        return loss(logp, old_logp, ref_logp, *args)
+
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    for name in ("mxfp4", "mbs_of_aqn", "hp"):
+        seen.clear()
+        grpo.run_arm(cfg, cfg.arm(name), 0, state, ev, probe, evaluator=lambda *a, **k: {})
+        (logp, ref_logp), = seen
+        assert torch.equal(logp, ref_logp), name

@@ -1,4 +1,4 @@
-"""One verdict per claim of the paper: "supported", "refuted" or "inconclusive", with the
+"""One verdict per claim of the paper: "supported", "refuted", "negligible" or "inconclusive", with the
 interval that decides it (the rules are in :class:`rl_demo.study.design.Claim`), and the
 component probe's verdicts (which error component moves which signal the most).
 
@@ -16,6 +16,10 @@ from .analysis import COMPONENTS
 from .design import Claim, StudyConfig
 
 SUPPORTED, REFUTED, INCONCLUSIVE = "supported", "refuted", "inconclusive"
+NEGLIGIBLE = "negligible"
+"""An interval that meets both rules: it excludes 0 (an effect, in the claim's direction
+for one-sided claims) and lies inside the margin (smaller than the smallest effect that
+matters). The two rules overlapped there, and the order of the tests said 'supported'."""
 
 
 def decide(rule: str, lo: float, hi: float, margin: float) -> str:
@@ -25,12 +29,13 @@ def decide(rule: str, lo: float, hi: float, margin: float) -> str:
         raise ValueError(f"interval ({lo}, {hi}) is not ordered")
     if rule == "one-sided":
         if lo > 0:
-            return SUPPORTED
+            return NEGLIGIBLE if hi < margin else SUPPORTED
         return REFUTED if hi < margin else INCONCLUSIVE
     if rule == "two-sided":
+        inside = -margin < lo and hi < margin
         if lo > 0 or hi < 0:
-            return SUPPORTED
-        return REFUTED if -margin < lo and hi < margin else INCONCLUSIVE
+            return NEGLIGIBLE if inside else SUPPORTED
+        return REFUTED if inside else INCONCLUSIVE
     if rule == "within":  # (lo, hi) of the relative difference; the claim: not below -margin
         if lo >= -margin:
             return SUPPORTED
@@ -80,10 +85,12 @@ def rule_text(v: dict[str, Any]) -> str:
     if v["rule"] == "within":
         return f"supported if it lies above -{100 * m:.1f}%; refuted if it lies below"
     if v["rule"] == "two-sided":
-        return f"supported if it excludes 0; refuted if it lies inside ±{m:.4f}"
+        return (f"supported if it excludes 0; refuted if it lies inside ±{m:.4f}; negligible if both (an "
+                "effect below the smallest that matters)")
     cmp_ok, cmp_no = (">", "<") if sign > 0 else ("<", ">")
     edge = f"{sign * m:+.4f}" if m else "0"
-    return f"supported if {cmp_ok} 0; refuted if {cmp_no} {edge}"
+    both = "; negligible if both (an effect below the smallest that matters)" if m else ""
+    return f"supported if {cmp_ok} 0; refuted if {cmp_no} {edge}{both}"
 
 
 def probe_verdict(component: str, signal: str, text: str, pairs: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -67,14 +67,18 @@ class CompileResult:
     ``shared_bytes``, ``registers``, ``spill_bytes`` are None when the compile failed or
     the figure could not be read. ``registers`` is registers per thread (NVIDIA) or
     architectural VGPRs per lane (AMD; AGPRs and SGPRs are in ``resources``).
-    ``spill_bytes`` is register spill per thread: ptxas "bytes spill stores" (NVIDIA) /
-    ``ScratchSize`` per lane (AMD).
+    ``spill_bytes`` is how much the kernel spills, a problem when not 0, in each toolchain's
+    own unit: ptxas's "bytes spill stores" (NVIDIA: the summed width of the spill store
+    instructions, not memory per thread; the per-thread stack frame is
+    ``resources["stack_bytes"]``) / ``ScratchSize``, the private segment per lane (AMD).
     ``native_mx`` is True/False only for a launch with ``multiplies_mx`` on a target with
     a native pattern, else None. ``mma_instructions`` are the distinct matrix-multiply
     instruction names in the assembly (the evidence for ``native_mx``, or for the upcast
     on targets without one). ``problems`` is empty exactly when the launch is acceptable
-    on the target: it compiled, does not spill, fits in shared memory and, where
-    ``native_mx`` is not None, uses the native instruction.
+    on the target: it compiled, does not spill, fits in shared memory (dynamic plus the
+    static the compiler added), fits in tensor memory (sm_100: ``resources["tmem_columns"]``
+    at most 512, beyond which Triton refuses to load the kernel, whose PTX is then a bare
+    ``trap``) and, where ``native_mx`` is not None, uses the native instruction.
     """
 
     kernel: str
@@ -118,6 +122,8 @@ class _Toolchain:
     mma_pattern: str  # matrix-multiply instruction names in that text
     read_resources: Callable[[Any], _Resources]
     assert_pattern: str  # what a compiled-in tl.device_assert leaves in that text
+    comment: str  # a comment in that text (removed before the searches: a comment naming an instruction is none)
+    spill_unit: str  # what spill_bytes counts
 
 
 def _int(pattern: str, text: str) -> Optional[int]:
@@ -248,8 +254,9 @@ def _amd_resources(kernel) -> _Resources:
 
 _TOOLCHAINS: dict[str, _Toolchain] = {
     "cuda": _Toolchain("ptx", r"\b(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*", _nvidia_resources,
-                       r"\bcall\.uni\s+__assertfail\b"),
-    "hip": _Toolchain("amdgcn", r"\bv_(?:mfma|smfmac|wmma)\w*", _amd_resources, r"\bs_trap\s+2\b"),
+                       r"\bcall\.uni\s+__assertfail\b", r"//[^\n]*", "bytes of ptxas spill stores"),
+    "hip": _Toolchain("amdgcn", r"\bv_(?:mfma|smfmac|wmma)\w*", _amd_resources, r"\bs_trap\s+2\b", r";[^\n]*",
+                      "bytes of scratch per lane"),
 }
 
 
@@ -363,26 +370,35 @@ def compile_launch(launch: KernelLaunch, target: Target) -> CompileResult:
     except Exception as err:  # noqa: BLE001  (reading back must not sink the matrix either)
         return _failed(launch, target, _error_text(err, ""), time.perf_counter() - start)
 
-    asm = kernel.asm.get(toolchain.asm_key, "")
+    asm = re.sub(toolchain.comment, "", kernel.asm.get(toolchain.asm_key, ""))
     mma = tuple(sorted(set(re.findall(toolchain.mma_pattern, asm))))
     native = None
     if launch.multiplies_mx and target.native_mx_pattern is not None:
         native = re.search(target.native_mx_pattern, asm) is not None
     shared = int(kernel.metadata.shared)
+    static = int(resources.extra.get("static_shared_bytes", 0))
+    tmem = int(getattr(kernel.metadata, "tmem_size", 0) or 0)
+    extra = dict(resources.extra)
+    if tmem:
+        extra["tmem_columns"] = tmem
     problems = []
     if resources.problem:
         problems.append(resources.problem)
     if resources.spill_bytes:
-        problems.append(f"spills {resources.spill_bytes} bytes per thread")
-    if shared > target.shared_memory:
-        problems.append(f"shared memory {shared} B > {target.shared_memory} B limit")
+        problems.append(f"spills ({resources.spill_bytes} {toolchain.spill_unit})")
+    if shared + static > target.shared_memory:
+        problems.append(f"shared memory {shared} B" + (f" + {static} B static" if static else "")
+                        + f" > {target.shared_memory} B limit")
+    if target.tmem_columns is not None and tmem > target.tmem_columns:
+        problems.append(f"tensor memory {tmem} columns > {target.tmem_columns} (Triton refuses to load it; "
+                        "its PTX is a trap)")
     if native is False:
         problems.append(f"no native MX instruction (/{target.native_mx_pattern}/) on {target.name}; "
                         f"MMA found: {', '.join(mma) or 'none'}")
     if launch.device_asserts and re.search(toolchain.assert_pattern, asm) is None:
         problems.append(f"device assertion compiled out (/{toolchain.assert_pattern}/ not in the {toolchain.asm_key})")
     return CompileResult(launch.kernel, launch.label, target.name, True, None, shared, target.shared_memory,
-                         resources.registers, resources.spill_bytes, native, mma, dict(resources.extra),
+                         resources.registers, resources.spill_bytes, native, mma, extra,
                          time.perf_counter() - start, problems)
 
 

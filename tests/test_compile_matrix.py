@@ -444,3 +444,19 @@ def test_a_seed_is_never_specialised(tmp_path):
     runtime, constant = compile_all([(spec, TARGETS["sm_90"]), (as_jit_would, TARGETS["sm_90"])], jobs=2)
     assert runtime.ok, runtime.error
     assert not constant.ok and "CompilationError" in constant.error
+
+
+def test_comments_are_not_instructions():
+    """The native-instruction and MMA searches run on the assembly without its comments:
+    a comment naming tcgen05.mma ... block_scale or v_mfma_scale_* is no such instruction."""
+    import re
+
+    from portable_mx.aot import _TOOLCHAINS
+    from portable_mx.backends.targets import TARGETS
+
+    for backend, target, text in (("cuda", "sm_100", "\tmov.u32 %r1, 0; // tcgen05.mma.cta_group::1.kind::mxf4.block_scale\n"),
+                                  ("hip", "gfx950", "\ts_nop 0 ; v_mfma_scale_f32_16x16x128_f8f6f4 v[0:3]\n")):
+        tc = _TOOLCHAINS[backend]
+        assert re.search(TARGETS[target].native_mx_pattern, text)  # the raw text would match
+        bare = re.sub(tc.comment, "", text)
+        assert not re.search(TARGETS[target].native_mx_pattern, bare) and not re.findall(tc.mma_pattern, bare)

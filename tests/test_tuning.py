@@ -297,6 +297,24 @@ def test_one_real_static_compile_for_sm_100(tmp_path):
     assert not calls and again.verdicts == report.verdicts
 
 
+@pytest.mark.triton  # an ahead-of-time compile: triton >= 3.6
+def test_a_launch_over_the_tensor_memory_is_pruned_on_sm_100(tmp_path):
+    """W4A16 m256 x n256 x k128 on 8 warps needs 640 tensor-memory columns on B200 (512
+    an SM): Triton compiles it to a PTX 'trap' and refuses to load it, and the static
+    stage used to keep it (no spill, no shared-memory overflow, and W4A16 needs no native
+    MX instruction). Its verdict now names the tensor memory; a survivor carries its
+    columns and the static shared memory for the cost model."""
+    cuda = registry.get("cuda")
+    w4a16 = Operand(torch.bfloat16, None, 0)
+    over = GemmConfig(256, 256, 128, num_warps=8, num_stages=3)
+    fits = cuda.default_gemm_config(TARGETS["sm_100"], 4096, torch.bfloat16, False)
+    report = static.prune([over, fits], w4a16, MX, TARGETS["sm_100"], cuda, 8192,
+                          static.VerdictStore(tmp_path / static.STORE_NAME), jobs=2)
+    bad, good = report.verdicts[over], report.verdicts[fits]
+    assert not bad.ok and bad.tmem_columns > 512 and "tensor memory" in bad.reason, bad
+    assert good.ok and 0 < good.tmem_columns <= 512 and good.static_shared_bytes is not None, good
+
+
 # ----------------------------------------------------------------------------- the cache
 
 

@@ -88,6 +88,40 @@ def test_occupancy_is_the_tightest_resource():
     assert cost.occupancy(c, vgprs, amd) == 2  # 4 * 512 / 256 waves, 4 waves per CTA
 
 
+def test_occupancy_counts_static_shared_memory_and_tensor_memory():
+    """B200 (the audit's figures, from NVIDIA's rules): the 1 KiB of static shared memory
+    the compiler adds beside the dynamic 76288 B leaves 2 CTAs an SM, not 3
+    (233472 // (76288 + 1024 + 1024 reserved)); a kernel allocating 128 tensor-memory
+    columns fits 4 an SM (512 // 128), not the 7 its registers allow; 100 columns take a
+    power of two, 128."""
+    b200 = cost.DEFAULT_PROPS["sm_100"]
+    c = GemmConfig(128, 64, 256, num_warps=4, num_stages=4)
+    plain = info(regs=64, shared=76288)
+    assert cost.occupancy(c, plain, b200) == 3
+    assert cost.occupancy(c, dataclasses.replace(plain, static_shared_bytes=1024), b200) == 2
+    small = GemmConfig(16, 64, 128, num_warps=4, num_stages=3)
+    few = info(regs=64, shared=20 * 1024)
+    assert cost.occupancy(small, few, b200) > 4
+    assert cost.occupancy(small, dataclasses.replace(few, tmem_columns=128), b200) == 4
+    assert cost.occupancy(small, dataclasses.replace(few, tmem_columns=100), b200) == 4
+    assert cost.occupancy(small, dataclasses.replace(few, tmem_columns=128), H100) > 4  # no tensor memory there
+
+
+def test_an_h200_gets_its_own_memory_bandwidth(monkeypatch):
+    """device_props read the SM count of an H200 (the same 132 as an H100) and kept the
+    H100's 3.0 TB/s; an H200 copies at 4.0-4.1 TB/s (benchmarks/results/nvidia-h200-*)."""
+
+    class Props:
+        name, multi_processor_count = "NVIDIA H200", 132
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    h200 = cost.device_props(TARGETS["sm_90"], "cuda:0")
+    assert h200.dram_bytes_per_s == 4.0e12 and h200.l2_bytes_per_s == 2.5 * 4.0e12
+    Props.name = "NVIDIA H100 80GB HBM3"
+    assert cost.device_props(TARGETS["sm_90"], "cuda:0").dram_bytes_per_s == 3.0e12
+
+
 def test_a_grid_of_whole_waves_beats_one_that_leaves_most_sms_idle():
     """M=16 x N=8192 x K=8192 W4A16 on 132 SMs: 512 CTAs (64-wide tiles split 4 ways,
     3.9 waves) rank above 32 CTAs (256-wide tiles, one wave on a quarter of the SMs)."""

@@ -35,6 +35,9 @@ class Target:
     shared_memory: int
     native_mx_pattern: Optional[str]
     description: str
+    tmem_columns: Optional[int] = None
+    """Tensor-memory columns one program may allocate (sm_100: 512; None: no tensor
+    memory). Triton refuses to load a kernel that needs more."""
     dot_scaled_since: tuple[int, int] = (3, 6)
     """The oldest Triton (major, minor) that lowers ``tl.dot_scaled`` for this target
     (gfx942: 3.8; triton 3.6 and 3.7 stop with "LLVM ERROR: Unsupported DotScaleOp").
@@ -62,7 +65,7 @@ TARGETS: dict[str, Target] = {
         Target("sm_90", "nvidia", "cuda", 90, 32, 232448, None,
                "H100/H200: tl.dot_scaled upcasts to bf16, then wgmma"),
         Target("sm_100", "nvidia", "cuda", 100, 32, 232448, r"tcgen05\.mma[\w.:]*block_scale",
-               "B200/GB200: native tcgen05.mma ... block_scale"),
+               "B200/GB200: native tcgen05.mma ... block_scale", tmem_columns=512),
         Target("sm_120", "nvidia", "cuda", 120, 32, 101376, r"mma\.sync[\w.:]*block_scale",
                "RTX 50: native mma.sync ... block_scale"),
         Target("gfx942", "amd", "hip", "gfx942", 64, 65536, None,

@@ -96,6 +96,7 @@ class DeviceProps:
     latency_s: float  # DRAM load latency under load (Little's law: bytes in flight = bandwidth x latency)
     launch_s: float  # one more kernel launch on the device (the split-K combine)
     source: str = "defaults"
+    tmem_columns_per_sm: int = 0  # tensor-memory columns per SM (sm_100: 512; 0: none)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,8 +126,9 @@ DEFAULT_PROPS: dict[str, DeviceProps] = {
                      "defaults for sm_90 (H100 SXM5)"),
     # B200: 148 SMs, 228 KiB shared memory per SM, 126 MiB L2 [?], 8 TB/s HBM3e, dense
     # bf16 2.25 PFLOP/s, dense FP4 9 PFLOP/s (NVIDIA B200 datasheet).
-    "sm_100": _nvidia("sm_100", 148, 233472, 2048, 126 * MiB, 8.0e12, 2.25e15, 9e15, 1.9,
-                      "defaults for sm_100 (B200)"),
+    "sm_100": dataclasses.replace(
+        _nvidia("sm_100", 148, 233472, 2048, 126 * MiB, 8.0e12, 2.25e15, 9e15, 1.9,
+                "defaults for sm_100 (B200)"), tmem_columns_per_sm=512),
     # RTX 5090: 170 SMs, 100 KiB shared memory per SM, 1536 threads per SM, 96 MiB L2,
     # 1.79 TB/s GDDR7, ~209 TFLOP/s dense bf16, ~1.68 PFLOP/s dense FP4 [?].
     "sm_120": dataclasses.replace(
@@ -171,6 +173,9 @@ def device_props(target: Any = None, device: Any = None) -> DeviceProps:
 
     sms = read("multi_processor_count", base.sm_count)
     scale = sms / base.sm_count
+    if "H200" in p.name:  # HBM3e (H100: HBM3): the copy bandwidth measured on one, 4.0-4.1 TB/s
+        # (benchmarks/results/nvidia-h200-2026-11-26*; 4.8 TB/s peak)
+        base = dataclasses.replace(base, dram_bytes_per_s=4.0e12, l2_bytes_per_s=2.5 * 4.0e12)
     return dataclasses.replace(
         base, name=p.name, sm_count=sms, warp_size=read("warp_size", base.warp_size),
         regs_per_sm=read("regs_per_multiprocessor", base.regs_per_sm),
@@ -267,8 +272,12 @@ def occupancy(config: GemmConfig, info: Any, props: DeviceProps, workload: Optio
     if shared is None and workload is not None:
         shared = config.num_stages * config.block_k * (config.block_m * workload.a_bits
                                                        + config.block_n * workload.b_bits) / 8
-    if shared:
+    if shared:  # (plus the static shared memory the compiler added: 1 KiB on sm_90/sm_100)
+        shared += _get(info, "static_shared_bytes") or 0
         limits.append(int(props.shared_per_sm // (shared + props.shared_reserved_per_cta)))
+    tmem = _get(info, "tmem_columns")
+    if tmem and props.tmem_columns_per_sm:  # tcgen05.alloc takes a power of two of columns, 32 or more
+        limits.append(props.tmem_columns_per_sm // (1 << max(5, (int(tmem) - 1).bit_length())))
     return max(0, min(limits))
 
 
@@ -288,7 +297,7 @@ def estimate(workload: Workload, config: GemmConfig, info: Any, props: DevicePro
     if _get(info, "ok") is False:
         why = "did not survive static pruning: " + "; ".join(_get(info, "reasons") or ("?",))
     elif _get(info, "spill_bytes"):
-        why = f"spills {_get(info, 'spill_bytes')} bytes per thread"
+        why = f"spills ({_get(info, 'spill_bytes')} bytes: ptxas spill stores / scratch per lane)"
     elif occ == 0:
         why = f"occupancy 0 on {props.name} (registers, shared memory or threads exceed an SM)"
     if why:

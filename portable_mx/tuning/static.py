@@ -46,9 +46,10 @@ if TYPE_CHECKING:
     from ..backends.triton.launch import KernelLaunch
 
 STORE_NAME = "static-verdicts.json"
-STORE_SCHEMA = "portable_mx.static_verdicts/3"
-"""3: verdicts say whether ptxas serialized the wgmma chain (sm_90); schema 2 verdicts
-did not look, and are compiled again."""
+STORE_SCHEMA = "portable_mx.static_verdicts/4"
+"""4: verdicts carry the static shared memory the compiler adds and the tensor-memory
+columns (sm_100), and refuse a launch over either limit; 3: whether ptxas serialized the
+wgmma chain (sm_90). Verdicts of an older schema did not look, and are compiled again."""
 CANONICAL_GROUP_M = 8
 DEFAULT_KP = 8192
 """The padded K a static run compiles for when no shape is given (any multiple of the
@@ -76,6 +77,11 @@ class Verdict:
     ``registers`` (AMD: architectural VGPRs plus AGPRs); None: as ``registers``."""
     wgmma_serialized: Optional[bool] = None
     """Whether ptxas serialized the wgmma chain (sm_90; None: no wgmma, or not known)."""
+    static_shared_bytes: Optional[int] = None
+    """Shared memory the compiler added beside ``shared_bytes`` (NVIDIA: 1 KiB with dynamic
+    shared memory); it counts against the SM's shared memory too."""
+    tmem_columns: Optional[int] = None
+    """Tensor-memory columns the kernel allocates (sm_100), which bound CTAs per SM."""
 
     @classmethod
     def of(cls, result: "CompileResult") -> "Verdict":
@@ -84,7 +90,8 @@ class Verdict:
         serialized = resources.get("wgmma_serialized")
         return cls(result.ok and not reasons, reasons, result.label, result.shared_bytes, result.registers,
                    result.spill_bytes, result.native_mx, round(result.seconds, 3), resources.get("total_vgprs"),
-                   None if serialized is None else bool(serialized))
+                   None if serialized is None else bool(serialized), resources.get("static_shared_bytes"),
+                   resources.get("tmem_columns"))
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -31,7 +31,9 @@ How each toolchain is read (one entry per triton backend in ``_TOOLCHAINS``):
   OMMA.SF).
 - AMD ("hip"): the "Kernel info" block LLVM writes into the amdgcn assembly: ``NumVgprs``
   (registers), ``NumAgprs``, ``TotalNumSgprs``, ``ScratchSize`` (per-lane private
-  segment: the spill bytes), ``Occupancy``, and the ``.vgpr_spill_count`` /
+  segment: the spill bytes), ``Occupancy`` (LLVM's, from registers alone: it does not see
+  the LDS Triton allocates at launch, which :func:`portable_mx.tuning.cost.occupancy`
+  counts), and the ``.vgpr_spill_count`` /
   ``.sgpr_spill_count`` of the kernel metadata. MMA instructions from the amdgcn text.
 
 Shared memory is ``CompiledKernel.metadata.shared`` on both: the dynamic shared memory

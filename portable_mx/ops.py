@@ -157,7 +157,8 @@ def decompose(
     finite x, subnormals to the fp32 maximum (per-block energies are float64; see
     :mod:`portable_mx.decompose`). float64 x is decomposed as the fp32 values it rounds to,
     as it is quantized: a value below fp32's range (|x| < 2**-150) counts as 0 (no signal,
-    no error, not deadzoned), one above it is Inf there (the whole-tensor figures raise). Under ``torch.compile`` (``fullgraph=True`` too) the
+    no error, not deadzoned), one above it is Inf there (the whole-tensor figures raise).
+    Under ``torch.compile`` (``fullgraph=True`` too) the
     call traces as one ``portable_mx::decompose`` op; the whole-tensor figures read the
     device, so call them outside the compiled function. A measurement, not a
     differentiable op: x is detached, and no result requires grad on any backend.

@@ -131,9 +131,9 @@ class WeightCache:
             # holding the object keeps its id from being reused, and holding the storage its
             # address: ``w.data = other`` or a swap frees the weight's old storage, and
             # the allocator handed that address to the next tensor of the same size, whose
-            # fresh version counter then matched the key (a stale weight, in the audit)
-            # the value's own parts' versions too: a caller who wrote into the cached value
-            # (quantized_weight() hands it out) made every later forward use its bytes
+            # fresh version counter then matched the key (a stale weight, in the audit).
+            # The value's own parts' versions too: a caller who wrote into the cached value
+            # (quantized_weight() hands it out) made every later forward use its bytes.
             self.entries[name] = (key, w, value, w.detach(), versions)
         return value
 

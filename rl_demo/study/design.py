@@ -201,7 +201,12 @@ def _cpu() -> StudyConfig:
                               "the 16-seed run: uncapped, one token's term (up to 6.7e11) could outweigh the clipped "
                               "policy term in 1.2-4.2% of the quantized arms' iterations; the capped rerun missed the "
                               "interval criterion (rceil 0.0245 > 0.0214) and was not extended again; both runs' "
-                              "verdicts are in rl_demo/results/study/README.md"))
+                              "verdicts are in rl_demo/results/study/README.md",
+                              "the KL term's reference computes with the arm's numerics since 2026-11-27 (it computed "
+                              "in fp32 for every arm, so k3 held the MXFP4-fp32 forward gap of the quantized arms "
+                              "before any update), and an interval that excludes 0 but lies inside the margin is "
+                              "'negligible' (both rules held there, and the code's order said 'supported'); both "
+                              "changed after looking, and every run's verdicts are in rl_demo/results/study/README.md"))
 
 
 def _cuda() -> StudyConfig:

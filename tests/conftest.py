@@ -140,3 +140,32 @@ def values_route_spy(backend, device, monkeypatch, min_n: int = 64) -> list:
 
     monkeypatch.setattr(type(backend), "quantized_values", spy)
     return calls
+
+
+def assert_second_waits_for_first(hold) -> None:
+    """``hold()`` is a context manager that must exclude itself across threads: while one
+    thread is inside it, a second thread entering waits (checked for half a second) and
+    enters once the first leaves."""
+    import threading
+
+    inside, release, entered = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with hold():
+            inside.set()
+            release.wait(10)
+
+    def second():
+        with hold():
+            entered.set()
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    assert inside.wait(10)
+    t2 = threading.Thread(target=second)
+    t2.start()
+    assert not entered.wait(0.5)  # the second waits while the first is inside
+    release.set()
+    t1.join(10)
+    t2.join(10)
+    assert entered.is_set()

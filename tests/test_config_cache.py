@@ -34,7 +34,7 @@ from portable_mx.recipe import QuantRecipe
 from portable_mx.tuning import cache
 from portable_mx.tuning.space import config_to_json, gemm_space
 
-from conftest import NEEDS_TRITON
+from conftest import NEEDS_TRITON, assert_second_waits_for_first
 
 # The GEMM's operands (Operand) are defined beside the GEMM kernels, which import triton.
 pytest.importorskip("triton", reason=f"tests/test_config_cache.py {NEEDS_TRITON}")
@@ -467,8 +467,6 @@ def test_writers_through_two_links_to_one_file_share_its_lock(tmp_path):
     """Two cache files linking to one shared file: a writer through one link must wait for
     a writer through the other (each link had a lock of its own, and concurrent records
     through four links kept 34 of 60 entries)."""
-    import threading
-
     from portable_mx.tuning import files
 
     shared = tmp_path / "shared" / "team.json"
@@ -477,27 +475,8 @@ def test_writers_through_two_links_to_one_file_share_its_lock(tmp_path):
     for link in (a, b):
         link.parent.mkdir()
         link.symlink_to(shared)
-    holding, release, entered = threading.Event(), threading.Event(), threading.Event()
-
-    def first():
-        with files.locked(a):
-            holding.set()
-            release.wait(10)
-
-    def second():
-        with files.locked(b):
-            entered.set()
-
-    t1 = threading.Thread(target=first)
-    t1.start()
-    assert holding.wait(10)
-    t2 = threading.Thread(target=second)
-    t2.start()
-    assert not entered.wait(0.5)  # b's writer waits while a's holds the lock
-    release.set()
-    t1.join(10)
-    t2.join(10)
-    assert entered.is_set()
+    holders = iter((a, b))  # the first thread locks through a, the second through b
+    assert_second_waits_for_first(lambda: files.locked(next(holders)))
 
 
 def test_another_cache_dir_is_read_when_the_variable_points_there(tmp_path, monkeypatch):

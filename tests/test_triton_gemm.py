@@ -18,7 +18,7 @@ from portable_mx import ops, registry
 from portable_mx.backends.reference import ReferenceBackend
 from portable_mx.recipe import QuantRecipe as QR
 
-from conftest import kernel_backends, no_kernels_reason
+from conftest import assert_second_waits_for_first, kernel_backends, no_kernels_reason
 
 REF = ReferenceBackend()
 EPS = 2.0**-24
@@ -260,8 +260,6 @@ def test_interpreter_launches_run_one_at_a_time():
     overlapping launches put it back in the wrong order, so the second ran on triton's
     own fp16 widening (bf16 tokens >= 65520 became inf) and the patch stayed installed.
     A launch in a second thread now waits for the first to end."""
-    import threading
-
     interpret = registry.get("triton-interpret")
     why = interpret.unavailable_reason(torch.device("cpu"))
     if why:
@@ -269,25 +267,5 @@ def test_interpreter_launches_run_one_at_a_time():
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_mxfp_value_handle_to_float32", None)
-    inside, release, entered = threading.Event(), threading.Event(), threading.Event()
-
-    def first():
-        with interpret.running():
-            inside.set()
-            release.wait(10)
-
-    def second():
-        with interpret.running():
-            entered.set()
-
-    t1 = threading.Thread(target=first)
-    t1.start()
-    assert inside.wait(10)
-    t2 = threading.Thread(target=second)
-    t2.start()
-    assert not entered.wait(0.5)  # waits while the first launch runs
-    release.set()
-    t1.join(10)
-    t2.join(10)
-    assert entered.is_set()
+    assert_second_waits_for_first(interpret.running)
     assert getattr(interpreter, "_mxfp_value_handle_to_float32", None) is original

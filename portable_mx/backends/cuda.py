@@ -84,7 +84,9 @@ GEMM_TILES = {
         "a4w4-small-heavy": GemmConfig(16, 64, 64, num_warps=4, num_stages=2),
         "w4a16": GemmConfig(128, 64, 128, num_warps=8, num_stages=2),
         "w4a16-heavy": GemmConfig(64, 64, 64, num_warps=4, num_stages=2),
-        "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3, split_k=0),
+        # K steps of 128: with 170 SMs (RTX 5090) the decode splits K in 2, and 16 x 64 x 256
+        # then spilled 4 bytes under Triton 3.6 with a bias (168 registers; compile matrix)
+        "w4a16-small": GemmConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=0),
         "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=2),
     },
     "sm_90": {
@@ -111,7 +113,7 @@ class CudaBackend(CompiledTritonBackend):
     scale_layouts = {"sm_100": "blackwell"}
     upcast_layouts = {"sm_90": "hopper"}
     upcast_asm = ("sm_90",)
-    gemm_sms = {"sm_90": 132, "sm_100": 148, "sm_120": 84}
+    gemm_sms = {"sm_90": 132, "sm_100": 148, "sm_120": 170}  # sm_120: RTX 5090, as tuning/cost.py's device
     grouped_min_block_m = {"sm_100": 128}  # tcgen05's block-scaled MMA: M tiles of 128
     # The grouped GEMM's tiles where the dense ones spill with its index vectors, bias and
     # activation (compile matrix): sm_90's prefill 128 x 256 x 128 (8-224 bytes, Triton
@@ -122,6 +124,8 @@ class CudaBackend(CompiledTritonBackend):
         "sm_90": {"a4w4": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
                   "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3)},
         "sm_120": {"w4a16": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+                   # (the dense decode's K 128 spills with the grouped GEMM's index vectors under 3.6)
+                   "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3, split_k=0),
                    "w4a16-small-heavy": GemmConfig(16, 64, 64, num_warps=4, num_stages=2)},
     }
     targets = ("sm_90", "sm_100", "sm_120")

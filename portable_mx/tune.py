@@ -35,6 +35,7 @@ import time
 from typing import Any, Optional
 
 from ._argtypes import finite_at_least_0, int_at_least, output_file_problem
+
 HELP = ("tune the GEMM's tiles on this device (Optuna) into the config cache; --static: only "
         "the ahead-of-time pruning and cost-model ranking for a --target; --replay: a recorded exhaustive run, "
         "no device; --macro: macro-block study")

@@ -310,3 +310,192 @@ def test_an_index_without_a_weight_map_is_a_checkpoint_error(tmp_path):
     (tmp_path / gpt_oss.INDEX_FILE).write_text(json.dumps({"metadata": {}}))
     with pytest.raises(gpt_oss.CheckpointError, match="weight_map"):
         gpt_oss.GptOssCheckpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------- hostile folders and files
+
+
+def sharded(d, seed: int = 2) -> dict:
+    """A two-shard checkpoint of state_dict(seed) in d; returns the quantized mapping."""
+    q = gpt_oss.quantize_experts(state_dict(seed))
+    stored = sorted(s for n, v in q.items() for s, _ in gpt_oss._stored_tensors(n, v))
+    first = [s for s in stored if "layers.0" in s]
+    gpt_oss.save(d, q, config(), shards={"model-00001-of-00002.safetensors": first,
+                                         "model-00002-of-00002.safetensors": [s for s in stored if s not in first]})
+    return q
+
+
+def logical(ckpt) -> dict:
+    """name -> stored bytes of every tensor of a checkpoint (MXTensors as qdata, scales)."""
+    out = {}
+    for name in ckpt:
+        v = ckpt[name]
+        out[name] = (v.qdata.clone(), v.scales.clone()) if isinstance(v, pmx.MXTensor) else (v.clone(),)
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(len(a[k]) == len(b[k]) and all(torch.equal(x, y) for x, y in zip(a[k], b[k]))
+                                        for k in a)
+
+
+def test_the_index_says_which_shard_holds_a_tensor(tmp_path):
+    """A tensor stored in two shards (a stale copy left in the other one) is read from the
+    shard the index names, as transformers reads it; the stale copy is ignored with a
+    warning naming it (it was read from whichever file came last)."""
+    d = tmp_path / "c"
+    sharded(d)
+    name = "model.layers.0.mlp.router.weight"
+    index = json.loads((d / gpt_oss.INDEX_FILE).read_text())
+    assert index["weight_map"][name] == "model-00001-of-00002.safetensors"
+    truth = gpt_oss.GptOssCheckpoint(d)[name].clone()
+    other = d / "model-00002-of-00002.safetensors"
+    tensors = st.load_file(str(other))
+    st.save_file({**tensors, name: torch.zeros_like(truth)}, str(other), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=rf"{name} in model-00002-of-00002\.safetensors \(the index gives "
+                                         r"model-00001-of-00002\.safetensors\)"):
+        ckpt = gpt_oss.GptOssCheckpoint(d)
+    assert torch.equal(ckpt[name], truth)
+    assert name not in ckpt.shards["model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/x.safetensors", "ABSOLUTE", None])
+def test_shard_names_outside_the_folder_are_refused(tmp_path, shard):
+    """An index naming a shard outside its folder (or no file) is refused on opening, and
+    save refuses such a shard name before writing anything: neither reads nor writes there."""
+    d = tmp_path / "c"
+    q = sharded(d)
+    if shard == "ABSOLUTE":
+        shard = str(tmp_path / "elsewhere.safetensors")
+    index = json.loads((d / gpt_oss.INDEX_FILE).read_text())
+    victim = next(iter(index["weight_map"]))
+    index["weight_map"][victim] = shard
+    (d / gpt_oss.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(gpt_oss.CheckpointError, match=rf"{victim}: shard .* is not a plain file name"):
+        gpt_oss.GptOssCheckpoint(d)
+    if shard is None:
+        return
+    stored = [s for n, v in q.items() for s, _ in gpt_oss._stored_tensors(n, v)]
+    with pytest.raises(gpt_oss.CheckpointError, match="is not a plain file name"):
+        gpt_oss.save(tmp_path / "out", q, config(), shards={shard: stored})
+    assert not (tmp_path / "out").exists() and not (tmp_path / "outside.safetensors").exists()
+    assert not (tmp_path / "elsewhere.safetensors").exists()
+
+
+def test_save_over_an_earlier_checkpoint_leaves_nothing_a_reader_would_take(tmp_path):
+    """Saving into a folder that holds an earlier checkpoint removes the earlier weight
+    files a reader would prefer or mix in (transformers prefers model.safetensors to an
+    index; this reader the index): both readers then see the new tensors only."""
+    d = tmp_path / "c"
+    sharded(d, seed=2)
+    new = gpt_oss.quantize_experts(state_dict(5))
+    gpt_oss.save(d, new, config())  # sharded -> one file
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
+    one = logical(gpt_oss.GptOssCheckpoint(d))
+    assert same(one, logical(gpt_oss.GptOssCheckpoint(d / "model.safetensors")))
+    sharded(d, seed=7)  # one file -> sharded
+    assert not (d / "model.safetensors").exists()
+    again = logical(gpt_oss.GptOssCheckpoint(d))
+    assert not same(one, again)
+    sharded(tmp_path / "ref", seed=7)
+    assert same(again, logical(gpt_oss.GptOssCheckpoint(tmp_path / "ref")))
+    other = d / "notes.txt"
+    other.write_text("kept")
+    gpt_oss.save(d, new, None)  # config=None keeps config.json; files that are no weights stay
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+
+
+def test_a_folder_with_both_a_single_file_and_an_index_is_refused(tmp_path):
+    d = tmp_path / "c"
+    sharded(d)
+    st.save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(gpt_oss.CheckpointError, match="holds both model.safetensors and"):
+        gpt_oss.GptOssCheckpoint(d)
+
+
+def test_resharding_a_checkpoint_over_itself_keeps_every_tensor(tmp_path):
+    """save(src, GptOssCheckpoint(src), shards=<other grouping>) wrote shard 1 over the file
+    it still had to read shard 2's tensors from: it failed halfway and lost tensors. Every
+    file is now written under a temporary name and renamed at the end."""
+    d = tmp_path / "c"
+    sharded(d)
+    before = logical(gpt_oss.GptOssCheckpoint(d))
+    ckpt = gpt_oss.GptOssCheckpoint(d)
+    names = [s for file in ckpt.shards for s in ckpt.shards[file]]
+    regroup = {"model-00001-of-00002.safetensors": [s for s in names if "layers.1" in s],
+               "model-00002-of-00002.safetensors": [s for s in names if "layers.1" not in s]}
+    gpt_oss.save(d, ckpt, ckpt.config, shards=regroup)
+    assert same(before, logical(gpt_oss.GptOssCheckpoint(d)))
+    assert not [p.name for p in d.iterdir() if p.name.endswith(".partial")]
+    gpt_oss.save(d, gpt_oss.GptOssCheckpoint(d), ckpt.config, shards={"model.safetensors": names})
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors"]
+    assert same(before, logical(gpt_oss.GptOssCheckpoint(d)))
+
+
+def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    d = tmp_path / "c"
+    sharded(d)
+    before = digests(d)
+    real = st.save_file
+    calls, fail_at = [], [1]
+
+    def failing(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == fail_at[0]:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(st, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):  # one file over two shards
+        gpt_oss.save(d, gpt_oss.quantize_experts(state_dict(9)), config())
+    calls.clear()
+    fail_at[0] = 2
+    with pytest.raises(OSError, match="disk full"):  # the second of two shards (the first was written)
+        gpt_oss.save(d, gpt_oss.quantize_experts(state_dict(9)), config(),
+                      shards=gpt_oss.GptOssCheckpoint(d).shards)
+    assert len(calls) == 2
+    assert digests(d) == before
+
+
+def test_tied_weights_are_refused_before_writing(tmp_path):
+    sd = gpt_oss.quantize_experts(state_dict())
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tie_word_embeddings: one tensor, two names
+    with pytest.raises(gpt_oss.CheckpointError, match=r"model\.embed_tokens\.weight and lm_head\.weight share memory"):
+        gpt_oss.save(tmp_path / "out", sd, config())
+    assert not (tmp_path / "out").exists()
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    gpt_oss.save(tmp_path / "out", sd, config())
+
+
+def test_a_file_without_metadata_is_written_back_without_it(tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    raw = raw_layer()
+    st.save_file(raw, str(d / "model.safetensors"))  # no __metadata__
+    (d / "config.json").write_text(json.dumps(config()))
+    ckpt = gpt_oss.GptOssCheckpoint(d)
+    assert ckpt.file_metadata == {"model.safetensors": None}
+    gpt_oss.save(tmp_path / "again", ckpt, None)
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (d / "model.safetensors").read_bytes()
+
+
+def test_unreadable_json_and_another_quant_method_name_the_file(tmp_path):
+    d = tmp_path / "c"
+    write_raw(d, raw_layer())
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(gpt_oss.CheckpointError, match=r"config\.json: not valid JSON"):
+        gpt_oss.GptOssCheckpoint(d)
+    (d / "config.json").write_text(json.dumps({**config(), "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(gpt_oss.CheckpointError, match=r"config\.json: quantization_config's quant_method is 'fp8'"):
+        gpt_oss.GptOssCheckpoint(d)
+
+
+def test_save_takes_a_config_object_with_to_dict(tmp_path):
+    class Config:  # (what a transformers PretrainedConfig offers)
+        def to_dict(self):
+            return config()
+
+    gpt_oss.save(tmp_path / "a", gpt_oss.quantize_experts(state_dict()), Config())
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["hidden_size"] == H
+    with pytest.raises(TypeError, match="config must be config.json's content"):
+        gpt_oss.save(tmp_path / "b", gpt_oss.quantize_experts(state_dict()), ["not", "a", "config"])

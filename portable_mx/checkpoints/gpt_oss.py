@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -226,7 +227,7 @@ def _expected_shapes(config: Optional[Mapping[str, Any]]) -> dict[str, tuple[int
 
 _BIAS_RE = re.compile(r"^(?P<base>.*\.experts\.(?:gate_up_proj|down_proj))_bias$")
 _EXTRA_PART_RE = re.compile(r"^(?P<base>.*\.experts\.(?:gate_up_proj|down_proj))_"
-                            r"(?P<part>macro_scales|outlier_values|outlier_indices)$")
+                            r"(?P<part>macro_scales|macro_block|outlier_values|outlier_indices)$")
 """The names under which a module's state dict holds an expert weight's macro-block factors
 or outliers (:class:`~portable_mx.nn.MXExperts`' frozen buffers): parts the layout has no
 place for."""
@@ -247,7 +248,7 @@ def check_layout(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optio
     for name, (dtype, shape) in infos.items():
         extra = _EXTRA_PART_RE.match(name)
         if extra:  # (before the pairing check: "..._macro_scales" ends like scales)
-            what = "macro-block factors" if extra["part"] == "macro_scales" else "outliers"
+            what = "macro-block factors" if extra["part"].startswith("macro") else "outliers"
             raise CheckpointError(
                 f"{name}: the experts {extra['base']} carry {what}, which a gpt-oss checkpoint cannot hold (it "
                 "stores plain MXFP4: _blocks, _scales and _bias only; written, they would be ignored on reading "
@@ -287,6 +288,50 @@ def check_layout(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optio
 # ----------------------------------------------------------------------------- reading
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object (a model config); got a {type(config).__name__}")
+    return config
+
+
+def _check_shard_name(file: Any, where: str) -> None:
+    """A shard is a file of the checkpoint's own directory: a plain file name, so that
+    neither reading nor writing reaches outside it."""
+    if not isinstance(file, str) or not file or file in (".", "..") or "/" in file or "\\" in file \
+            or Path(file).is_absolute() or Path(file).name != file:
+        raise CheckpointError(f"{where}: shard {file!r} is not a plain file name (a checkpoint's shards are files of "
+                              "its own directory)")
+
+
+def _read_index(path: Path) -> dict[str, Any]:
+    index = _read_json(path)
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise CheckpointError(f"{path}: not a safetensors index (no \"weight_map\" object of tensor names to files)")
+    for name, file in index["weight_map"].items():
+        _check_shard_name(file, f"{path}: {name}")
+    return index
+
+
+def _check_quant_method(config: Optional[Mapping[str, Any]], where: Any, quantized: bool) -> None:
+    """A checkpoint that stores MXFP4 experts must not declare another quantization."""
+    qc = None if config is None else config.get("quantization_config")
+    if qc is None or not quantized:
+        return
+    if not isinstance(qc, Mapping) or qc.get("quant_method") != "mxfp4":
+        method = qc.get("quant_method") if isinstance(qc, Mapping) else qc
+        raise CheckpointError(f"{where}: quantization_config's quant_method is {method!r}, but the checkpoint stores "
+                              "MXFP4 experts (_blocks / _scales), which a gpt-oss checkpoint declares as 'mxfp4': "
+                              "transformers would read them with another quantizer")
+
+
 class GptOssCheckpoint(Mapping):
     """A gpt-oss-layout safetensors checkpoint, open for reading tensor by tensor.
 
@@ -319,11 +364,12 @@ class GptOssCheckpoint(Mapping):
             root, files = path.parent, [path.name]
             index = None
         elif (path / INDEX_FILE).is_file():
+            if (path / SINGLE_FILE).is_file():
+                raise CheckpointError(
+                    f"{path}: holds both {SINGLE_FILE} and {INDEX_FILE}, two different checkpoints (transformers "
+                    f"reads {SINGLE_FILE}, this reader the index): remove the stale one, or open the file itself")
             root = path
-            index = json.loads((path / INDEX_FILE).read_text())
-            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-                raise CheckpointError(f"{path / INDEX_FILE}: not a safetensors index (no \"weight_map\" object of "
-                                      "tensor names to files)")
+            index = _read_index(path / INDEX_FILE)
             files = list(dict.fromkeys(index["weight_map"].values()))
         elif (path / SINGLE_FILE).is_file():
             root, files, index = path, [SINGLE_FILE], None
@@ -335,23 +381,36 @@ class GptOssCheckpoint(Mapping):
         self.recipe = _stored_recipe(recipe)
         self.index_metadata = None if index is None else index.get("metadata")
         config_path = root / CONFIG_FILE
-        self.config: Optional[dict[str, Any]] = json.loads(config_path.read_text()) if config_path.is_file() else None
+        self.config: Optional[dict[str, Any]] = _read_config(config_path) if config_path.is_file() else None
         self.shards: dict[str, list[str]] = {}
         self.file_metadata: dict[str, Optional[dict[str, str]]] = {}
         self._entries: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # stored name -> (file, dtype, shape)
+        weight_map = None if index is None else index["weight_map"]
+        ignored: list[tuple[str, str]] = []  # (name, file) a shard holds but the index does not give it
         for file in files:
             with st.safe_open(str(root / file), framework="pt") as f:
                 self.file_metadata[file] = f.metadata()
-                names = list(f.keys())
-                for name in names:
+                names = []
+                for name in f.keys():
+                    if weight_map is not None and weight_map.get(name) != file:
+                        ignored.append((name, file))  # (the index is authoritative, as transformers reads it)
+                        continue
                     sl = f.get_slice(name)
                     self._entries[name] = (file, sl.get_dtype(), tuple(sl.get_shape()))
+                    names.append(name)
             self.shards[file] = names
-        if index is not None:
-            missing = sorted(set(index["weight_map"]) - set(self._entries))
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self._entries))
             if missing:
-                raise CheckpointError(f"{missing[0]}: listed in {INDEX_FILE} but not in "
-                                      f"{index['weight_map'][missing[0]]}")
+                raise CheckpointError(f"{missing[0]}: listed in {INDEX_FILE} but not in {weight_map[missing[0]]}")
+        if ignored:
+            shown = ", ".join(f"{n} in {f}" + (f" (the index gives {weight_map[n]})" if n in weight_map else "")
+                              for n, f in ignored[:4])
+            warnings.warn(f"{root}: {len(ignored)} stored tensor(s) that {INDEX_FILE} does not give to the file that "
+                          f"holds them are ignored, as transformers ignores them: {shown}"
+                          f"{', ...' if len(ignored) > 4 else ''}; a save of this checkpoint leaves them out",
+                          UserWarning, stacklevel=2)
+        _check_quant_method(self.config, config_path, any(n.endswith(_BLOCKS) for n in self._entries))
         self._keys = self._check()
 
     def _check(self) -> list[str]:
@@ -449,9 +508,14 @@ def _json_text(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
 
 
-def _with_quantization_config(config: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+def _with_quantization_config(config: Any) -> Optional[dict[str, Any]]:
     if config is None:
         return None
+    if not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()  # (a transformers PretrainedConfig)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be config.json's content as a dict (e.g. model.config.to_dict()) or None; got "
+                        f"{type(config).__name__}")
     config = dict(config)
     qc = config.get("quantization_config")
     if qc is None:
@@ -476,24 +540,38 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, Any], config: Opti
     ``X_blocks`` / ``X_scales`` buffers included). Everything is checked as
     :class:`GptOssCheckpoint` checks a file, before any file is written; a float tensor
     under an expert weight's name (``*.experts.gate_up_proj``) raises: that is the
-    save_pretrained pitfall (see the module doc), not a checkpoint.
+    save_pretrained pitfall (see the module doc), not a checkpoint. Names that share
+    memory (tied weights) raise too: a checkpoint stores a tensor once.
 
     ``config``: config.json's content (a dict, e.g. ``model.config.to_dict()`` or
-    :attr:`GptOssCheckpoint.config`), written with ``quantization_config`` set to
-    :data:`QUANTIZATION_CONFIG` where it has none (one with another ``quant_method``
-    raises); None writes no config.json. ``shards``: file name -> stored names (as
-    :attr:`GptOssCheckpoint.shards`), written with ``model.safetensors.index.json``;
-    default one ``model.safetensors``. ``metadata``: file -> the safetensors header's
-    ``__metadata__`` (default ``{"format": "pt"}``, what transformers writes);
-    ``index_metadata``: the index's ``metadata`` (``total_size`` is recomputed).
-    When ``tensors`` is a :class:`GptOssCheckpoint`, its shards and metadata are the
-    defaults and each file is written from its own tensors only, read one file's worth
-    at a time; an in-memory mapping's tensors are written as they are (no copies but
-    a ``.contiguous()`` where needed).
+    :attr:`GptOssCheckpoint.config`, or a transformers config, whose ``to_dict()`` is
+    taken), written with ``quantization_config`` set to :data:`QUANTIZATION_CONFIG`
+    where it has none (one with another ``quant_method`` raises); None writes no
+    config.json (and leaves one already there). ``shards``: file name (a plain name in
+    ``path``) -> stored names (as :attr:`GptOssCheckpoint.shards`), written with
+    ``model.safetensors.index.json``; default one ``model.safetensors``.
+    ``metadata``: file -> the safetensors header's ``__metadata__`` (a file it does not
+    name: ``{"format": "pt"}``, what transformers writes; None: no ``__metadata__``, as
+    in a file read without one); ``index_metadata``: the index's ``metadata``
+    (``total_size`` is recomputed). When ``tensors`` is a :class:`GptOssCheckpoint`, its
+    shards and metadata are the defaults and each file is written from its own tensors
+    only, read one file's worth at a time; an in-memory mapping's tensors are written as
+    they are (no copies but a ``.contiguous()`` where needed).
+
+    The folder: every file is written under a temporary name and renamed once all are
+    written, so a checkpoint can be saved over its own source, resharded or not, and an
+    error leaves the folder as it was. An earlier checkpoint's weight files that a reader
+    would take instead of the new one, or mix into it, are then removed, as transformers'
+    ``save_pretrained`` cleans its folder: ``model.safetensors`` when writing shards
+    (transformers prefers it to an index), the index when writing one file, and the
+    shards the old index names that are not written now. Other files are left alone.
 
     Byte identity: the files are written by safetensors' own writer (which orders the
     tensors by dtype alignment and name, whatever the mapping's order) and the JSON
-    files in transformers' format, so writing what was read writes the same bytes.
+    files in transformers' format, so writing what was read writes the same bytes. One
+    exception, safetensors' own: it orders the keys of a ``__metadata__`` holding more
+    than one differently in each process, so such a header is rewritten with the same
+    content but not always the same bytes.
     """
     st_torch = require("safetensors.torch", "writing gpt-oss checkpoints")
     root = Path(path)
@@ -506,37 +584,106 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, Any], config: Opti
     else:
         stored = {s: t for n in tensors for s, t in _stored_tensors(n, tensors[n])}
         infos = {s: (_dtype_name(t.dtype), tuple(t.shape)) for s, t in stored.items()}
+        _check_no_shared_memory(stored)
     config = _with_quantization_config(config)
     check_layout(infos, config)
     if shards is None:
         shards = {SINGLE_FILE: list(infos)}
+    for file in shards:
+        _check_shard_name(file, "save")
+        if file in (INDEX_FILE, CONFIG_FILE):
+            raise ValueError(f"save: a shard cannot be named {file!r} (the checkpoint writes that file itself)")
     listed = [s for names in shards.values() for s in names]
     extra, unlisted = sorted(set(listed) - set(infos)), sorted(set(infos) - set(listed))
     if extra or unlisted or len(listed) != len(set(listed)):
         raise ValueError(f"shards must list every stored tensor once: not among the tensors {extra[:3]}, in no shard "
                          f"{unlisted[:3]}" + (", some listed twice" if len(listed) != len(set(listed)) else ""))
     root.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    total = 0
-    for file, names in shards.items():
-        if lazy:
-            entries = {s: tensors.stored(s) for s in names}
-        else:
-            entries = {s: stored[s].detach().contiguous() for s in names}
-        meta = {"format": "pt"} if metadata is None or metadata.get(file) is None else dict(metadata[file])
-        st_torch.save_file(entries, str(root / file), metadata=meta)
-        total += sum(t.numel() * t.element_size() for t in entries.values())
-        written.append(root / file)
-        del entries
-    if list(shards) != [SINGLE_FILE]:
-        index = {"metadata": {**dict(index_metadata or {}), "total_size": total},
-                 "weight_map": {s: file for file, names in shards.items() for s in names}}
-        (root / INDEX_FILE).write_text(_json_text(index))
-        written.append(root / INDEX_FILE)
-    if config is not None:
-        (root / CONFIG_FILE).write_text(_json_text(config))
-        written.append(root / CONFIG_FILE)
-    return written
+    stale = _stale_files(root, set(shards))  # (read before anything is written: the old index names them)
+    # every file goes to a temporary name first and is renamed once all are written, so that a
+    # lazy source in the same folder reads its own files to the end, and an error leaves the
+    # folder as it was
+    pending: list[tuple[Path, Path]] = []  # (temporary, final)
+
+    def temporary(final: Path) -> Path:
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.partial")
+        pending.append((tmp, final))
+        return tmp
+
+    try:
+        total = 0
+        for file, names in shards.items():
+            if lazy:
+                entries = {s: tensors.stored(s) for s in names}
+            else:
+                entries = {s: stored[s].detach().contiguous() for s in names}
+            if metadata is None or file not in metadata:
+                meta = {"format": "pt"}
+            else:  # (None: a file read without __metadata__ is written without one)
+                meta = None if metadata[file] is None else dict(metadata[file])
+            st_torch.save_file(entries, str(temporary(root / file)), metadata=meta)
+            total += sum(t.numel() * t.element_size() for t in entries.values())
+            del entries
+        if list(shards) != [SINGLE_FILE]:
+            index = {"metadata": {**dict(index_metadata or {}), "total_size": total},
+                     "weight_map": {s: file for file, names in shards.items() for s in names}}
+            temporary(root / INDEX_FILE).write_text(_json_text(index))
+        if config is not None:
+            temporary(root / CONFIG_FILE).write_text(_json_text(config))
+    except BaseException:
+        for tmp, _ in pending:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, final in pending:
+        os.replace(tmp, final)
+    for old in stale:
+        old.unlink(missing_ok=True)
+    return [final for _, final in pending]
+
+
+def _check_no_shared_memory(stored: Mapping[str, torch.Tensor]) -> None:
+    """A checkpoint stores each tensor once: names that share memory (tied weights) are refused
+    before anything is written, naming them."""
+    owners: dict[tuple, str] = {}
+    for name, t in stored.items():
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        key = (t.device, storage.data_ptr())
+        if key in owners:
+            raise CheckpointError(
+                f"{owners[key]} and {name} share memory (tied weights, e.g. lm_head.weight and "
+                "model.embed_tokens.weight under tie_word_embeddings): a checkpoint stores a tensor once; leave the "
+                "tied name out of the mapping (transformers' loader ties it again from config.json), or pass a clone")
+        owners[key] = name
+
+
+def _stale_files(root: Path, shards: set[str]) -> list[Path]:
+    """The weight files of an earlier checkpoint in ``root`` that the new one does not
+    overwrite and a reader would take instead of it, or mix in: ``model.safetensors``
+    (transformers prefers it to an index), the index (this reader prefers it), and the
+    shards the old index names. :func:`save` removes them after writing, as transformers'
+    ``save_pretrained`` cleans its folder."""
+    stale = []
+    if SINGLE_FILE not in shards and (root / SINGLE_FILE).is_file():
+        stale.append(root / SINGLE_FILE)
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            old = json.loads(index_path.read_text()).get("weight_map", {})
+            files = set(old.values()) if isinstance(old, dict) else set()
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            files = set()
+        for file in sorted(f for f in files if isinstance(f, str)):
+            try:
+                _check_shard_name(file, str(index_path))
+            except CheckpointError:
+                continue  # (never a file outside the folder)
+            if file not in shards and file.endswith(".safetensors") and (root / file).is_file():
+                stale.append(root / file)
+        if list(shards) == [SINGLE_FILE]:
+            stale.append(index_path)
+    return stale
 
 
 # ----------------------------------------------------------------------------- models

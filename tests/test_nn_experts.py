@@ -253,7 +253,8 @@ def test_frozen_state_dict_is_the_checkpoint_layout():
                                 recipe=W4A16)
     sd = experts.state_dict()
     assert sorted(sd) == sorted([
-        "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_macro_scales", "gate_up_proj_outlier_values",
+        "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_macro_scales", "gate_up_proj_macro_block",
+        "gate_up_proj_outlier_values",
         "gate_up_proj_outlier_indices", "gate_up_proj_bias", "down_proj_blocks", "down_proj_scales",
         "down_proj_bias"])
     assert sd["down_proj_blocks"].dtype == torch.uint8 and sd["down_proj_blocks"].shape == (E, H, 1, 16)
@@ -268,6 +269,34 @@ def test_frozen_state_dict_is_the_checkpoint_layout():
                               torch.ones(E, H), recipe=W4A16)
     other.load_state_dict(sd)
     assert torch.equal(other(x, ids, wts), y)
+
+
+def test_a_state_dict_quantized_with_another_macro_block_is_refused():
+    """K = 192 has two macro-block factors per row with blocks of 96 and of 128: every
+    shape matched, load_state_dict took weights quantized with 96 into a module built for
+    128, and the module applied the factors to the wrong elements (its output off by 18%).
+    The block size is now in the state dict, and such a load raises, strict or not."""
+    g = torch.Generator().manual_seed(12)
+    w1 = torch.randn(E, 192, 192, generator=g) * torch.logspace(-2, 2, 192)
+    w2 = torch.randn(E, 192, 96, generator=g)
+
+    def frozen(block):
+        r = pmx.QuantRecipe(macro_block=block)
+        return MXExperts.from_mx(pmx.quantize(w1, r, axis=-1), pmx.quantize(w2, r, axis=-1), recipe=W4A16)
+
+    src, dst = frozen(96), frozen(128)
+    assert src.gate_up_proj_macro_scales.shape == dst.gate_up_proj_macro_scales.shape
+    assert int(src.state_dict()["gate_up_proj_macro_block"]) == 96
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match="gate_up_proj_macro_block: .* macro blocks of 96 elements, this "
+                                               "module's with 128"):
+            dst.load_state_dict(src.state_dict(), strict=strict)
+    same = frozen(96)
+    same.load_state_dict(src.state_dict())
+    x = torch.randn(5, 192, generator=g)
+    ids, wts = torch.randint(0, E, (5, 2), generator=g), torch.rand(5, 2, generator=g)
+    with torch.no_grad():
+        assert torch.equal(same(x, ids, wts), src(x, ids, wts))
 
 
 @pytest.mark.parametrize("how", ["set_", "data", "copy_", "non_contiguous"])

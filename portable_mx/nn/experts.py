@@ -37,7 +37,8 @@ The expert weights are held in one of two ways:
   checkpoint's own names and bytes: the module's ``state_dict`` *is* that layout), plus
   ``_macro_scales`` (fp32 bits as int32) / ``_outlier_values`` (bf16 bits as int16) /
   ``_outlier_indices`` where the MXTensor has them (as bits, so that ``model.to(dtype)``
-  leaves them alone); never dequantized. Gradients reach x, the biases and the router weights.
+  leaves them alone), with macro-block factors also ``_macro_block`` (int64, the block
+  size: loading a state dict quantized with another size is refused); never dequantized. Gradients reach x, the biases and the router weights.
 
 Biases ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H] are optional
 Parameters. What is exact: each expert's GEMM is the fp32-accumulated product of the
@@ -172,8 +173,29 @@ class MXExperts(torch.nn.Module):
                  "outlier_indices": w.outlier_indices}
         for part, name in zip(_PARTS, _BUFFERS[proj]):
             self.register_buffer(name, parts[part])
+        # the macro-block size, which the factors' shape alone does not fix (K = 192 has 2 factors
+        # per row with blocks of 96 or 128): in the state dict, so that loading one quantized with
+        # another size is refused (_load_from_state_dict)
+        self.register_buffer(f"{proj}_macro_block", None if w.macro_scales is None else
+                             torch.tensor(w.recipe.macro_block, dtype=torch.int64, device=w.qdata.device))
         self._mx_meta[proj] = (w.shape, w.dtype, w.recipe)
         self._mx_memo.pop(proj, None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        for proj in PROJECTIONS:
+            meta = self._mx_meta.get(proj)
+            key = f"{prefix}{proj}_macro_block"
+            if meta is None or meta[2].macro_block is None or key not in state_dict:
+                continue
+            got = state_dict[key]
+            if isinstance(got, Tensor) and got.numel() == 1 and not got.is_meta and int(got) != meta[2].macro_block:
+                error_msgs.append(
+                    f"{key}: the state dict's {proj} was quantized with macro blocks of {int(got)} elements, this "
+                    f"module's with {meta[2].macro_block}: its macro-block factors would be applied to the wrong "
+                    f"elements (build the module from MXTensors quantized with macro_block={int(got)})")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     # ------------------------------------------------------------------ state
 

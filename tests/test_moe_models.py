@@ -9,6 +9,7 @@ Qwen3MoeSparseMoeBlock with quantized experts against the block's own forward on
 dequantized weights. Needs transformers and safetensors (the `hf` extra)."""
 
 import hashlib
+import warnings
 
 import pytest
 import torch
@@ -109,6 +110,16 @@ def test_gpt_oss_logits_match_transformers_and_save_is_byte_identical(gpt_oss_ch
     assert sum(isinstance(m, MXExperts) and not m.frozen for m in converted.modules()) == 2
     with torch.no_grad():
         assert torch.equal(converted(ids).logits.float(), ours)
+    # the checkpoint's own modules_to_not_convert, as skip, keeps attention and the head in float too
+    not_convert = gpt_oss.GptOssCheckpoint(path).config["quantization_config"]["modules_to_not_convert"]
+    model = load(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (every pattern names modules: no typo warning)
+        by_config = pmx.nn.convert(model, W4A16, skip=not_convert)
+    assert not any(isinstance(m, pmx.nn.MXLinear) for m in by_config.modules())
+    assert sum(isinstance(m, MXExperts) for m in by_config.modules()) == 2
+    with torch.no_grad():
+        assert torch.equal(by_config(ids).logits.float(), ours)
 
     # save -> load -> save: the loaded model's state dict is the checkpoint, byte for byte
     gpt_oss.save(tmp_path / "again", ours_model.state_dict(), gpt_oss.GptOssCheckpoint(path).config)

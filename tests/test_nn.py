@@ -367,18 +367,55 @@ def test_convert_swaps_linears_in_place_and_skips_by_name_or_predicate():
     assert sum(isinstance(m, MXLinear) for m in convert(Net(), skip="*head").modules()) == 3
 
 
-def test_convert_warns_once_about_skip_patterns_that_match_no_linear():
+def test_convert_warns_once_about_skip_patterns_that_match_no_module():
     net = Net()
     with pytest.warns(UserWarning) as record:
-        convert(net, skip=["lm-head", "blocks.0", "proj", lambda name, m: False])
+        convert(net, skip=["lm-head", "block.0", "proj", lambda name, m: False])
     assert len(record) == 1
     text = str(record[0].message)
-    assert "['lm-head', 'blocks.0']" in text and "'blocks.0.0'" in text and "'lm_head'" in text, text
+    assert "['lm-head', 'block.0']" in text and "'blocks.0.0'" in text and "'lm_head'" in text, text
     assert kinds(net)["proj"] == "Linear" and kinds(net)["lm_head"] == "MXLinear"  # the rules still apply
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         convert(Net(), skip=["lm_head", "blocks.*"])  # every pattern matched: silent
+        convert(Net(), skip=["embed"])  # a module, not a Linear: no typo, silent
         convert(Net())
+
+
+def test_convert_skip_pattern_naming_a_container_keeps_every_layer_inside_it():
+    net = convert(Net(), skip=["blocks.0"])
+    assert kinds(net) == {"embed": "Embedding", "blocks.0.0": "Linear", "blocks.1.0": "MXLinear",
+                          "proj": "MXLinear", "lm_head": "MXLinear"}
+    assert kinds(convert(Net(), skip="blocks"))["blocks.1.0"] == "Linear"
+    # a prefix that is not a whole module name skips nothing ("block" is not "blocks")
+    with pytest.warns(UserWarning, match="block'"):
+        assert kinds(convert(Net(), skip="block"))["blocks.0.0"] == "MXLinear"
+
+    # gpt-oss's modules_to_not_convert, as its config.json gives it, keeps attention and the head in float
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.mlp = Attention(), nn.Sequential(nn.Linear(8, 8))
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens, self.layers = nn.Embedding(4, 8), nn.ModuleList([Layer(), Layer()])
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.lm_head = Inner(), nn.Linear(8, 4)
+
+    not_convert = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    with pytest.warns(UserWarning, match="router"):  # (this model has no router)
+        model = convert(Model(), skip=not_convert)
+    assert {n for n, k in kinds(model).items() if k == "MXLinear"} == {"model.layers.0.mlp.0", "model.layers.1.mlp.0"}
 
 
 def test_convert_shared_and_root_linear():

@@ -46,11 +46,14 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     layers are left as they are, so converting twice is a no-op); ``skip`` rules apply
     to expert modules too (e.g. ``"*.experts"``). Embeddings, norms etc. are not Linear and stay. ``skip`` excludes layers: a
     fnmatch pattern matched against the qualified module name (as in
-    ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``), a
+    ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``) and
+    against the names of the modules around it, so that a pattern naming a container
+    skips every layer inside it (``"layers.0"``, ``"model.layers.*.self_attn"``: a
+    checkpoint's ``modules_to_not_convert`` such as
+    :data:`portable_mx.checkpoints.gpt_oss.QUANTIZATION_CONFIG`'s works as it is), a
     predicate ``(name, module) -> bool``, or an iterable of both; a layer matching any
-    rule is kept. A pattern that matches no ``nn.Linear`` of the model skips nothing: one
-    ``UserWarning`` lists such patterns with some of the Linear layers' names (a typo, or a
-    pattern naming a container, e.g. ``"layers.0"`` where ``"layers.0.*"`` was meant).
+    rule is kept. A pattern that matches no module of the model skips nothing: one
+    ``UserWarning`` lists such patterns with some of the Linear layers' names (a typo).
     A Linear shared by several parents (several names) becomes one shared MXLinear, or
     stays one float Linear when a rule skips any of its names. A Linear inside a converted
     Linear (a child module a user added) is converted too, inside the new layer. A Linear that
@@ -69,7 +72,6 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     rules = _skip_rules(skip)
     patterns = [r for r in rules if isinstance(r, str)]
     linear_names: list[str] = []  # every Linear the rules were asked about
-    matched: set[str] = set()  # the patterns that matched one of them
 
     def converted(module: torch.nn.Module, name: str) -> Any:
         if type(module) is torch.nn.Linear:
@@ -95,8 +97,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 parametrized.append(name)
             return True
         linear_names.append(name)
-        matched.update(p for p in patterns if fnmatch.fnmatchcase(name, p))
-        return any(fnmatch.fnmatchcase(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
+        return any(_pattern_skips(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
 
     if not keep("", model):
         return converted(model, "")
@@ -128,10 +129,21 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                       f"({', '.join(repr(n) for n in parametrized[:6])}{', ...' if len(parametrized) > 6 else ''}): "
                       "torch.nn.utils.parametrize computes their weight; convert first, then register the "
                       "parametrization on the MXLinear", UserWarning, stacklevel=2)
-    unmatched = [p for p in patterns if p not in matched]
+    # (a pattern naming any module, a container included, is no typo)
+    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched:
         _warn_unmatched(unmatched, [n for n in linear_names if n])
     return model
+
+
+def _pattern_skips(name: str, pattern: str) -> bool:
+    """A pattern skips the module it matches and everything inside it: it is matched
+    against the qualified name and the name of every module around it
+    (``"model.layers.*.self_attn"`` skips ``model.layers.0.self_attn.q_proj``, as a
+    checkpoint's ``modules_to_not_convert`` means)."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(len(parts), 0, -1))
 
 
 def _warn_unmatched(unmatched: list[str], linear_names: list[str]) -> None:
@@ -141,7 +153,7 @@ def _warn_unmatched(unmatched: list[str], linear_names: list[str]) -> None:
     else:
         where = "it has no nn.Linear layer (besides the converted ones)"
     warnings.warn(
-        f"convert: skip pattern(s) {unmatched} match no nn.Linear layer of the model and skip nothing; "
+        f"convert: skip pattern(s) {unmatched} match no module of the model and skip nothing; "
         f"{where} (patterns are fnmatch globs on the full name, e.g. 'layers.0.*')",
         UserWarning,
         stacklevel=3,

@@ -20,7 +20,23 @@ except AttributeError:  # a torch without the query: nothing to detect
         return False
 
 
-from torch.autograd import forward_ad as _forward_ad
+try:
+    from torch._C._functorch import is_batchedtensor as _is_batched, is_legacy_batchedtensor as _is_legacy_batched
+except ImportError:  # a torch without them: nothing to detect
+    def _is_batched(t) -> bool:
+        return False
+
+    _is_legacy_batched = _is_batched
+
+
+def batched(t) -> bool:
+    """True for a tensor vmap batches: functorch's, or the legacy kind that
+    ``torch.autograd.grad(is_grads_batched=True)`` and
+    ``torch.autograd.functional.jacobian(vectorize=True)`` pass to a backward."""
+    return isinstance(t, torch.Tensor) and (_is_batched(t) or _is_legacy_batched(t))
+
+
+from torch.autograd import forward_ad as _forward_ad  # noqa: E402
 
 if not hasattr(_forward_ad, "_current_level"):  # a torch that keeps the level elsewhere: nothing to detect
     _forward_ad = type("_NoLevel", (), {"_current_level": -1})

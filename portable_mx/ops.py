@@ -103,6 +103,9 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     x: float32, bfloat16, float16 or float64 (float64 is rounded to fp32 first), at least
     1-D, any device. The axis is zero-padded to a multiple of 32; NaN/Inf blocks get the
     NaN scale. Returns an :class:`MXTensor`; its bytes are identical on every backend.
+    Not differentiable: the MXTensor holds bytes, no autograd history (x's gradient does
+    not flow through it; :func:`matmul` and ``nn.MXLinear`` quantize with a
+    straight-through gradient).
     """
     compiling = _is_compiling()
     x, recipe, axis = _prepare("quantize", x, recipe, axis, compiling)
@@ -123,6 +126,7 @@ def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Te
     where every MXFP4 value is exact except those beyond fp32's range (a block whose amax
     is within 1.5x of the fp32 maximum can round up to 2**128), which become +-inf; a
     narrower dtype (bf16, fp16) rounds each value once. NaN-scale blocks decode to NaN.
+    The result requires no gradient (see :func:`quantize`).
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"dequantize expects an MXTensor; got {type(mx).__name__}")

@@ -75,6 +75,10 @@ def state_dict(tensors: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
 
 def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
     raw = state[f"{name}.{META}"]
+    if isinstance(raw, torch.Tensor) and raw.is_meta:
+        raise ValueError(f"load_state_dict: {name}.{META} is on the meta device (torch.load(map_location='meta')?), "
+                         "which holds no bytes: the MXTensor's shape, dtype and recipe cannot be read; load with "
+                         "map_location='cpu' (or mmap=True, which reads nothing until used)")
     try:
         if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.dim() != 1:
             raise TypeError(f"{META} must be a 1-D uint8 tensor (UTF-8 JSON); got {_what(raw)}")

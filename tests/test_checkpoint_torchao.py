@@ -2,6 +2,8 @@
 bit-exact both ways, and torchao's to_mx writes portable_mx's bytes for all four scale
 rules. Needs torchao (the `hf` extra); skips with the install command elsewhere."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -87,6 +89,14 @@ def test_what_torchao_cannot_hold_is_refused():
         to_torchao(pmx.quantize(torch.randn(8, 40)))
     with pytest.raises(TypeError, match="torchao's MXTensor"):
         from_torchao(torch.zeros(2))
+    # strided views, which portable_mx dequantizes, but torchao's kernels read as contiguous bytes
+    mx = pmx.quantize(torch.randn(8, 128))
+    rows = dataclasses.replace(mx, qdata=mx.qdata[::2], scales=mx.scales[::2], shape=torch.Size((4, 128)))
+    cols = dataclasses.replace(mx, qdata=mx.qdata[:, :32], scales=mx.scales[:, :2], shape=torch.Size((8, 64)))
+    for view in (rows, cols):
+        assert torch.equal(pmx.dequantize(view), pmx.dequantize(mx)[::2] if view is rows else pmx.dequantize(mx)[:, :64])
+        with pytest.raises(ValueError, match="needs contiguous qdata and scales"):
+            to_torchao(view)
 
 
 def test_from_torchao_takes_a_recipe_as_the_ops_do():

@@ -481,6 +481,25 @@ def test_torch_func_transforms_are_refused():
         torch.func.grad(lambda x: pmx.grouped_matmul(x, w, offsets=offs).sum())(rand(4, k))
 
 
+def test_batched_gradients_are_refused_with_a_reason():
+    """torch.autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run the
+    backward under vmap, which torch cannot batch for an op that returns a list: torch's
+    own "Batching rule not implemented" came from deep inside; the message now says what
+    to do. The loop it suggests gives the gradients."""
+    e, n, k = 2, 8, 32
+    w = rand(e, n, k).requires_grad_()
+    offs = torch.tensor([3, 4], dtype=torch.int32)
+    x = rand(4, k, seed=2).requires_grad_()
+    y = pmx.grouped_matmul(x, w, offsets=offs)
+    grads = rand(3, *y.shape, seed=3)
+    with pytest.raises(RuntimeError, match="does not take batched gradients.*loop over the gradient outputs"):
+        torch.autograd.grad(y, (x, w), grads, retain_graph=True, is_grads_batched=True)
+    with pytest.raises(RuntimeError, match="does not take batched gradients"):
+        torch.autograd.functional.jacobian(lambda x: pmx.grouped_matmul(x, w, offsets=offs), x, vectorize=True)
+    loop = [torch.autograd.grad(y, (x, w), g, retain_graph=True) for g in grads]
+    assert all(dx.shape == x.shape and dw.shape == w.shape for dx, dw in loop)
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's
 def test_torch_compile_fullgraph_matches_eager():
     e, n, k, t, kk = 4, 16, 64, 6, 2

@@ -54,6 +54,17 @@ def test_state_dict_through_torch_save_weights_only(tmp_path):
     assert_same(loaded, tensors)
 
 
+def test_a_state_dict_loaded_to_the_meta_device_is_refused_clearly(tmp_path):
+    """torch.load(map_location="meta") leaves mx_meta without bytes: the error says so and
+    what to do (it was torch's "Cannot copy out of meta tensor")."""
+    torch.save(serialization.state_dict(weights()), tmp_path / "w.pt")
+    sd = torch.load(tmp_path / "w.pt", weights_only=True, map_location="meta")
+    with pytest.raises(ValueError, match=r"layer\.weight\.mx_meta is on the meta device.*map_location='cpu'"):
+        serialization.load_state_dict(sd)
+    mapped = serialization.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True, mmap=True))
+    assert_same(mapped, weights())
+
+
 @needs_safetensors
 def test_safetensors_round_trip_serves_the_gemm(tmp_path):
     tensors = weights()

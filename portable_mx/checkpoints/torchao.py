@@ -45,7 +45,9 @@ def to_torchao(mx: MXTensor, *, kernel_preference: Any = None) -> Any:
     """``mx`` as a torchao ``MXTensor`` sharing its storage (no copy).
 
     ``mx``: a plain MXFP4 MXTensor (no macro-block factors, no outliers) quantized along
-    its last axis, whose length K is a multiple of 32. Returns torchao's
+    its last axis, whose length K is a multiple of 32, with contiguous parts (a strided
+    view, e.g. of every other row, raises: torchao's kernels index its bytes as
+    contiguous). Returns torchao's
     ``MXTensor(qdata=mx.qdata, scale=mx.scales.view(torch.float8_e8m0fnu),
     elem_dtype=torch.float4_e2m1fn_x2, block_size=32, orig_dtype=mx.dtype, ...)`` with
     unswizzled scales, built with its constructor (``from_qdata_and_scales`` rejects
@@ -65,6 +67,11 @@ def to_torchao(mx: MXTensor, *, kernel_preference: Any = None) -> Any:
     if mx.k % BLOCK_SIZE:
         raise ValueError(f"torchao's MXTensor has no padding: the last dimension ({mx.k}) must be a multiple of "
                          f"{BLOCK_SIZE}")
+    if not (mx.qdata.is_contiguous() and mx.scales.is_contiguous()):
+        raise ValueError(f"torchao's MXTensor needs contiguous qdata and scales; this MXTensor's are strided "
+                         f"(qdata strides {tuple(mx.qdata.stride())}, scales {tuple(mx.scales.stride())}: a view "
+                         "of another one); quantize a contiguous copy of the float tensor, or rebuild the MXTensor "
+                         "from contiguous copies of its parts")
     if kernel_preference is None:
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
@@ -96,7 +103,10 @@ def from_torchao(t: Any, *, recipe: Optional[QuantRecipe] = None) -> MXTensor:
     qdata, scale = t.qdata, t.scale
     if qdata.dtype != torch.uint8 or not qdata.is_contiguous():
         raise ValueError(f"expected contiguous packed uint8 qdata [..., K/2]; got {qdata.dtype} with strides "
-                         f"{tuple(qdata.stride())} (a transposed torchao MXTensor: make it contiguous first)")
+                         f"{tuple(qdata.stride())} (a transposed or sliced torchao MXTensor: make it contiguous "
+                         "first)")
+    if not scale.is_contiguous():
+        raise ValueError(f"expected contiguous scales [..., K/32]; got strides {tuple(scale.stride())}")
     shape = torch.Size(t.shape)
     if tuple(scale.shape) != tuple(shape[:-1]) + (shape[-1] // BLOCK_SIZE,):
         raise ValueError(f"scale shape {tuple(scale.shape)} does not match data shape {tuple(shape)} "

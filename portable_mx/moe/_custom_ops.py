@@ -53,7 +53,7 @@ from torch import Tensor
 
 from .. import _dispatch
 from .._custom_ops import _op_operand, dequantize as op_dequantize, recipe_from_json, recipe_json
-from .._transforms import refuse_func_transforms
+from .._transforms import _transforms_active, batched, refuse_func_transforms
 from ..recipe import QuantRecipe
 from ..tensor import FLOAT_DTYPES, MXTensor, part_specs
 from . import _ragged, activations
@@ -300,6 +300,11 @@ def _backward(ctx, grad: Tensor):
     needs = [bool(ctx.needs_input_grad[i]) for i in (0, 1, 8, 7)]
     if not any(needs):
         return (None,) * 2 + ([None] * nx, [None] * nw) + (None,) * 14
+    if _transforms_active() or batched(grad):  # (torch's vmap fallback cannot batch an op returning a list)
+        raise RuntimeError(
+            "portable_mx grouped_matmul's backward does not take batched gradients (torch.autograd.grad("
+            "is_grads_batched=True), torch.autograd.functional.jacobian(vectorize=True), vmap): loop over the "
+            "gradient outputs instead, one torch.autograd.grad(..., retain_graph=True) each")
     dx, dw, db, dweights = torch.ops.portable_mx.grouped_mm_grad(
         grad.contiguous(), x, w, x_parts, w_parts, offsets, gather_index, scatter_index, topk_weights, bias,
         *ctx.flags, needs)

@@ -17,7 +17,8 @@ import torch
 import portable_mx as pmx
 
 from dist_harness import run_ranks
-from dist_training import DIMS, MATRIX_STEPS, RECIPES, assert_params, check, fsdp_model, make_model, result, train_ranks
+from dist_training import (DIMS, MATRIX_STEPS, RECIPES, assert_params, batch, check, fsdp_model, loss_fn, make_model,
+                           result, rows_of, train_ranks)
 
 MX_RECIPES = ("default", "mbs", "of", "w4a16")
 """Recipes the MXFP4 gather serves (with DIMS, MBS-64 serves layer 0, N = 128, and falls
@@ -138,6 +139,44 @@ def _activation_checkpointing(rank, world):
     return [{rename[k]: v for k, v in train_ranks(build(m), rank, world, MATRIX_STEPS).items()} for m in (False, True)]
 
 
+def _compiled_layers(rank, world):
+    """(high-precision gather, MXFP4 gather with each sharded layer torch.compile-d)
+    parameters after the same training: compiled, the gathered GEMM's autograd Function
+    was traced apart from the weight, whose gradient came out None (only the biases
+    trained, silently)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build(mx_gather):
+        model = make_model(RECIPES["default"])
+        if mx_gather:
+            pmx.nn.enable_fsdp_mx_all_gather(model)
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+            if mx_gather:
+                layer.compile(backend="aot_eager")
+        fully_shard(model)
+        return model
+
+    return [train_ranks(build(m), rank, world, MATRIX_STEPS) for m in (False, True)]
+
+
+def _assign_after_first_gather(rank, world):
+    """(high-precision gather, MXFP4 gather, the MXFP4 layer's local weight type) after a
+    first step, load_state_dict(other weights, assign=True), then training: assign put a
+    plain shard in, and the next forward failed inside FSDP2 (its gather buffers were
+    sized for the MXFP4 parts)."""
+    out = []
+    for mx_gather in (False, True):
+        model = fsdp_model(RECIPES["default"], mx_gather=mx_gather)
+        x, y = batch(0)
+        loss_fn(model(x[rows_of(rank, world)]), y[rows_of(rank, world)]).backward()  # the first gathers
+        model.zero_grad(set_to_none=True)
+        other = fsdp_model(RECIPES["default"], seed=3).state_dict()
+        model.load_state_dict({k: v.detach().clone() for k, v in other.items()}, assign=True)
+        out.append(train_ranks(model, rank, world, MATRIX_STEPS))
+    return out + [type(model[0].weight._local_tensor).__name__]
+
+
 def _disagree(rank, world, what):
     """Rank 1 builds layer 0 differently; the first forward must raise on every rank,
     after which the process group still works."""
@@ -215,6 +254,8 @@ def mx_job(rank, world):
     for mx_gather, dtype in ((True, "fp32"), (True, "bf16"), (False, "fp32"), (False, "bf16")):
         check(results, f"wire/{'mx' if mx_gather else 'hp'}/{dtype}", _wire_bytes, rank, world, mx_gather, dtype)
     check(results, "activation_checkpointing", _activation_checkpointing, rank, world)
+    check(results, "compiled_layers", _compiled_layers, rank, world)
+    check(results, "assign", _assign_after_first_gather, rank, world)
     for what in ("recipe", "shape"):
         check(results, f"disagree/{what}", _disagree, rank, world, what)
     check(results, "recipe_change", _recipe_changes_after_first_gather, rank, world)
@@ -264,6 +305,22 @@ def test_mx_gather_under_activation_checkpointing(mx_results):
     plain, _, _ = result(mx_results, "pair/default/fp32")
     assert_params(hp, plain, what="high-precision gather:")
     assert_params(mx, plain, what="MXFP4 gather:")
+
+
+def test_mx_gather_of_compiled_layers_trains_the_weights(mx_results):
+    """Each sharded MXLinear torch.compile-d (aot_eager) under the MXFP4 all-gather: the
+    gathered GEMM runs eagerly inside the compiled layer, and training gives FSDP2's
+    high-precision gather's parameters bit for bit (the weights got no gradient)."""
+    hp, mx = result(mx_results, "compiled_layers")
+    assert_params(mx, hp, what="compiled")
+
+
+def test_load_state_dict_with_assign_keeps_the_mx_gather(mx_results):
+    """load_state_dict(assign=True) after the first gather: the incoming weight is wrapped
+    for the MXFP4 gather again, and training goes on like the high-precision gather's."""
+    hp, mx, kind = result(mx_results, "assign")
+    assert kind == "MXWeight"
+    assert_params(mx, hp, what="assign")
 
 
 @pytest.mark.parametrize("recipe", ["default", "mbs", "of"])
@@ -357,6 +414,25 @@ def test_prepared_model_trains_like_the_plain_model_outside_fsdp():
     wrapped.load_state_dict(make_model(RECIPES["default"], seed=3).state_dict())  # in place, into the wrapper
     assert type(wrapped[0].weight).__name__ == "MXWeight"
     assert torch.equal(wrapped.state_dict()["0.weight"], make_model(RECIPES["default"], seed=3)[0].weight)
+    wrapped.load_state_dict(make_model(RECIPES["default"], seed=4).state_dict(), assign=True)  # replaced, rewrapped
+    assert type(wrapped[0].weight).__name__ == "MXWeight" and wrapped[0].weight.requires_grad
+    assert torch.equal(wrapped.state_dict()["0.weight"], make_model(RECIPES["default"], seed=4)[0].weight)
+
+
+def test_prepared_model_compiles_outside_fsdp():
+    """A prepared model compiled without FSDP2: torch.compile guarded on a deep copy of the
+    weight's flatten context, which never matched ("Guard failed on the same frame it was
+    created", an AssertionError from dynamo); it now trains like the plain model."""
+    from dist_training import batch, loss_fn, make_model
+
+    plain, wrapped = make_model(RECIPES["default"]), make_model(RECIPES["default"])
+    pmx.nn.enable_fsdp_mx_all_gather(wrapped)
+    compiled = torch.compile(wrapped, backend="aot_eager")
+    x, y = batch(0)
+    loss_fn(plain(x), y).backward()
+    loss_fn(compiled(x), y).backward()
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        assert q.grad is not None and torch.equal(q.grad, p.grad), name
 
 
 def test_enable_rejects_bad_input_and_skips_tied_weights():
@@ -370,6 +446,12 @@ def test_enable_rejects_bad_input_and_skips_tied_weights():
     assert [str(w.message).split(" shares")[0] for w in caught] == [
         "MXFP4 all-gather: layer '0'", "MXFP4 all-gather: layer '1'"]
     assert model[1].weight is model[0].weight
+    # a parametrized weight falls back per layer (it was refused for the whole model as "already sharded")
+    model = pmx.nn.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)))
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    with pytest.warns(pmx.nn.MXAllGatherFallback, match="layer '0' computes its weight through a parametrization"):
+        assert pmx.nn.enable_fsdp_mx_all_gather(model) == 1
+    assert type(model[1].weight).__name__ == "MXWeight"
 
 
 def test_the_single_process_path_never_loads_the_distributed_code():

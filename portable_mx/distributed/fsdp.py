@@ -225,6 +225,12 @@ class MXWeight(Tensor):
     def __tensor_unflatten__(inner: dict, state: _LayerState, outer_size, outer_stride) -> "MXWeight":
         return MXWeight(inner["_tensor"], state)
 
+    @classmethod
+    def __metadata_guard__(cls, original: _LayerState, current: _LayerState) -> bool:
+        # torch.compile guards on a deep copy of the flatten context, which the default
+        # (identity) equality never matched: "Guard failed on the same frame it was created"
+        return original.name == current.name
+
     # ------------------------------------------------------------------ FSDP2's extension
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -348,8 +354,12 @@ class MXGathered(Tensor):
             "MXLinear's forward uses; read the high-precision weight from the sharded parameter "
             "(model.state_dict(), or outside the forward), or leave the layer out of the MXFP4 all-gather")
 
+    @torch.compiler.disable
     def __pmx_linear__(self, x2: Tensor, layer: MXLinear, bias: Optional[Tensor]) -> Tensor:
-        """MXLinear's GEMM ``x2 @ W^T + bias`` (x2 ``[M, K]``) on the gathered bytes."""
+        """MXLinear's GEMM ``x2 @ W^T + bias`` (x2 ``[M, K]``) on the gathered bytes.
+        Never traced by ``torch.compile`` (it runs eagerly there, a graph break): traced,
+        the autograd Function's output did not depend on the weight, whose gradient
+        silently came out None."""
         return _GatheredLinear.apply(x2, self, layer._recipe_json, bias)
 
 
@@ -407,6 +417,27 @@ def _unwrap_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_m
                                              shape=v.shape, stride=v.stride())
 
 
+def _rewrap_assigned(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any, *args: Any) -> None:
+    """Load-state-dict pre-hook: with ``assign=True`` the incoming weight replaces the
+    layer's, so it is wrapped as the layer's MXWeight first (a plain tensor, or a DTensor
+    of one), with the layer's state; otherwise the layer silently left the MXFP4 gather,
+    or, after its first gather, FSDP2's gather buffers (sized for the MXFP4 parts) met a
+    high-precision shard and its forward failed deep inside FSDP2."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    key = prefix + "weight"
+    v = state_dict.get(key)
+    state = module._pmx_mx_gather
+    if type(v) is Tensor or type(v) is nn.Parameter:
+        state_dict[key] = MXWeight(v.detach(), state)
+        return
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor) and type(v._local_tensor) in (Tensor, nn.Parameter):
+        state_dict[key] = DTensor.from_local(MXWeight(v._local_tensor.detach(), state), v.device_mesh, v.placements,
+                                             run_check=False, shape=v.shape, stride=v.stride())
+
+
 # ----------------------------------------------------------------------------- the public functions
 
 
@@ -423,9 +454,11 @@ def enable_fsdp_mx_all_gather(model: nn.Module) -> int:
     nearest and ``grad_input`` is "mxfp4", otherwise its high-precision weight (warning
     :class:`MXAllGatherFallback` once, naming the layer and the reason). Training is
     bit-identical to FSDP2's high-precision gather either way. A weight shared with
-    another module (tied) is left as it is. Not supported with
-    ``reshard_after_forward=<int>`` (FSDP2 has no extension for it) or inside
-    ``torch.compile``.
+    another module (tied), or computed by a parametrization, is left as it is (warning
+    :class:`MXAllGatherFallback`). Inside ``torch.compile`` the gathered GEMM runs
+    eagerly (a graph break per layer), with the same gradients. ``load_state_dict(...,
+    assign=True)`` wraps the incoming weights for the MXFP4 gather again. Not supported
+    with ``reshard_after_forward=<int>`` (FSDP2 has no extension for it).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_fsdp_mx_all_gather expects a torch.nn.Module; got {type(model).__name__}")
@@ -439,6 +472,11 @@ def enable_fsdp_mx_all_gather(model: nn.Module) -> int:
     prepared = 0
     for name, module in model.named_modules():
         if not isinstance(module, MXLinear):
+            continue
+        if torch.nn.utils.parametrize.is_parametrized(module, "weight"):
+            warnings.warn(f"MXFP4 all-gather: layer {name!r} computes its weight through a parametrization "
+                          "(weight_norm, ...); it keeps FSDP2's high-precision gather", MXAllGatherFallback,
+                          stacklevel=2)
             continue
         w = module.weight
         if isinstance(w, MXWeight):
@@ -455,6 +493,7 @@ def enable_fsdp_mx_all_gather(model: nn.Module) -> int:
         module.weight = nn.Parameter(MXWeight(w.data, state), requires_grad=w.requires_grad)
         module._pmx_mx_gather = state
         module.register_state_dict_post_hook(_unwrap_state_dict)
+        module.register_load_state_dict_pre_hook(_rewrap_assigned)
         prepared += 1
     return prepared
 

@@ -121,6 +121,31 @@ def test_w4a16_tokens_beyond_the_fp16_range(gemm_kernel, rb):
     assert_accumulation_close(out, a, b, k)
 
 
+@pytest.mark.parametrize("rb", [QR(), QR(outliers_per_block=1)], ids=lambda r: r.describe())
+def test_w4a16_fp16_subnormal_tokens(gemm_kernel, rb):
+    """fp16 tokens below fp16's normal range (2**-24 .. 2**-15, subnormals, beside normal
+    ones): the GEMM multiplies the fp16 values (the Triton interpreter's tl.dot_scaled
+    turned 2**-24 into 0 and 4.58e-5 into 3.05e-5), within the fp32 accumulation bound of
+    their exact product."""
+    backend, device = gemm_kernel
+    m, n, k = 4, 24, 64
+    a = randn(m, k, seed=66)
+    exps = torch.randint(-24, -14, (m, k), generator=torch.Generator().manual_seed(67))
+    a[:3] = torch.sign(a[:3]) * torch.ldexp(torch.ones(3, k), exps[:3]) * (1 + (a[:3].abs() % 1).round() / 2)
+    a = a.to(torch.float16)
+    assert (a[:3].abs() < 2.0**-14).all() and (a[:3] != 0).all()  # (every one an fp16 subnormal)
+    b = rows_mx(randn(n, k, seed=68), rb)
+    out = backend.matmul(a.to(device), b.to(device))
+    assert_accumulation_close(out, a, b, k)
+    # one exact case: three subnormals against ones
+    a1 = torch.zeros(1, 32, dtype=torch.float16)
+    a1[0, :3] = torch.tensor([2.0**-24, 2.0**-20, 3 * 2.0**-16])
+    ones = torch.zeros(8, 32)
+    ones[:, :3] = 1.0
+    got = backend.matmul(a1.to(device), rows_mx(ones, QR()).to(device)).float().cpu()
+    assert torch.equal(got, torch.full((1, 8), 2.0**-24 + 2.0**-20 + 3 * 2.0**-16).half().float())
+
+
 def test_a4w4_outliers_beyond_the_fp16_range(gemm_kernel):
     """OF keeps a block's largest values in bf16 beside the codes: outliers of 2**20 and
     1e30 (the correction GEMM's bf16 operand) within the accumulation bound."""

@@ -72,11 +72,13 @@ class InterpretBackend(TritonBackend):
 @contextlib.contextmanager
 def _exact_bf16_operands() -> Iterator[None]:
     """While the kernels run, the Triton interpreter's ``tl.dot_scaled`` widens a bf16
-    operand (the W4A16 GEMM's tokens) to fp32 exactly, by its bits. Its own conversion
-    (``_mxfp_value_handle_to_float32``, written for fp8 operands, triton 3.8 and 3.9) goes
-    through fp16: a bf16 value of magnitude 65520 or more became inf (and NaN in the sums),
-    one below 2**-24 zero, one below 2**-14 lost bits, where the GPU's MMA multiplies the
-    bf16 value (numerics.md section 5). Other operands keep the interpreter's conversion; an
+    or fp16 operand (the W4A16 GEMM's tokens) to fp32 exactly, by its bits. Its own
+    conversion (``_mxfp_value_handle_to_float32``, written for fp8 operands, triton 3.8 and
+    3.9) goes through fp16: a bf16 value of magnitude 65520 or more became inf (and NaN in
+    the sums), one below 2**-24 zero, one below 2**-14 lost bits, and an fp16 subnormal
+    came out zero or another value (2**-24 -> 0, 4.58e-5 -> 3.05e-5), where the GPU's MMA
+    multiplies the operand's value (numerics.md section 5). Other operands keep the
+    interpreter's conversion; an
     interpreter without that function is left as it is (tests/test_triton_gemm.py holds
     the GEMM to the reference at those magnitudes)."""
     try:
@@ -94,6 +96,9 @@ def _exact_bf16_operands() -> Iterator[None]:
     def widen(value_handle):
         if value_handle.dtype == tl.bfloat16:  # stored as uint16 bits
             return (value_handle.data.astype(np.uint32) << 16).view(np.float32)
+        if value_handle.dtype == tl.float16:  # (its fp16 -> fp16 step flushed or mangled subnormals)
+            data = value_handle.data
+            return (data if data.dtype == np.float16 else data.view(np.float16)).astype(np.float32)
         return own(value_handle)
 
     interpreter._mxfp_value_handle_to_float32 = widen

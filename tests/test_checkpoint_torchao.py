@@ -93,8 +93,8 @@ def test_what_torchao_cannot_hold_is_refused():
     mx = pmx.quantize(torch.randn(8, 128))
     rows = dataclasses.replace(mx, qdata=mx.qdata[::2], scales=mx.scales[::2], shape=torch.Size((4, 128)))
     cols = dataclasses.replace(mx, qdata=mx.qdata[:, :32], scales=mx.scales[:, :2], shape=torch.Size((8, 64)))
-    for view in (rows, cols):
-        assert torch.equal(pmx.dequantize(view), pmx.dequantize(mx)[::2] if view is rows else pmx.dequantize(mx)[:, :64])
+    for view, values in ((rows, pmx.dequantize(mx)[::2]), (cols, pmx.dequantize(mx)[:, :64])):
+        assert torch.equal(pmx.dequantize(view), values)
         with pytest.raises(ValueError, match="needs contiguous qdata and scales"):
             to_torchao(view)
 

@@ -38,7 +38,8 @@ The expert weights are held in one of two ways:
   ``_macro_scales`` (fp32 bits as int32) / ``_outlier_values`` (bf16 bits as int16) /
   ``_outlier_indices`` where the MXTensor has them (as bits, so that ``model.to(dtype)``
   leaves them alone), with macro-block factors also ``_macro_block`` (int64, the block
-  size: loading a state dict quantized with another size is refused); never dequantized. Gradients reach x, the biases and the router weights.
+  size: loading a state dict quantized with another size is refused); never dequantized.
+  Gradients reach x, the biases and the router weights.
 
 Biases ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H] are optional
 Parameters. What is exact: each expert's GEMM is the fp32-accumulated product of the

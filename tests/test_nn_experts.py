@@ -287,10 +287,13 @@ def test_a_state_dict_quantized_with_another_macro_block_is_refused():
     src, dst = frozen(96), frozen(128)
     assert src.gate_up_proj_macro_scales.shape == dst.gate_up_proj_macro_scales.shape
     assert int(src.state_dict()["gate_up_proj_macro_block"]) == 96
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
     for strict in (True, False):
         with pytest.raises(RuntimeError, match="gate_up_proj_macro_block: .* macro blocks of 96 elements, this "
                                                "module's with 128"):
             dst.load_state_dict(src.state_dict(), strict=strict)
+        # refused, nothing was copied: the module keeps its own bytes (it held the other ones, a mix)
+        assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())
     same = frozen(96)
     same.load_state_dict(src.state_dict())
     x = torch.randn(5, 192, generator=g)

@@ -184,6 +184,9 @@ class MXExperts(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
+        # a mismatch copies nothing into this module: its buffers (and the MXTensors they came
+        # from) keep their bytes, so that a caller who catches the error keeps a working module
+        refused = len(error_msgs)
         for proj in PROJECTIONS:
             meta = self._mx_meta.get(proj)
             key = f"{prefix}{proj}_macro_block"
@@ -195,6 +198,8 @@ class MXExperts(torch.nn.Module):
                     f"{key}: the state dict's {proj} was quantized with macro blocks of {int(got)} elements, this "
                     f"module's with {meta[2].macro_block}: its macro-block factors would be applied to the wrong "
                     f"elements (build the module from MXTensors quantized with macro_block={int(got)})")
+        if len(error_msgs) > refused:
+            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -391,6 +391,20 @@ def test_a_recipe_change_after_the_first_gather_raises(mx_results):
 # ----------------------------------------------------------------------------- one process, no process group
 
 
+def _one_rank(rank, world):
+    return _pair(rank, world, RECIPES["default"])
+
+
+def test_one_rank_falls_back_to_high_precision():
+    """FSDP2 on one rank (torchrun --nproc_per_node 1) gathers nothing: its single-rank
+    path copies a weight's first all-gather input only, and the first forward failed
+    ("b_parts must be [qdata, scales] ... got 1 tensor(s)"). Each layer now keeps its
+    high-precision weight, warning once, and trains like FSDP2's own gather."""
+    hp, mx, warned = run_ranks(_one_rank, 1)[0]
+    assert_params(mx, hp, what="one rank")
+    assert len(warned) == 2 and all("one rank" in message for _, message in warned), warned
+
+
 def test_prepared_model_trains_like_the_plain_model_outside_fsdp():
     """enable_fsdp_mx_all_gather changes nothing outside FSDP2: the wrapped weights train
     bit for bit like the plain ones, the state dict holds plain tensors, and the

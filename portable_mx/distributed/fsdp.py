@@ -104,6 +104,9 @@ class _LayerState:
 def _fallback_reason(recipe: QuantRecipe, rows: int, world: int) -> str:
     """Why a weight of ``rows`` out_features cannot be gathered in MXFP4 on ``world``
     ranks with ``recipe`` ("" when it can)."""
+    if world == 1:
+        return ("one rank: FSDP2 gathers nothing there (its single-rank path takes the first of a weight's "
+                "all-gather inputs only, so the MXFP4 parts would not reach the forward)")
     if recipe.rounding == "stochastic":
         return ("stochastic rounding: a rank quantizing its shard would draw other random numbers "
                 "than quantizing the full weight")
@@ -450,7 +453,8 @@ def enable_fsdp_mx_all_gather(model: nn.Module) -> int:
     a new Parameter wrapping the same storage; its values, ``requires_grad``, the
     state dict and every op on it are unchanged). At each layer's first all-gather the
     ranks check that they agree on the layer, and the layer gathers MXFP4 bytes when
-    its rows per rank are a multiple of 32 (and of the macro block), its rounding is
+    there is more than one rank, its rows per rank are a multiple of 32 (and of the
+    macro block), its rounding is
     nearest and ``grad_input`` is "mxfp4", otherwise its high-precision weight (warning
     :class:`MXAllGatherFallback` once, naming the layer and the reason). Training is
     bit-identical to FSDP2's high-precision gather either way. A weight shared with

@@ -120,17 +120,28 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)
 
 
+def _sharded_layers(mx_gather, each=None):
+    """The test MLP (after enable_fsdp_mx_all_gather with ``mx_gather``) with fully_shard on
+    each Linear, then ``each(layer)``; the root is left to the caller."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(RECIPES["default"])
+    if mx_gather:
+        pmx.nn.enable_fsdp_mx_all_gather(model)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+        if each is not None:
+            each(layer)
+    return model
+
+
 def _activation_checkpointing(rank, world):
     """(high-precision gather, MXFP4 gather) parameters with layer 0 and the GELU under
     activation checkpointing (the forward recomputed from the re-gathered weight)."""
     from torch.distributed.fsdp import fully_shard
 
     def build(mx_gather):
-        model = make_model(RECIPES["default"])
-        if mx_gather:
-            pmx.nn.enable_fsdp_mx_all_gather(model)
-        for layer in (model[0], model[2]):
-            fully_shard(layer)
+        model = _sharded_layers(mx_gather)
         model = torch.nn.Sequential(_Checkpointed(torch.nn.Sequential(model[0], model[1])), model[2])
         fully_shard(model)
         return model
@@ -147,13 +158,7 @@ def _compiled_layers(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     def build(mx_gather):
-        model = make_model(RECIPES["default"])
-        if mx_gather:
-            pmx.nn.enable_fsdp_mx_all_gather(model)
-        for layer in (model[0], model[2]):
-            fully_shard(layer)
-            if mx_gather:
-                layer.compile(backend="aot_eager")
+        model = _sharded_layers(mx_gather, (lambda layer: layer.compile(backend="aot_eager")) if mx_gather else None)
         fully_shard(model)
         return model
 

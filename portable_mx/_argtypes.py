@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -38,17 +38,36 @@ def finite_at_least_0(text: str) -> float:
     return value
 
 
-def output_file_problem(flag: str, path: str) -> Optional[str]:
+def output_file_problem(flag: str, path: str, inputs: Iterable[tuple[str, Optional[str]]] = ()) -> Optional[str]:
     """Why ``path`` (given as ``flag``) cannot take an output file, or None when it can:
-    it is a folder, or its folder cannot be made (a parent is a file, no permission). Its
-    folder is made here. Checked before the work, whose result would otherwise be lost
-    after minutes of it."""
+    it is empty, a folder, one of the command's ``inputs`` ((flag, path) pairs: writing it
+    would replace what the command reads), not writable, or its folder cannot be made (a
+    parent is a file, no permission). Its folder is made here. Checked before the work,
+    whose result would otherwise be lost after minutes of it."""
     from .tuning.files import make_dir
 
+    if not path:
+        return f"{flag} is empty; give a file path"
     if os.path.isdir(path):
         return f"{flag} {path} is a folder; give a file path"
+    for in_flag, in_path in inputs:
+        if in_path and os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path):
+            return f"{flag} {path} is the {in_flag} file the command reads; give another path"
+    folder = os.path.dirname(os.path.abspath(path))
     try:
-        make_dir(os.path.dirname(os.path.abspath(path)))
+        make_dir(folder)
     except OSError as err:
         return f"{flag} {path}: {err}"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{flag} {path}: the file is not writable"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{flag} {path}: its folder {folder} is not writable"
     return None
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write an output file in one rename: a run cut short (a full disk, a kill) leaves the
+    earlier file whole, never a part of the new one."""
+    from .tuning.files import write_atomic
+
+    write_atomic(path, text)

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
-from ._argtypes import int_at_least, output_file_problem
+from ._argtypes import int_at_least, output_file_problem, write_text_atomic
 
 if TYPE_CHECKING:
     from .aot import CompileResult
@@ -244,11 +243,7 @@ def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> i
     doc = report(items, results, time.perf_counter() - start)
     print(table(doc["rows"]))
     if args.json:
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        write_text_atomic(args.json, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     print(summary_line(doc["rows"]))
     return 1 if doc["summary"]["with_problems"] else 0

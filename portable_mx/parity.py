@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ._argtypes import output_file_problem
+from ._argtypes import output_file_problem, write_text_atomic
 from .decompose import DEFINITIONS
 
 HELP = "bit-exact parity report of quantize/decompose on a fixed corpus, or compare reports"
@@ -719,6 +719,12 @@ def _run_compare(paths: Sequence[str]) -> int:
     if len(paths) < 2:
         print("parity --compare needs at least two reports", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    real = [os.path.realpath(p) for p in paths]
+    if len(set(real)) != len(real):
+        twice = next(p for p, r in zip(paths, real) if real.count(r) > 1)
+        print(f"parity --compare: {twice} is given twice (a report agrees with itself); give different reports",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
     reports = []
     for p in paths:
         try:
@@ -782,9 +788,7 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_NOTHING_CHECKED
     errors = {k: e["error"] for k, e in report["cases"].items() if "error" in e}
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, allow_nan=False)
-            f.write("\n")
+        write_text_atomic(args.json, json.dumps(report, indent=1, allow_nan=False) + "\n")
     print(f"parity: corpus {args.corpus}, {len(report['cases'])} cases on {device} "
           f"({report['device']['description']}), backends {report['backends']}, "
           f"{time.perf_counter() - start:.1f} s" + (f", written to {args.json}" if args.json else ""))

@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from ._argtypes import finite_at_least_0, int_at_least, output_file_problem
+from ._argtypes import finite_at_least_0, int_at_least, output_file_problem, write_text_atomic
 
 HELP = ("tune the GEMM's tiles on this device (Optuna) into the config cache; --static: only "
         "the ahead-of-time pruning and cost-model ranking for a --target; --replay: a recorded exhaustive run, "
@@ -182,10 +182,7 @@ def _config(config: Any) -> str:
 
 
 def _write_json(path: str, doc: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}")
 
 
@@ -498,9 +495,11 @@ def run_macro(args: argparse.Namespace, device: Any) -> int:
                   f"({type(err).__name__}: {err})", file=sys.stderr)
             return 2
         items = loaded.values() if isinstance(loaded, dict) else loaded if isinstance(loaded, (list, tuple)) else [loaded]
-        tensors = [t.float() for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1]
+        tensors = [t.float() for t in items
+                   if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 and t.numel()]
         if not tensors:
-            print(f"portable-mx tune --macro: no floating-point tensor in {args.tensors}", file=sys.stderr)
+            print(f"portable-mx tune --macro: no non-empty floating-point tensor in {args.tensors} (the error of a "
+                  "recipe is measured on its values)", file=sys.stderr)
             return 2
     tolerance = macro.DEFAULT_TOLERANCE if args.error_tolerance is None else args.error_tolerance
     doc: dict[str, Any] = {"recipe": recipe.describe(), "error_tolerance": tolerance, "results": []}
@@ -569,18 +568,29 @@ def flag_errors(args: argparse.Namespace) -> list[str]:
 
 def output_errors(args: argparse.Namespace) -> list[str]:
     """Where the results go, checked before any work (a --json path that cannot be written
-    used to fail after every candidate had compiled): --json not a folder and its folder
-    creatable, --study-dir creatable."""
+    used to fail after every candidate had compiled): --json a writable file path that is
+    none of the inputs, --record a folder, the study folder (--study-dir, or the cache's)
+    creatable and writable, no path flag given empty."""
     from .tuning import files
+    from .tuning.cache import ENV_CACHE_DIR
+    from .tuning.search import study_dir
 
-    errors = []
-    if args.json and (problem := output_file_problem("--json", args.json)):
+    errors = [f"--{flag.replace('_', '-')} is empty; give a path" for flag in ("out", "study_dir", "storage", "record")
+              if getattr(args, flag, None) == ""]
+    inputs = [("--tensors", args.tensors)] + [("--replay", t.strip()) for t in (args.replay or "").split(",")]
+    if args.json is not None and (problem := output_file_problem("--json", args.json, inputs)):
         errors.append(problem)
-    if args.study_dir is not None:
+    if args.record and os.path.exists(args.record) and not os.path.isdir(args.record):
+        errors.append(f"--record {args.record} is a file; give a folder (each recording is a file in it)")
+    if not args.replay and not errors:
+        where = study_dir(args.study_dir)  # (journals and static verdicts)
         try:
-            files.make_dir(args.study_dir)
+            files.make_dir(where)
+            if not os.access(where, os.W_OK | os.X_OK):
+                raise PermissionError(f"{where}: the folder is not writable")
         except OSError as err:
-            errors.append(f"--study-dir: {err}")
+            errors.append(f"--study-dir: {err}" if args.study_dir else
+                          f"the study folder (in the cache folder, {ENV_CACHE_DIR} or ~/.cache/portable_mx): {err}")
     return errors
 
 
@@ -616,16 +626,25 @@ def run(args: argparse.Namespace) -> int:
     from .tuning import cache, files
 
     try:  # before the search, not after it: where its results go (--study-dir: output_errors)
-        files.make_dir(args.out or cache.cache_dir())
+        out = args.out or cache.cache_dir()
+        files.make_dir(out)
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(f"{out}: the folder is not writable (the config cache goes there)")
     except OSError as err:
         print(f"portable-mx tune: {err}", file=sys.stderr)
         return 2
+    from .registry import BackendUnavailableError
+
     try:
         return run_macro(args, device) if args.macro else run_search(args, device)
-    except (ValueError, OSError) as err:  # no Triton backend for the device, a cache file not written, ...
+    except (ValueError, OSError, BackendUnavailableError) as err:  # no backend for the device, a file not written
         print(f"portable-mx tune: {err}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as err:  # the run stopped (out of memory, the timer): not a config's fault
         print(f"portable-mx tune: stopped: {type(err).__name__}: {err} (the study keeps what it measured; the "
               "trial in flight is retried when it resumes)", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("portable-mx tune: interrupted (the study keeps what it measured; the same command resumes it)",
+              file=sys.stderr)
+        return 130

@@ -241,6 +241,36 @@ def test_cli_compare_refuses_the_flags_of_a_run(tmp_path, capsys, monkeypatch):
         assert f"{flag} does not apply" in capsys.readouterr().err
 
 
+def test_cli_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """--json was written in place: a full disk (or a kill) mid-write left part of the new
+    report over the old one (4096 bytes of invalid JSON). It is now written aside and
+    renamed: the old report stays whole."""
+    monkeypatch.delenv(registry.ENV_BACKEND, raising=False)
+    a = tmp_path / "a.json"
+    a.write_text('{"old": "report"}\n')
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    args = _parser().parse_args(["--device", "cpu", "--backend", "reference", "--filter", "*/edge/float32/*",
+                                 "--json", str(a)])
+    with pytest.raises(OSError, match="No space left"):
+        parity.run(args)
+    assert a.read_text() == '{"old": "report"}\n' and [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_cli_compare_refuses_one_report_given_twice(tmp_path, capsys):
+    """A report agrees with itself: `--compare a.json a.json` (or a link to it) said "2
+    reports agree", exit 0."""
+    a = tmp_path / "a.json"
+    a.write_text("{}")
+    (tmp_path / "link.json").symlink_to(a)
+    for second in (a, tmp_path / "link.json"):
+        assert parity.run(_parser().parse_args(["--compare", str(a), str(second)])) == 2
+        assert "is given twice" in capsys.readouterr().err
+
+
 def test_cli_refuses_a_device_string_and_a_json_path_it_cannot_use_before_running(tmp_path, capsys, monkeypatch):
     """A device torch cannot parse, a --json path that is a directory or lies under a file:
     exit 2 with one line, before the corpus runs (they were tracebacks, with exit 1, the

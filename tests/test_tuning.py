@@ -698,6 +698,65 @@ def test_tune_checks_where_results_go_and_its_numbers_before_any_work(tmp_path, 
     assert f"{tmp_path / 'r.json'}: not a JSON file" in capsys.readouterr().err
 
 
+def test_tune_refuses_to_write_over_what_it_reads_and_empty_paths(tmp_path, capsys, monkeypatch):
+    """--json naming the --replay recording or the --tensors file replaced it with the
+    report (exit 0); --record naming a file failed after every measurement; an empty --out
+    or --json fell back to the default or wrote nothing. All exit 2 before any work, the
+    files untouched."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(AssertionError("ran")))
+    rec, tensors = tmp_path / "rec.json", tmp_path / "t.pt"
+    rec.write_text('{"kept": true}')
+    torch.save(torch.randn(4, 32), tensors)
+    before = tensors.read_bytes()
+    for argv, words in ((["--replay", str(rec), "--json", str(rec)], "is the --replay file the command reads"),
+                        (["--macro", "--tensors", str(tensors), "--json", str(tmp_path / "." / "t.pt")],
+                         "is the --tensors file the command reads"),
+                        (["--exhaustive", "--record", str(rec), "--shapes", "16x64x128"], "is a file; give a folder"),
+                        (["--shapes", "16x64x128", "--out", ""], "--out is empty"),
+                        (["--static", "--target", "sm_90", "--json", ""], "--json is empty")):
+        assert cli.main(["tune", *argv]) == 2, argv
+        assert words in capsys.readouterr().err, argv
+    assert rec.read_text() == '{"kept": true}' and tensors.read_bytes() == before
+
+
+def test_a_journal_cut_short_is_mended_and_a_foreign_file_refused(tmp_path):
+    """A run killed while appending left a partial last record; Optuna appended the next
+    one onto it and every later run failed on that line ("Expecting ',' delimiter", no
+    file named). The partial record is now cut off with a warning, the studies keep the
+    rest; a line that is no record, or a file that is no journal, raises naming the file
+    and is left as it is."""
+    import optuna
+
+    from portable_mx.tuning import search
+
+    journal = tmp_path / "optuna.journal"
+    with search._quiet_optuna():
+        study = optuna.create_study(study_name="s", storage=search.storage_for(str(journal)))
+        study.enqueue_trial({"x": 1})
+        study.optimize(lambda t: t.suggest_int("x", 0, 3), n_trials=2)
+    whole = journal.read_bytes()
+    journal.write_bytes(whole + b'{"op_code":4,"worker_id":"x')
+    with pytest.warns(UserWarning, match="ended in a record cut short"):
+        storage = search.storage_for(str(journal))
+    assert journal.read_bytes() == whole
+    with search._quiet_optuna():
+        study = optuna.load_study(study_name="s", storage=storage)
+        study.optimize(lambda t: t.suggest_int("x", 0, 3), n_trials=1)
+        assert len(study.trials) == 3
+    lines = journal.read_bytes().splitlines(keepends=True)
+    journal.write_bytes(b"".join(lines[:1] + [b"garbage\n"] + lines[1:]))
+    with pytest.raises(ValueError, match=r"optuna\.journal: line 2 is no journal record"):
+        search.storage_for(str(journal))
+    for text in ('{"a": 1}\n', "my notes"):
+        notes = tmp_path / "notes.txt"
+        notes.write_text(text)
+        with pytest.raises(ValueError, match="no journal record"):
+            search.storage_for(str(notes))
+        assert notes.read_text() == text
+    with pytest.raises(ValueError, match=r"the Optuna storage bogus://x: NoSuchModuleError"):
+        search.storage_for("bogus://x")
+
+
 @interpreted
 def test_tune_macro_tensors_that_torch_cannot_load_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
@@ -706,6 +765,9 @@ def test_tune_macro_tensors_that_torch_cannot_load_exit_2(tmp_path, capsys, monk
             "--study-dir", str(tmp_path / "s")]
     assert cli.main(argv) == 2
     assert "cannot be read by torch.load" in capsys.readouterr().err
+    torch.save({"empty": torch.zeros(0, 32)}, tmp_path / "t.pt")  # (it ran, and picked a recipe from no values)
+    assert cli.main(argv) == 2
+    assert "no non-empty floating-point tensor" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, words", [

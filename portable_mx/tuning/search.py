@@ -206,11 +206,57 @@ def storage_for(storage: Optional[str], directory: Optional[Union[str, Path]] = 
     import optuna
 
     if storage and "://" in storage:
-        return storage
+        try:  # (connected here, so that a bad URL is one line naming it, not a traceback from inside Optuna)
+            return optuna.storages.RDBStorage(storage)
+        except Exception as err:  # sqlalchemy's errors, a driver not installed (ImportError), ...
+            raise ValueError(f"the Optuna storage {storage}: {type(err).__name__}: {str(err).splitlines()[0]}") from None
     path = Path(storage).expanduser() if storage else study_dir(directory) / JOURNAL_NAME
+    if path.is_dir():
+        raise ValueError(f"the Optuna journal {path} is a folder (--storage takes a journal file or a URL)")
     path.parent.mkdir(parents=True, exist_ok=True)
+    mend_journal(path)
     backend = optuna.storages.journal.JournalFileBackend(str(path))
     return optuna.storages.JournalStorage(backend)
+
+
+def mend_journal(path: Path) -> None:
+    """Check an Optuna journal file before a study uses it, under Optuna's own lock (the
+    one its writers hold while they append): a last record cut short (a run killed or a
+    disk filled while it appended) is cut off, with a warning, since Optuna appended the
+    next record onto it and every later run then failed on that line ("Expecting ','
+    delimiter", naming no file); any other line that is no JSON record raises a ValueError
+    naming the file and the line."""
+    import json
+
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        tail = data[end:]
+        for number, line in enumerate(data[:end].splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                record = None
+            if not isinstance(record, dict) or "op_code" not in record:
+                raise ValueError(f"the Optuna journal {path}: line {number} is no journal record ({line[:60]!r}); "
+                                 "delete that line to keep the other studies, or move the file aside to start them "
+                                 "afresh")
+        if tail and not tail.lstrip().startswith(b'{"op_code"'):  # (not a record Optuna began: not ours to cut)
+            raise ValueError(f"the Optuna journal {path}: its last line is no journal record ({tail[:60]!r})")
+        if tail:
+            with open(path, "r+b") as fh:
+                fh.truncate(end)
+            warnings.warn(f"the Optuna journal {path} ended in a record cut short ({len(tail)} bytes: a run "
+                          "stopped while writing it); that record is removed, the studies keep the rest",
+                          UserWarning, stacklevel=3)
+    finally:
+        lock.release()
 
 
 def make_sampler(seed: int, n_trials: int, offset: int = 0):

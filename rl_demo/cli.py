@@ -76,7 +76,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--task", choices=("add", "mul"), default=None, help="add (default) or mul")
     p.add_argument("--arms", nargs="+", choices=ARM_NAMES, default=None)
-    p.add_argument("--seeds", nargs="+", type=int, default=None)
+    p.add_argument("--seeds", nargs="+", type=_seed, default=None)
     p.add_argument("--iterations", type=_positive_int, default=None, help="GRPO iterations per (arm, seed)")
     p.add_argument("--d-model", type=_positive_int, default=None)
     p.add_argument("--layers", type=_positive_int, default=None)
@@ -92,10 +92,31 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _seed(text: str) -> int:
+    """A seed: an int in [0, 2**63) (torch's generators take no larger one: a larger seed
+    failed after the warm-up)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer; got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63); got {value}")
+    return value
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.study:
         return study_main(args, argv)
+    stray = [flag for flag, given in (("--resume", args.resume), ("--workers", args.workers is not None)) if given]
+    if stray:
+        print(f"rl_demo: {' and '.join(stray)} {'go' if len(stray) > 1 else 'goes'} with --study (the demo runs "
+              "in this process and has no units to resume)", file=sys.stderr)
+        return 2
+    if args.seeds and len(set(args.seeds)) != len(args.seeds):
+        print(f"rl_demo: --seeds repeats a seed ({' '.join(map(str, args.seeds))}): each seed is one run, and a "
+              "repeated one would count as an independent one", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("PORTABLE_MX_BACKEND"):
         print("rl_demo: TRITON_INTERPRET=1 is set, so the registry would train with the Triton interpreter "
               "(far too slow); training uses PORTABLE_MX_BACKEND=reference. The parity check still runs the "
@@ -105,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from .config import preset
     from .model import ModelConfig
-    from .run import run
+    from .run import checkpoint_problem, run
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -136,6 +157,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.device != "cpu":
         changes["device"] = args.device
     cfg = replace(cfg, **changes)
+    if args.checkpoint is not None and (problem := checkpoint_problem(cfg, args.checkpoint, args.fresh_warmup)):
+        print(f"rl_demo: {problem}", file=sys.stderr)
+        return 2
     out = args.out or Path("out") / ("rl_demo" if name == "full" else f"rl_demo-{name}")
     progress = None
     if not args.no_progress:

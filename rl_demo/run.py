@@ -57,6 +57,30 @@ def _matching(path: Path, key: dict) -> Optional[dict]:
     return None
 
 
+def checkpoint_problem(cfg: DemoConfig, path: Path, fresh: bool) -> Optional[str]:
+    """Why a user's ``--checkpoint`` file cannot be used (None when it can): the warm-up is
+    written there when the file does not hold this configuration's, so a file that is no
+    warm-up checkpoint (it was overwritten, a user's file with it) is refused, and one of
+    another configuration (silently replaced, the shipped ones included) is replaced only
+    with ``fresh`` (--fresh-warmup)."""
+    if not path.exists():
+        return None
+    try:
+        ck = torch.load(path, map_location="cpu")
+    except Exception as err:  # noqa: BLE001  (an empty, truncated or foreign file)
+        ck = err
+    if not (isinstance(ck, dict) and isinstance(ck.get("key"), dict) and "state" in ck):
+        why = f"cannot be read: {type(ck).__name__}" if isinstance(ck, Exception) else "holds something else"
+        return (f"--checkpoint {path} is not a warm-up checkpoint ({why}); the warm-up would be written over it: "
+                "give another path")
+    key = _checkpoint_key(cfg)
+    if ck["key"] != key and not fresh:
+        differ = [k for k in key if ck["key"].get(k) != key[k]] or ["version"]
+        return (f"--checkpoint {path} holds the warm-up of another configuration ({', '.join(differ)} differ); "
+                "pass --fresh-warmup to replace it, or give another path")
+    return None
+
+
 def load_or_warmup(cfg: DemoConfig, ev: EvalSet, path: Path, progress=None, *, shipped: bool = True,
                    shipped_name: Optional[str] = None) -> tuple[dict, dict]:
     """The warm-up state: from ``path`` when it was made with this configuration, else

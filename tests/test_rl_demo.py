@@ -371,6 +371,15 @@ def test_study_tiny_end_to_end_and_reproducible(tmp_path):
     assert cli.main(["--study", "--tiny", "--workers", "0", "--out", str(a), "--no-progress", "--resume"]) == 0
     assert (a / "results.json").read_bytes() == before
     assert len(json.loads((a / "timing.json").read_text())["resumed"]) == len(ARMS) * len(seeds) + len(seeds)
+    # a unit file cut short (a run killed while writing it) or foreign is run again, with a
+    # warning; it stopped the study with a traceback (JSONDecodeError, AttributeError)
+    kept = sorted((a / "units").glob("*.json"))
+    kept[0].write_text(kept[0].read_text()[:20])
+    kept[1].write_text("[1, 2]")
+    with pytest.warns(UserWarning, match="cannot be read back"):
+        assert cli.main(["--study", "--tiny", "--workers", "0", "--out", str(a), "--no-progress", "--resume"]) == 0
+    assert (a / "results.json").read_bytes() == before
+    assert len(json.loads((a / "timing.json").read_text())["resumed"]) == len(ARMS) * len(seeds) + len(seeds) - 2
     # re-analysing the stored unit outputs writes the same bytes
     from rl_demo.study.runner import reanalyze
 
@@ -413,6 +422,31 @@ def test_cli_refuses_an_out_that_is_a_file_and_a_checkpoint_that_is_a_folder(tmp
     assert cli.main(["--tiny", "--no-parity", "--out", str(tmp_path / "o"), "--checkpoint", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_writes_no_warm_up_over_a_file_it_did_not_make_for_this_configuration(tmp_path, capsys):
+    """--checkpoint naming a file that is no warm-up checkpoint (a user's notes) was
+    overwritten after one warning; one of another configuration (a shipped checkpoint with
+    --task mul) silently. Both are refused before any work, unchanged; --fresh-warmup
+    replaces the second kind only."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    argv = ["--tiny", "--no-parity", "--no-progress", "--out", str(tmp_path / "o"), "--checkpoint"]
+    assert cli.main([*argv, str(notes)]) == 2
+    assert "is not a warm-up checkpoint" in capsys.readouterr().err and notes.read_text() == "my notes"
+    other = tmp_path / "other.pt"
+    torch.save({"key": {"task": "mul"}, "state": {}, "log": {}}, other)
+    before = other.read_bytes()
+    assert cli.main([*argv, str(other)]) == 2
+    assert "holds the warm-up of another configuration" in capsys.readouterr().err
+    assert other.read_bytes() == before and not (tmp_path / "o").exists()
+    for extra, words in ((["--seeds", "0", "0"], "repeats a seed"), (["--resume"], "--resume goes with --study"),
+                         (["--workers", "1"], "--workers goes with --study")):
+        assert cli.main(["--tiny", "--no-parity", *extra]) == 2
+        assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (torch takes no seed of 2**63 or more: it failed after the warm-up)
+        cli.main(["--tiny", "--seeds", str(2**63)])
+    assert "must be in [0, 2**63)" in capsys.readouterr().err
 
 
 def test_model_config_refuses_sizes_it_cannot_build():

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import platform
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 
 import portable_mx as pmx
 from portable_mx import registry
+from portable_mx.tuning.files import write_atomic
 
 from ..run import SHIPPED, _eval_set, load_or_warmup, mark_finite
 from . import analysis, verdicts
@@ -82,6 +84,21 @@ def _unit_key(cfg: StudyConfig, checkpoint: Path) -> str:
     return h.hexdigest()
 
 
+def _saved_unit(path: Path, key: str) -> Optional[dict]:
+    """The unit kept in ``path`` when it was made with ``key``, else None; a file that
+    cannot be read as one (cut short, empty, foreign, a folder) is run again, with a
+    warning (it raised, and the whole study stopped)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        saved = err
+    if not (isinstance(saved, dict) and isinstance(saved.get("unit"), dict)):
+        why = f"{type(saved).__name__}" if isinstance(saved, Exception) else "not a kept unit"
+        warnings.warn(f"{path}: cannot be read back ({why}); the unit is run again", stacklevel=3)
+        return None
+    return saved["unit"] if saved.get("key") == key else None
+
+
 def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None,
             keep: Optional[Path] = None, resume: bool = False) -> dict[tuple[str, int], dict]:
     """Run every unit; ``workers`` processes (0: in this process, one after another).
@@ -96,9 +113,9 @@ def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None,
     for a, s in units(cfg):
         f = keep / f"{a}-{s}.json" if keep is not None else None
         if resume and f is not None and f.exists():
-            saved = json.loads(f.read_text())
-            if saved.get("key") == key:
-                done[(a, s)] = {**saved["unit"], "resumed": True}
+            unit = _saved_unit(f, key)
+            if unit is not None:
+                done[(a, s)] = {**unit, "resumed": True}
                 continue
         todo.append((a, s))
     if keep is not None:
@@ -106,8 +123,11 @@ def execute(cfg: StudyConfig, checkpoint: Path, workers: int, progress=None,
 
     def finish(a: str, s: int, unit: dict) -> None:
         done[(a, s)] = unit
-        if keep is not None:
-            (keep / f"{a}-{s}.json").write_text(json.dumps({"key": key, "unit": unit}, separators=(",", ":")))
+        if keep is not None:  # (in one rename: a run killed meanwhile leaves no half file for --resume)
+            try:
+                write_atomic(keep / f"{a}-{s}.json", json.dumps({"key": key, "unit": unit}, separators=(",", ":")))
+            except OSError as err:
+                warnings.warn(f"study unit {a}/{s}: its result could not be kept for --resume ({err})", stacklevel=2)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(last=f"{a}/{s}")
@@ -221,8 +241,8 @@ def run_study(cfg: StudyConfig, out: Path, *, workers: int, progress: Optional[C
     done = execute(cfg, checkpoint, workers, progress, keep=out / "units", resume=resume)
     results = assemble(cfg, done, wlog)
     tim = timing(cfg, done, time.perf_counter() - t0, workers, command, wlog, (load0, _loadavg()))
-    (out / "results.json").write_text(json.dumps(results, separators=(",", ":"), allow_nan=True) + "\n")
-    (out / "timing.json").write_text(json.dumps(tim, indent=1) + "\n")
+    write_atomic(out / "results.json", json.dumps(results, separators=(",", ":"), allow_nan=True) + "\n")
+    write_atomic(out / "timing.json", json.dumps(tim, indent=1) + "\n")
     write_report(results, tim, out)
     return results
 

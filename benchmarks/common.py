@@ -20,7 +20,9 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from portable_mx._argtypes import int_at_least, output_file_problem
 
 EXIT_NO_GPU = 2
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -34,15 +36,56 @@ def slug(name: str) -> str:
 def add_timing_args(p: argparse.ArgumentParser, defaults: Optional[Mapping[str, Any]] = None) -> None:
     """--repeats, --warmup, --inner (defaults 50, 10, 10 unless ``defaults`` says otherwise)."""
     d = {"repeats": 50, "warmup": 10, "inner": 10, **(defaults or {})}
-    p.add_argument("--repeats", type=int, default=d["repeats"], help="timed samples per measurement (median taken)")
-    p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed calls first (compiles, autotunes)")
-    p.add_argument("--inner", type=int, default=d["inner"], help="back-to-back calls per timed sample")
+    p.add_argument("--repeats", type=int_at_least(1), default=d["repeats"],
+                   help="timed samples per measurement (median taken)")
+    p.add_argument("--warmup", type=int_at_least(0), default=d["warmup"], help="untimed calls first (compiles, autotunes)")
+    p.add_argument("--inner", type=int_at_least(1), default=d["inner"], help="back-to-back calls per timed sample")
 
 
 def add_device_args(p: argparse.ArgumentParser, benchmark: str) -> None:
     """--device and --out (default benchmarks/results/<benchmark>-<device>.json)."""
     p.add_argument("--device", default="cuda", help="the CUDA/ROCm device (default cuda, i.e. cuda:0)")
-    p.add_argument("--out", default=None, help=f"result JSON path (default benchmarks/results/{benchmark}-<device>.json)")
+    p.add_argument("--out", type=out_file, default=None,
+                   help=f"result JSON path (default benchmarks/results/{benchmark}-<device>.json)")
+
+
+def out_file(text: str) -> str:
+    """An --out result file: refused before any measurement (a folder, a path under a
+    file, not writable), not after the whole run as before."""
+    problem = output_file_problem("--out", text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix("--out "))
+    return text
+
+
+def out_folder(text: str) -> str:
+    """An --out folder (made when missing): refused before any measurement when it is a
+    file or cannot be made or written."""
+    from portable_mx.tuning.files import make_dir
+
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a folder")
+    try:
+        make_dir(text)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: the folder is not writable")
+    return text
+
+
+def names_in(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """A comma-separated subset of ``choices`` (an unknown name refused, naming them)."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad or [text]}; choose from {', '.join(choices)}")
+        return names
+
+    parse.__name__ = what
+    return parse
 
 
 def no_gpu(script: str) -> bool:

@@ -34,14 +34,15 @@ write only to ``--out``), and a table is printed last. Without a GPU (and withou
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from common import EXIT_NO_GPU, default_out, gpu_device, no_gpu, result_header, time_interleaved, write_result
+from common import (EXIT_NO_GPU, default_out, gpu_device, names_in, no_gpu, out_file, result_header,  # noqa: E402
+                    time_interleaved, write_result)
+from portable_mx._argtypes import int_at_least  # noqa: E402
 
 SHAPES = [(1024, 1024), (4096, 4096), (8192, 8192), (16384, 8192)]
 QUICK_SHAPES = [(4096, 4096), (8192, 8192)]
@@ -95,23 +96,27 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="portable_mx element-wise kernels vs a device copy")
     p.add_argument("--shapes", type=parse_shapes, default=None, help="R x K shapes, comma-separated")
-    p.add_argument("--dtypes", default="bf16,fp32", help="input dtypes: bf16, fp32, fp16")
-    p.add_argument("--ops", default="quantize,dequantize,decompose")
-    p.add_argument("--cases", default=None, help="comma-separated case labels to keep, e.g. 'quantize floor'")
+    p.add_argument("--dtypes", type=names_in(tuple(DTYPES), "dtypes"), default=["bf16", "fp32"],
+                   help="input dtypes: bf16, fp32, fp16")
+    p.add_argument("--ops", type=names_in(("quantize", "dequantize", "decompose"), "ops"),
+                   default=["quantize", "dequantize", "decompose"])
+    p.add_argument("--cases", type=names_in(tuple(c.label for c in CASES), "cases"), default=None,
+                   help="comma-separated case labels to keep, e.g. 'quantize floor'")
     p.add_argument("--quick", action="store_true", help="4096^2 and 8192^2 bf16, fewer samples: about a minute")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: run the interpreter on tiny shapes")
-    p.add_argument("--repeats", type=int, default=None, help="graph replays / eager samples (median taken)")
-    p.add_argument("--inner", type=int, default=5, help="eager calls per sample")
-    p.add_argument("--graph-calls", type=int, default=None, help="launches per captured graph")
-    p.add_argument("--rotate-mib", type=int, default=512, help="input buffers rotated per timing, at least this many MiB")
+    p.add_argument("--repeats", type=int_at_least(1), default=None, help="graph replays / eager samples (median taken)")
+    p.add_argument("--inner", type=int_at_least(1), default=5, help="eager calls per sample")
+    p.add_argument("--graph-calls", type=int_at_least(1), default=None, help="launches per captured graph")
+    p.add_argument("--rotate-mib", type=int_at_least(0), default=512,
+                   help="input buffers rotated per timing, at least this many MiB")
     p.add_argument("--no-peer", action="store_true", help="skip torchao")
     p.add_argument("--peer", action="store_true", help="time torchao in --quick runs too (its compiles take time)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=out_file, default=None)
     args = p.parse_args(argv)
     if args.quick:
         args.shapes = args.shapes or QUICK_SHAPES
-        args.dtypes = "bf16"
+        args.dtypes = ["bf16"]
         args.repeats = args.repeats or 5
         args.no_peer = args.no_peer or not args.peer
     if args.cpu_smoke:
@@ -235,10 +240,10 @@ def measure(args: argparse.Namespace, timer: Timer, device) -> list[dict[str, An
     import portable_mx as pmx
     from portable_mx import registry
 
-    ops = set(args.ops.split(","))
-    keep = set(args.cases.split(",")) if args.cases else None
+    ops = set(args.ops)
+    keep = set(args.cases) if args.cases else None
     rows = []
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in args.dtypes:
         dtype = getattr(torch, DTYPES[dtype_name])
         for r, k in args.shapes:
             in_bytes = r * k * dtype.itemsize
@@ -380,7 +385,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with torch.no_grad():
         rows = measure(args, timer, device)
     result = {**result_header("elementwise", name), "quick": args.quick, "cpu_smoke": args.cpu_smoke,
-              "shapes": [f"{r}x{k}" for r, k in args.shapes], "dtypes": args.dtypes.split(","),
+              "shapes": [f"{r}x{k}" for r, k in args.shapes], "dtypes": list(args.dtypes),
               "timing": {"kernel": "CUDA graph of rotating launches, median replay / launches",
                          "eager": "CUDA events around back-to-back public calls", "repeats": args.repeats,
                          "inner": args.inner, "rotate_mib": args.rotate_mib},

@@ -56,8 +56,12 @@ sweeps=0
 plan=0
 for arg in "$@"; do
   case "$arg" in
-    --sweeps) sweeps=1 ;;
-    --tune) sweeps=2 ;;
+    --sweeps|--tune)
+       want=$([ "$arg" = --sweeps ] && echo 1 || echo 2)
+       if [ "$sweeps" != 0 ] && [ "$sweeps" != "$want" ]; then
+         echo "gpu_check: --sweeps and --tune are two runs; give one" >&2; exit 2
+       fi
+       sweeps=$want ;;
     --plan) plan=1 ;;
     --quick) ;;
     -h|--help) sed -n '2,/^set /{/^set /!p}' "$0"; exit 0 ;;

@@ -70,6 +70,7 @@ from common import (
     time_interleaved,
     write_unless_trial,
 )
+from portable_mx._argtypes import int_at_least
 
 EXIT_CHECK_FAILED = 3
 CHECK_REL = 2e-2
@@ -153,7 +154,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="uniform,skewed (default both; --quick uniform)")
     p.add_argument("--variants", type=lambda t: _names(t, VARIANTS, "variants"), default=None,
                    help="portable_mx variants: w4a16,a4w4 (default both; --quick w4a16)")
-    p.add_argument("--samples", type=int, default=SAMPLES, help="routings cycled through, call by call")
+    p.add_argument("--samples", type=int_at_least(1), default=SAMPLES, help="routings cycled through, call by call")
     p.add_argument("--no-loop", action="store_true", help="skip the bf16 per-expert loop")
     p.add_argument("--no-peer", action="store_true", help="do not import or time triton_kernels' matmul_ogs")
     p.add_argument("--quick", action="store_true", help="two models, three token counts, uniform routing, W4A16")

@@ -44,6 +44,7 @@ if "--cpu" in sys.argv or "--cpu-smoke" in sys.argv:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import RESULTS_DIR, no_gpu, result_header, slug, write_result  # noqa: E402
+from portable_mx._argtypes import int_at_least  # noqa: E402
 
 M, N, K = 16, 8192, 8192
 HOST_FACTOR = 1.5
@@ -796,8 +797,8 @@ def parse_args(argv=None):
     mode.add_argument("--cpu", action="store_true", help="the host path on CPU tensors, launches a no-op")
     mode.add_argument("--cpu-smoke", action="store_true", help="--cpu with tiny shapes and few iterations")
     mode.add_argument("--gpu-checks", action="store_true", help="issue 12's GPU checks (about a minute)")
-    ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
-    ap.add_argument("--repeats", type=int, default=30, help="timed loops (min and median reported)")
+    ap.add_argument("--calls", type=int_at_least(1), default=300, help="calls per timed loop")
+    ap.add_argument("--repeats", type=int_at_least(1), default=30, help="timed loops (min and median reported)")
     ap.add_argument("--out", default=None, help="result JSON file or folder (default benchmarks/results/)")
     return ap.parse_args(argv)
 

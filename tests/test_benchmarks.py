@@ -391,6 +391,54 @@ def test_tune_sweep_args():
         sweep.parse_args(["--static-only"])  # needs --target
 
 
+def _script(path: str):
+    import importlib.util
+
+    name = os.path.basename(path)[:-3]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (before it runs: its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_argument_mistakes_stop_the_scripts_before_any_measurement(tmp_path, capsys):
+    """Found by an audit of the scripts at a shell: an unknown --ops or --cases measured
+    only the copy and exited 0; --dtypes fp64 raised a KeyError; --inner 0, --calls 0,
+    --repeats 0 and a 0x0x0 problem divided by zero; an --out that is a folder or under a
+    file failed after the whole run (and left a stray .part); --target nope raised a
+    KeyError. Each is now argparse's exit 2, naming the argument, before anything runs."""
+    (tmp_path / "file").write_text("x")
+    import elementwise
+
+    sweeps = {name: _script(f"sweeps/{name}.py") for name in ("tune_sweep", "gemm_sweep", "elementwise_sweep")}
+    overhead = _script("overhead.py")
+    cases = [
+        (elementwise.parse_args, ["--ops", "bogus"], "unknown ops ['bogus']"),
+        (elementwise.parse_args, ["--cases", "nope"], "unknown cases ['nope']"),
+        (elementwise.parse_args, ["--dtypes", "fp64"], "unknown dtypes ['fp64']"),
+        (elementwise.parse_args, ["--inner", "0"], "must be >= 1"),
+        (elementwise.parse_args, ["--out", str(tmp_path)], "is a folder"),
+        (gemm.parse_args, ["--out", str(tmp_path / "file" / "x.json")], "is a file"),
+        (overhead.parse_args, ["--cpu", "--calls", "0"], "must be >= 1"),
+        (overhead.parse_args, ["--cpu", "--repeats", "0"], "must be >= 1"),
+        (sweeps["tune_sweep"].parse_args, ["--out", "o", "--problems", "w4a16:0x0x0"], "M, N, K >= 1"),
+        (sweeps["tune_sweep"].parse_args, ["--out", "o", "--problems", "bogus"], "w4a16:MxNxK"),
+        (sweeps["tune_sweep"].parse_args, ["--static-only", "--target", "nope"], "--target must be one of"),
+        (sweeps["tune_sweep"].parse_args, ["--out", "o", "--jobs", "0"], "must be >= 1"),
+        (sweeps["tune_sweep"].parse_args, ["--out", str(tmp_path / "file")], "is a file"),
+        (sweeps["gemm_sweep"].parse_args, ["--out", str(tmp_path / "file")], "is a file"),
+        (sweeps["elementwise_sweep"].parse_args, ["--out", str(tmp_path), "--cases", "nope"], "unknown cases"),
+    ]
+    for parse, argv, words in cases:
+        with pytest.raises(SystemExit) as exc:
+            parse(argv)
+        assert exc.value.code == 2 and words in capsys.readouterr().err, (argv, words)
+    assert not [p for p in tmp_path.iterdir() if p.name != "file"]
+
+
 @pytest.fixture
 def interpreted_sweep(tmp_path, monkeypatch):
     """(tune_sweep module, the interpreter's backend), the interpreter forced and a user
@@ -496,7 +544,7 @@ def test_elementwise_args_and_bytes():
     import elementwise
 
     quick = elementwise.parse_args(["--quick"])
-    assert quick.shapes == elementwise.QUICK_SHAPES and quick.dtypes == "bf16"
+    assert quick.shapes == elementwise.QUICK_SHAPES and quick.dtypes == ["bf16"]
     assert elementwise.parse_args([]).shapes[-1] == (16384, 8192)
     assert elementwise.parse_shapes("1024x2048,8x32") == [(1024, 2048), (8, 32)]
     with pytest.raises(Exception):

@@ -90,7 +90,8 @@ def test_nothing_runs_outside_a_step_with_a_limit():
 
 
 @pytest.mark.parametrize("argv,words", [(["--sweep"], "unknown option --sweep"),
-                                        (["out-a", "out-b"], "one OUT_DIR only")])
+                                        (["out-a", "out-b"], "one OUT_DIR only"),
+                                        (["--sweeps", "--tune", "out-a"], "--sweeps and --tune are two runs")])
 def test_a_mistyped_argument_stops_the_script_before_anything_runs(tmp_path, argv, words):
     """An unknown option became OUT_DIR: `mkdir --sweep/results` failed, `out` came out
     empty, and every log and the summary went to / while the default mode ran for ~9

@@ -35,7 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py, elementwise.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: portable_mx
 
-from common import result_header, slug, write_result  # noqa: E402
+from common import names_in, out_folder, result_header, slug, write_result  # noqa: E402
+from portable_mx._argtypes import int_at_least  # noqa: E402
 from elementwise import Timer, buffers  # noqa: E402
 
 # (case, recipe kwargs) -> candidate tiles as (block_r, block_k, num_warps); one 32-block
@@ -72,10 +73,11 @@ SMOKE = {"check": (64, 512), "time": [(64, 512)], "tiles": 2}
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="tile sweep of the element-wise kernels")
-    p.add_argument("--out", required=True, help="folder for the JSON")
+    p.add_argument("--out", type=out_folder, required=True, help="folder for the JSON")
     p.add_argument("--budget", type=float, default=150.0, help="seconds for the whole sweep, compiles included")
-    p.add_argument("--cases", default=None, help="comma-separated subset of the cases")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--cases", type=names_in(tuple(CANDIDATES), "cases"), default=None,
+                   help="comma-separated subset of the cases")
+    p.add_argument("--repeats", type=int_at_least(1), default=10)
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: the interpreter on tiny shapes, two tiles a case")
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
@@ -183,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # every case's context, then the work in two rounds: each case's current tile in both
     # program orders first (so that a spent budget still leaves every case its baseline
     # and the order's effect), then the other candidates
-    wanted = set(args.cases.split(",")) if args.cases else None
+    wanted = set(args.cases) if args.cases else None
     contexts, first, rest = {}, [], []
     for case, (kwargs, tiles) in CANDIDATES.items():
         if wanted and case not in wanted:

@@ -51,6 +51,8 @@ for _p in (ROOT, ROOT / "benchmarks"):  # portable_mx; benchmarks/common.py
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from common import out_folder  # noqa: E402
+
 SCHEMA = "portable_mx.gemm_sweep/1"
 SHAPES = {"m1": (1, 8192, 8192), "m16": (16, 8192, 8192), "m128": (128, 8192, 8192),
           "4096^3": (4096, 4096, 4096), "8192^3": (8192, 8192, 8192)}
@@ -492,7 +494,7 @@ def table(result: dict[str, Any]) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="directory for gemm_sweep.json")
+    p.add_argument("--out", type=out_folder, required=True, help="directory for gemm_sweep.json")
     p.add_argument("--device", default="cuda")
     p.add_argument("--budget", type=float, default=240.0, help="seconds; past it remaining timings are skipped")
     p.add_argument("--shapes", default=",".join(SHAPES),

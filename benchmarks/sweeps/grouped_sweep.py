@@ -49,6 +49,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py, moe.py
 sys.path.insert(0, str(HERE.parents[1]))  # the repository: portable_mx
 
+from common import out_folder  # noqa: E402
+
 SCHEMA = "portable_mx.grouped_sweep/1"
 PROBLEMS = ("qwen3-30b-a3b:64", "qwen3-30b-a3b:1", "gpt-oss-20b:64", "gpt-oss-20b:1", "qwen3-30b-a3b:4096")
 """In the order of what matters: the decode cases short of the goal first."""
@@ -75,7 +77,7 @@ SMOKE = ((16, 32, 64, 4, 2, 1), (16, 64, 32, 4, 2, 2))
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output folder (grouped_sweep.json)")
+    p.add_argument("--out", type=out_folder, required=True, help="output folder (grouped_sweep.json)")
     p.add_argument("--problems", default=None, help="comma-separated model:tokens (default: " + ",".join(PROBLEMS) + ")")
     p.add_argument("--budget", type=float, default=240.0, help="seconds; later candidates are skipped")
     p.add_argument("--samples", type=int, default=SAMPLES, help="routings per timed graph (L2 misses)")

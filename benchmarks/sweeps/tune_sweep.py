@@ -52,6 +52,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: portable_mx
 
+from common import out_folder  # noqa: E402
+from portable_mx._argtypes import int_at_least  # noqa: E402
+
 PROBLEMS = (("w4a16", (16, 8192, 8192)), ("w4a16", (4096, 4096, 4096)), ("a4w4", (4096, 4096, 4096)),
             ("a4w4", (16, 8192, 8192)))
 SMOKE_PROBLEMS = (("w4a16", (16, 64, 128)), ("a4w4", (32, 64, 128)))
@@ -77,12 +80,13 @@ def reached(survivors: Sequence[int], left_s: float) -> set[int]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="exhaustive GEMM tuning studies, recorded, and the replay of the "
                                             "search strategies on them")
-    p.add_argument("--out", default=None, help="output folder (JSON, recordings, config caches); required unless "
+    p.add_argument("--out", type=out_folder, default=None,
+                   help="output folder (JSON, recordings, config caches); required unless "
                                                "--static-only")
     p.add_argument("--problems", default=None,
                    help="comma-separated kind:MxNxK with kind w4a16 or a4w4 (default: "
                         + ",".join(f"{k}:{'x'.join(map(str, s))}" for k, s in PROBLEMS) + ")")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile and warm-up processes")
+    p.add_argument("--jobs", type=int_at_least(1), default=os.cpu_count() or 1, help="compile and warm-up processes")
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="skip the timing of a problem that would end past this many seconds (0: no limit)")
     p.add_argument("--study-dir", default=None, help="Optuna journal and static verdicts (default: DIR/studies)")
@@ -97,9 +101,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.problems is None:
         args.problems = list(SMOKE_PROBLEMS if args.cpu_smoke else PROBLEMS)
     else:
-        args.problems = [_problem(t) for t in args.problems.split(",") if t.strip()]
+        try:
+            args.problems = [_problem(t) for t in args.problems.split(",") if t.strip()]
+        except argparse.ArgumentTypeError as err:
+            p.error(f"--problems: {err}")
+        if not args.problems:
+            p.error("--problems: none given")
     if args.static_only and not args.target:
         p.error("--static-only needs --target")
+    if args.target is not None:
+        from portable_mx.backends.targets import TARGETS
+
+        if args.target not in TARGETS:
+            p.error(f"--target must be one of {', '.join(TARGETS)}; got {args.target!r}")
     if not args.static_only and not args.out:
         p.error("--out is required")
     if args.study_dir is None:
@@ -109,9 +123,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _problem(text: str) -> tuple[str, tuple[int, int, int]]:
     kind, _, shape = text.strip().partition(":")
-    dims = tuple(int(d) for d in shape.lower().split("x"))
-    if kind not in RECIPES or len(dims) != 3:
-        raise argparse.ArgumentTypeError(f"a problem is w4a16:MxNxK or a4w4:MxNxK; got {text!r}")
+    try:
+        dims = tuple(int(d) for d in shape.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if kind not in RECIPES or len(dims) != 3 or min(dims) <= 0:
+        raise argparse.ArgumentTypeError(f"a problem is w4a16:MxNxK or a4w4:MxNxK with M, N, K >= 1; got {text!r}")
     return kind, dims
 
 

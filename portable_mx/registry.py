@@ -4,7 +4,9 @@ A backend declares a name, a priority, the ops it implements and, per device, wh
 can serve it (``unavailable_reason``). :func:`select` picks the highest-priority backend
 that implements the op and serves the device. ``PORTABLE_MX_BACKEND=name`` forces that
 backend for every op it implements and raises :class:`BackendUnavailableError` when it
-cannot serve the device; ops it does not implement fall back to normal selection. The
+cannot serve the device; ops it does not implement, or cannot run in this process
+(``op_problem``: the interpreter's GEMM under a triton older than 3.8), fall back to
+normal selection (``portable-mx info`` shows each route and why). The
 meta device (shape propagation: tensors without data) is exempt from forcing: the meta
 backend answers it whatever the variable says.
 
@@ -26,6 +28,7 @@ One verb per layer: ``matmul`` is the public op (:mod:`portable_mx.ops`), ``mm``
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -194,16 +197,31 @@ def _env_reader(name: str) -> Callable[[], Any]:
 _forced_backend = _env_reader(ENV_BACKEND)
 
 
+_generation = 0
+"""Counts the registry's changes: select() keeps a decision only when no register or
+unregister came while it decided (a thread's decision could otherwise overwrite the memo
+another thread's register had just cleared, and keep a backend passed over for good)."""
+_lock = threading.Lock()
+
+
 def _forget() -> None:
-    global _memo_owner
-    _memo.clear()
-    _memo_owner = _REGISTRY
+    global _memo_owner, _generation
+    with _lock:
+        _memo.clear()
+        _memo_owner = _REGISTRY
+        _generation += 1
 
 
 def register(backend: Backend, *, replace: bool = False) -> Backend:
-    """Add a backend. Raises ValueError on a duplicate name unless ``replace``."""
-    if not backend.name:
-        raise ValueError("a backend needs a non-empty name")
+    """Add a backend. Raises ValueError on a duplicate name unless ``replace``, on a name
+    that is not a non-empty string without surrounding spaces (``PORTABLE_MX_BACKEND`` is
+    read stripped: such a name could never be forced) and on a priority that is not an int
+    (it broke every later selection, for every op)."""
+    name = backend.name
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"a backend needs a non-empty name without surrounding spaces; got {name!r}")
+    if not isinstance(backend.priority, int) or isinstance(backend.priority, bool):
+        raise ValueError(f"backend {name!r}: priority must be an int; got {backend.priority!r}")
     unknown = set(backend.ops) - set(OPS)
     if unknown:
         raise ValueError(f"backend {backend.name!r} lists unknown ops {sorted(unknown)}; known: {OPS}")
@@ -249,8 +267,11 @@ def select(op: str, device: torch.device | str) -> Backend:
             return backend
     else:
         _forget()
+    generation = _generation
     backend = _decide(op, torch.device(device), os.environ.get(ENV_BACKEND, "").strip())
-    _memo[key] = backend
+    with _lock:
+        if generation == _generation and _memo_owner is _REGISTRY:
+            _memo[key] = backend
     return backend
 
 

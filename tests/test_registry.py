@@ -93,6 +93,50 @@ def test_register_rejects_duplicates_and_unknown_ops(extra_backends):
         registry.select("fft", "cpu")
 
 
+def test_register_rejects_names_that_cannot_be_forced_and_priorities_that_are_no_int(extra_backends):
+    """A priority of None registered, then broke every selection of every op (TypeError
+    in the sort); a name with surrounding spaces registered but could never be forced
+    (the variable is read stripped)."""
+    for name, priority, words in ((" spacey ", 1, "without surrounding spaces"), ("", 1, "non-empty name"),
+                                  ("none", None, "priority must be an int"), ("flag", True, "priority must be an int"),
+                                  ("half", 1.5, "priority must be an int")):
+        with pytest.raises(ValueError, match=words):
+            registry.register(Recording(name, priority, {"quantize"}))
+    assert registry.select("quantize", "cpu").name == "reference"
+
+
+def test_a_decision_made_while_a_backend_registers_is_not_kept(extra_backends):
+    """Thread A decides while thread B registers a higher-priority backend: A's decision,
+    made before, was written into the memo B had just cleared, and the new backend was
+    passed over for good. The memo now keeps a decision only when no register came
+    meanwhile."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(Recording):
+        def unavailable_reason(self, device):
+            if threading.current_thread().name == "A":
+                entered.set()
+                release.wait(5)
+            return None
+
+    slow = Slow("slow", 50, {"quantize"})
+    registry.register(slow)
+    try:
+        chosen = {}
+        thread = threading.Thread(target=lambda: chosen.update(a=registry.select("quantize", "cpu")), name="A")
+        thread.start()
+        assert entered.wait(5)
+        better = extra_backends("better", 60, {"quantize"})
+        release.set()
+        thread.join(5)
+        assert chosen["a"] is slow  # (its decision, made before the register)
+        assert registry.select("quantize", "cpu") is better
+    finally:
+        registry.unregister("slow")
+
+
 def test_no_backend_serves(extra_backends, monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", {})
     with pytest.raises(registry.BackendUnavailableError, match="no backend serves quantize"):

@@ -11,7 +11,8 @@ Contract
 - Injection: Gaussian noise N(0, sigma^2), drawn fresh on every call, added in fp32 to
   the weight of every RMSNorm module of a model that is *not* the trained one (the
   rollout copy). A norm weight stored in a 16-bit dtype is replaced by its fp32 value
-  plus the noise (a bf16 weight near 1 has a 2^-7 ulp and would swallow sigma < ~2e-3);
+  plus the noise (a bf16 weight near 1 has a 2^-7 ulp and would swallow sigma < ~2e-3),
+  an fp64 one takes the fp32 noise in fp64;
   :func:`refresh_rollout_copy` copies the trained weights into the rollout copy first, so
   the noise never reaches the trained weights and never accumulates across updates.
   Such a norm's output is cast back to its input's dtype by a forward hook (the product
@@ -103,7 +104,8 @@ def add_rmsnorm_noise(
     match: Callable[[torch.nn.Module], bool] = is_rmsnorm,
 ) -> int:
     """Add N(0, sigma^2) noise, in fp32, to the weight of every RMSNorm of ``model``, in
-    place; a 16-bit weight becomes an fp32 Parameter (see the module doc). The noise is
+    place; a 16-bit weight becomes an fp32 Parameter (see the module doc), an fp32 or fp64
+    one keeps its dtype (the fp32 noise added in it). The noise is
     drawn on the CPU from ``generator`` (the global generator when None) so that a seed
     gives the same noise on every device. sigma = 0 still converts the weights to fp32
     and adds nothing. A weight that several norms share (tied) gets one draw of noise,
@@ -120,11 +122,12 @@ def add_rmsnorm_noise(
                 module.weight = new
                 _hook_cast(module)
             continue
-        w32 = w.detach().to(torch.float32)
-        if sigma > 0:
-            noise = torch.randn(w32.shape, generator=generator, dtype=torch.float32)
-            w32 = w32 + sigma * noise.to(w32.device)
-        if w.dtype == torch.float32:
+        wide = w.dtype in (torch.float32, torch.float64)  # (kept in their own dtype; 16-bit ones become fp32)
+        w32 = w.detach() if wide else w.detach().to(torch.float32)
+        if sigma > 0:  # (on the CPU, whatever torch's default device: the same noise on every device)
+            noise = torch.randn(w.shape, generator=generator, dtype=torch.float32, device="cpu")
+            w32 = w32 + (sigma * noise).to(device=w32.device, dtype=w32.dtype)
+        if wide:
             w.copy_(w32)
             became[id(w)] = (w, w)
         else:

@@ -99,6 +99,26 @@ def test_noise_on_copy_only_and_fp32():
     assert torch.equal(rollout.lin.weight, trained.lin.weight)  # non-norm weights: copied, no noise
 
 
+def test_fp64_norms_keep_their_dtype_and_noise_is_drawn_on_the_cpu():
+    """An fp64 norm weight became an fp32 Parameter (1 + 2**-40 lost, the forward on
+    torch's mixed-dtype path); the noise followed torch's default device (under
+    set_default_device("meta") a CPU model failed: "Cannot copy out of meta tensor")."""
+    model = Tiny(torch.float64)
+    weight = model.norm1.weight
+    with torch.no_grad():
+        weight.fill_(1 + 2**-40)
+    add_rmsnorm_noise(model, 0.0)
+    assert model.norm1.weight is weight and weight.dtype == torch.float64 and (weight == 1 + 2**-40).all()
+    g = torch.Generator().manual_seed(3)
+    torch.set_default_device("meta")
+    try:
+        add_rmsnorm_noise(model, 1e-3, generator=torch.Generator().manual_seed(3))
+    finally:
+        torch.set_default_device(None)
+    want = (1 + 2**-40) + (1e-3 * torch.randn(64, generator=g)).double()
+    assert torch.equal(model.norm1.weight, want)
+
+
 def test_noise_is_fresh_and_does_not_accumulate():
     trained = Tiny()
     rollout = copy.deepcopy(trained)

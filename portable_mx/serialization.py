@@ -112,7 +112,35 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
             raise ValueError(f"load_state_dict: the parts of {name!r} are on different devices")
     _check_outlier_indices(name, parts["outlier_indices"])
     _check_macro_scales(name, parts["macro_scales"])
-    return MXTensor(shape=shape, dtype=dtype, axis=axis, recipe=recipe, **{p: parts[p] for p in _PARTS})
+    mx = MXTensor(shape=shape, dtype=dtype, axis=axis, recipe=recipe, **{p: parts[p] for p in _PARTS})
+    _check_padding(name, mx)
+    return mx
+
+
+def _check_padding(name: str, mx: MXTensor) -> None:
+    """A file's padding (the elements past K of the last block) must hold zeros, as the
+    quantizer writes it (K zero-padded to a multiple of 32): the reference decodes only
+    the K elements, while the Triton GEMMs sum the whole padded block, so non-zero padding
+    (a file whose shape was edited, or damaged bytes) gave each backend another product.
+    Codes of magnitude 0 (+-0) and outliers of value 0 there. One read, at load only."""
+    k, kp = mx.k, mx.k_padded
+    if k == kp or mx.qdata.numel() == 0:
+        return
+    q = mx.qdata
+    first = k // 2
+    bad = False
+    if k % 2:  # (element k sits in the high nibble of byte k // 2)
+        bad = bool(((q[..., first] >> 4) & 0x7).any())
+        first += 1
+    if first < q.shape[-1]:
+        bad = bad or bool((q[..., first:] & 0x77).any())
+    if mx.outlier_indices is not None and mx.outlier_indices.numel():
+        in_padding = mx.outlier_indices[..., -1, :].long() >= k - (kp - BLOCK)
+        bad = bad or bool((in_padding & (mx.outlier_values[..., -1, :] != 0)).any())
+    if bad:
+        raise ValueError(f"load_state_dict: {name} holds non-zero values past its K = {k} (in the padding of its "
+                         f"last block, up to {kp}): the quantizer writes zeros there; the file is damaged (or its "
+                         "shape was edited)")
 
 
 def _check_outlier_indices(name: str, idx: Optional[torch.Tensor]) -> None:

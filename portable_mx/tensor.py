@@ -93,7 +93,11 @@ class MXTensor:
     ``shape``, ``axis`` and ``recipe`` (dtypes and shapes above, macro factors exactly when
     ``recipe.macro_block``, outliers exactly when ``recipe.outliers_per_block``, every
     part on qdata's device) and raise ValueError / TypeError naming the part; the bytes
-    themselves are not read (no device synchronisation). The library's own constructor,
+    themselves are not read (no device synchronisation), so bytes built by hand must hold
+    what the quantizer writes: zeros past K in the last block (a ``replace`` to a smaller
+    K keeps non-zero codes there, which the Triton GEMMs sum and the reference does not),
+    outlier positions within their block. :mod:`portable_mx.serialization` checks both
+    when it loads. The library's own constructor,
     :meth:`_make`, builds from parts that agree by construction and checks nothing.
     """
 

@@ -4,6 +4,7 @@ the loaded weight serves the GEMM like the original, and bad files raise clear e
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -52,6 +53,28 @@ def test_state_dict_through_torch_save_weights_only(tmp_path):
     torch.save(sd, tmp_path / "w.pt")
     loaded = serialization.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True))
     assert_same(loaded, tensors)
+
+
+@pytest.mark.parametrize("k", [40, 41, 63])
+def test_non_zero_padding_is_refused_at_load(k):
+    """Codes past K (a file whose shape was edited to a smaller K, or damaged bytes): the
+    reference decoded K elements, the Triton GEMM summed the whole padded block, and the
+    two backends gave another product (9.25 apart on values of 7.6). The quantizer writes
+    zeros there: anything else is refused at load; the quantizer's own padding, and an
+    outlier of value 0 in it, pass."""
+    gen = torch.Generator().manual_seed(9)
+    full = pmx.quantize(torch.randn(3, 64, generator=gen) + 1)
+    edited = dataclasses.replace(full, shape=torch.Size((3, k)))
+    with pytest.raises(ValueError, match=rf"w holds non-zero values past its K = {k}"):
+        serialization.load_state_dict(serialization.state_dict({"w": edited}))
+    x = torch.randn(3, k, generator=gen)
+    for recipe in (pmx.QuantRecipe(), pmx.QuantRecipe(outliers_per_block=2)):
+        own = pmx.quantize(x, recipe)  # (k < 64: the last block is part padding)
+        loaded = serialization.load_state_dict(serialization.state_dict({"w": own}))["w"]
+        assert torch.equal(loaded.qdata, own.qdata)
+    tail = torch.zeros(3, 33)
+    tail[:, :1] = 1.0  # a block with one value: the second outlier is a zero, possibly in the padding
+    serialization.load_state_dict(serialization.state_dict({"w": pmx.quantize(tail, pmx.QuantRecipe(outliers_per_block=2))}))
 
 
 def test_a_state_dict_loaded_to_the_meta_device_is_refused_clearly(tmp_path):

@@ -360,6 +360,15 @@ def test_bad_input_is_refused_with_a_reason():
         experts(torch.randn(H), ids[0, 0], None)  # one token needs [k] ids, not a scalar
     with pytest.raises(ValueError, match="top_k_weights"):
         experts(torch.randn(T, H), ids, wts[:, :1])
+    # weights of two dtypes: it ran without autograd and, with it, named an "x" the user never passed
+    mixed = MXExperts(E, H, I)
+    mixed.gate_up_proj.data = mixed.gate_up_proj.data.bfloat16()
+    for x in (torch.randn(T, H).bfloat16(), torch.randn(T, H).bfloat16().requires_grad_()):
+        with pytest.raises(TypeError, match="gate_up_proj is torch.bfloat16 but down_proj is torch.float32"):
+            mixed(x, ids, wts)
+    for dtype in (torch.complex64, torch.int32):
+        with pytest.raises(TypeError, match="dtype must be a float dtype"):
+            MXExperts(E, H, I, dtype=dtype)
 
 
 @pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), W4A16], ids=lambda r: r.describe())

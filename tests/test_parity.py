@@ -340,9 +340,11 @@ def test_the_help_lists_the_exit_statuses():
 def test_portable_mx_cli_dispatches_parity(tmp_path):
     from portable_mx import cli
 
-    path = tmp_path / "r.json"
-    assert cli.main(["parity", "--device", "cpu", "--backend", "reference", "--filter", "quantize/tiny/*", "--json", str(path)]) == 0
-    assert cli.main(["parity", "--compare", str(path), str(path)]) == 0
+    path, again = tmp_path / "r.json", tmp_path / "again.json"
+    for p in (path, again):  # (two runs: one report given twice is refused)
+        assert cli.main(["parity", "--device", "cpu", "--backend", "reference", "--filter", "quantize/tiny/*",
+                         "--json", str(p)]) == 0
+    assert cli.main(["parity", "--compare", str(path), str(again)]) == 0
 
 
 # ----------------------------------------------------------------------------- interpreter

@@ -45,7 +45,10 @@ Biases ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H] are optional
 Parameters. What is exact: each expert's GEMM is the fp32-accumulated product of the
 dequantized operands (x per ``recipe.activations``: quantized for A4W4, rounded to bf16
 / fp16 for W4A16), as :func:`portable_mx.matmul` defines it; bias, activation and the
-weighted sum follow :func:`portable_mx.grouped_matmul`'s contract.
+weighted sum follow :func:`portable_mx.grouped_matmul`'s contract. The intermediate (the
+activation of the first GEMM) is rounded to x's dtype, as the first GEMM returns it, before
+the second GEMM takes it per the recipe: fp16 x can overflow there (as transformers' own
+fp16 experts do) where fp32 x would not.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class MXExperts(torch.nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"MXExperts: dtype must be a float dtype (the float weights'); got {dtype!r}")
         for what, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("intermediate_size", intermediate_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -301,6 +306,10 @@ class MXExperts(torch.nn.Module):
         w1 = _member(self, params, "gate_up_proj")  # None when frozen (the MXTensors are buffers)
         if w1 is not None and x.dtype != w1.dtype:
             raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {w1.dtype}; cast one of them")
+        w2 = _member(self, params, "down_proj")
+        if w1 is not None and w2 is not None and w2.dtype != w1.dtype:  # (the second GEMM's x is the first's output)
+            raise TypeError(f"MXExperts: gate_up_proj is {w1.dtype} but down_proj is {w2.dtype}; give both weights "
+                            "one dtype (model.to(dtype) does)")
         if len(shape) == 2:
             x2, ids, wts = x, k_ids, top_k_weights
         else:

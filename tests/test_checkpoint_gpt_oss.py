@@ -339,10 +339,12 @@ def same(a: dict, b: dict) -> bool:
                                         for k in a)
 
 
-def test_the_index_says_which_shard_holds_a_tensor(tmp_path):
-    """A tensor stored in two shards (a stale copy left in the other one) is read from the
-    shard the index names, as transformers reads it; the stale copy is ignored with a
-    warning naming it (it was read from whichever file came last)."""
+def test_a_tensor_stored_in_two_shards_is_refused(tmp_path):
+    """A tensor stored in two shards (a stale copy left in another one) was read from
+    whichever file came last; readers disagree on which copy they take (transformers the
+    last file's, whatever the index says), so it is refused, naming both files. A tensor
+    a shard holds that the index does not list is read with that shard, as transformers
+    reads it."""
     d = tmp_path / "c"
     sharded(d)
     name = "model.layers.0.mlp.router.weight"
@@ -352,11 +354,17 @@ def test_the_index_says_which_shard_holds_a_tensor(tmp_path):
     other = d / "model-00002-of-00002.safetensors"
     tensors = st.load_file(str(other))
     st.save_file({**tensors, name: torch.zeros_like(truth)}, str(other), metadata={"format": "pt"})
-    with pytest.warns(UserWarning, match=rf"{name} in model-00002-of-00002\.safetensors \(the index gives "
-                                         r"model-00001-of-00002\.safetensors\)"):
-        ckpt = gpt_oss.GptOssCheckpoint(d)
-    assert torch.equal(ckpt[name], truth)
-    assert name not in ckpt.shards["model-00002-of-00002.safetensors"]
+    with pytest.raises(gpt_oss.CheckpointError, match=rf"{name}: stored in both model-0000[12]-of-00002\.safetensors "
+                                                      r"and model-0000[12]-of-00002\.safetensors"):
+        gpt_oss.GptOssCheckpoint(d)
+    st.save_file({**tensors, "extra.unlisted": torch.ones(3)}, str(other), metadata={"format": "pt"})
+    ckpt = gpt_oss.GptOssCheckpoint(d)
+    assert torch.equal(ckpt["extra.unlisted"], torch.ones(3)) and torch.equal(ckpt[name], truth)
+    index["weight_map"][name] = "model-00002-of-00002.safetensors"  # (the index naming another file)
+    (d / gpt_oss.INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(gpt_oss.CheckpointError, match=rf"{name}: listed in .* under model-00002.* but stored in "
+                                                      r"model-00001"):
+        gpt_oss.GptOssCheckpoint(d)
 
 
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/x.safetensors", "ABSOLUTE", None])
@@ -403,6 +411,15 @@ def test_save_over_an_earlier_checkpoint_leaves_nothing_a_reader_would_take(tmp_
     other.write_text("kept")
     gpt_oss.save(d, new, None)  # config=None keeps config.json; files that are no weights stay
     assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+
+
+def test_save_refuses_model_safetensors_among_several_shards(tmp_path):
+    q = gpt_oss.quantize_experts(state_dict())
+    stored = sorted(s for n, v in q.items() for s, _ in gpt_oss._stored_tensors(n, v))
+    with pytest.raises(ValueError, match="model.safetensors is the name of a one-file checkpoint"):
+        gpt_oss.save(tmp_path / "c", q, config(), shards={"model.safetensors": stored[:3], "model-2.safetensors":
+                                                          stored[3:]})
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_folder_with_both_a_single_file_and_an_index_is_refused(tmp_path):
@@ -460,11 +477,21 @@ def test_a_failed_save_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
 def test_tied_weights_are_refused_before_writing(tmp_path):
     sd = gpt_oss.quantize_experts(state_dict())
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tie_word_embeddings: one tensor, two names
-    with pytest.raises(gpt_oss.CheckpointError, match=r"model\.embed_tokens\.weight and lm_head\.weight share memory"):
+    with pytest.raises(gpt_oss.CheckpointError, match=r"lm_head\.weight and model\.embed_tokens\.weight share "
+                                                      r"memory|model\.embed_tokens\.weight and lm_head\.weight share"):
         gpt_oss.save(tmp_path / "out", sd, config())
     assert not (tmp_path / "out").exists()
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
     gpt_oss.save(tmp_path / "out", sd, config())
+    # views of one buffer that do not overlap (vector_to_parameters makes them), an empty view,
+    # and a strided one (written from a copy) are no tied weights
+    flat = torch.randn(2 * 16 * H).bfloat16()
+    sd["lm_head.weight"], sd["model.embed_tokens.weight"] = flat[: 16 * H].view(16, H), flat[16 * H:].view(16, H)
+    sd["model.norm.weight"], sd["model.empty"] = flat[::2][:H], flat[:0]
+    gpt_oss.save(tmp_path / "views", sd, config())
+    back = gpt_oss.GptOssCheckpoint(tmp_path / "views")
+    assert torch.equal(back["model.embed_tokens.weight"], flat[16 * H:].view(16, H))
+    assert torch.equal(back["model.norm.weight"], flat[::2][:H])
 
 
 def test_a_file_without_metadata_is_written_back_without_it(tmp_path):

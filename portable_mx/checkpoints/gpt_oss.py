@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -386,30 +385,26 @@ class GptOssCheckpoint(Mapping):
         self.file_metadata: dict[str, Optional[dict[str, str]]] = {}
         self._entries: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # stored name -> (file, dtype, shape)
         weight_map = None if index is None else index["weight_map"]
-        ignored: list[tuple[str, str]] = []  # (name, file) a shard holds but the index does not give it
         for file in files:
             with st.safe_open(str(root / file), framework="pt") as f:
                 self.file_metadata[file] = f.metadata()
-                names = []
-                for name in f.keys():
-                    if weight_map is not None and weight_map.get(name) != file:
-                        ignored.append((name, file))  # (the index is authoritative, as transformers reads it)
-                        continue
+                names = list(f.keys())
+                for name in names:
+                    if name in self._entries:  # (readers disagree on which copy: refused, not guessed)
+                        raise CheckpointError(
+                            f"{name}: stored in both {self._entries[name][0]} and {file} (a stale copy?): readers "
+                            f"disagree on which one they read (transformers takes the last file's"
+                            + (f", the index names {weight_map.get(name)}" if weight_map is not None else "")
+                            + "); remove one")
                     sl = f.get_slice(name)
                     self._entries[name] = (file, sl.get_dtype(), tuple(sl.get_shape()))
-                    names.append(name)
             self.shards[file] = names
         if weight_map is not None:
-            missing = sorted(set(weight_map) - set(self._entries))
+            missing = sorted(n for n, file in weight_map.items() if self._entries.get(n, ("",))[0] != file)
             if missing:
-                raise CheckpointError(f"{missing[0]}: listed in {INDEX_FILE} but not in {weight_map[missing[0]]}")
-        if ignored:
-            shown = ", ".join(f"{n} in {f}" + (f" (the index gives {weight_map[n]})" if n in weight_map else "")
-                              for n, f in ignored[:4])
-            warnings.warn(f"{root}: {len(ignored)} stored tensor(s) that {INDEX_FILE} does not give to the file that "
-                          f"holds them are ignored, as transformers ignores them: {shown}"
-                          f"{', ...' if len(ignored) > 4 else ''}; a save of this checkpoint leaves them out",
-                          UserWarning, stacklevel=2)
+                where = self._entries.get(missing[0], (None,))[0]
+                raise CheckpointError(f"{missing[0]}: listed in {INDEX_FILE} under {weight_map[missing[0]]} but "
+                                      + ("not stored in the checkpoint" if where is None else f"stored in {where}"))
         _check_quant_method(self.config, config_path, any(n.endswith(_BLOCKS) for n in self._entries))
         self._keys = self._check()
 
@@ -593,6 +588,9 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, Any], config: Opti
         _check_shard_name(file, "save")
         if file in (INDEX_FILE, CONFIG_FILE):
             raise ValueError(f"save: a shard cannot be named {file!r} (the checkpoint writes that file itself)")
+    if SINGLE_FILE in shards and len(shards) > 1:
+        raise ValueError(f"save: {SINGLE_FILE} is the name of a one-file checkpoint; with several shards a reader "
+                         "would take it alone (transformers) or refuse the folder: name the shards otherwise")
     listed = [s for names in shards.values() for s in names]
     extra, unlisted = sorted(set(listed) - set(infos)), sorted(set(infos) - set(listed))
     if extra or unlisted or len(listed) != len(set(listed)):
@@ -642,20 +640,26 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, Any], config: Opti
 
 
 def _check_no_shared_memory(stored: Mapping[str, torch.Tensor]) -> None:
-    """A checkpoint stores each tensor once: names that share memory (tied weights) are refused
-    before anything is written, naming them."""
-    owners: dict[tuple, str] = {}
+    """A checkpoint stores each tensor once: names whose bytes overlap (tied weights) are
+    refused before anything is written, naming them. Views of one buffer that do not
+    overlap (``vector_to_parameters`` makes them), empty tensors and non-contiguous views
+    (written from a copy) pass, as safetensors takes them."""
+    spans: dict[tuple, list[tuple[int, int, str]]] = {}
     for name, t in stored.items():
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
+        if t.numel() == 0 or not t.is_contiguous():
             continue
-        key = (t.device, storage.data_ptr())
-        if key in owners:
-            raise CheckpointError(
-                f"{owners[key]} and {name} share memory (tied weights, e.g. lm_head.weight and "
-                "model.embed_tokens.weight under tie_word_embeddings): a checkpoint stores a tensor once; leave the "
-                "tied name out of the mapping (transformers' loader ties it again from config.json), or pass a clone")
-        owners[key] = name
+        start = t.storage_offset() * t.element_size()
+        spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(
+            (start, start + t.numel() * t.element_size(), name))
+    for group in spans.values():
+        group.sort()
+        for (_, end, first), (start, _, second) in zip(group, group[1:]):
+            if start < end:
+                raise CheckpointError(
+                    f"{first} and {second} share memory (tied weights, e.g. lm_head.weight and "
+                    "model.embed_tokens.weight under tie_word_embeddings): a checkpoint stores a tensor once; leave "
+                    "the tied name out of the mapping (transformers' loader ties it again from config.json), or pass "
+                    "a clone")
 
 
 def _stale_files(root: Path, shards: set[str]) -> list[Path]:

@@ -412,6 +412,17 @@ def test_convert_skip_pattern_naming_a_container_keeps_every_layer_inside_it():
             super().__init__()
             self.model, self.lm_head = Inner(), nn.Linear(8, 4)
 
+    # a container shared under two names, skipped by its second name (only its first was asked)
+    for skip in (["b.lin"], ["b"], ["b.*"]):
+        shared = nn.Sequential(nn.Linear(8, 8))
+        root = nn.Module()
+        root.a = root.b = nn.Module()
+        root.a.lin = shared[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            convert(root, skip=skip)
+        assert type(root.b.lin) is nn.Linear and root.a.lin is root.b.lin, skip
+
     not_convert = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
     with pytest.warns(UserWarning, match="router"):  # (this model has no router)
         model = convert(Model(), skip=not_convert)

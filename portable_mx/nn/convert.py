@@ -106,7 +106,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     # its names is skipped (a shared Linear is never split into a float and an MX copy)
     modules: dict[int, tuple[torch.nn.Module, list[str]]] = {}
     places: list[tuple[torch.nn.Module, str, int]] = []  # set once every layer converted: an error changes nothing
-    for parent_name, parent in list(model.named_modules()):
+    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):  # (every name of a shared parent)
         # _modules, not named_children(): that skips a child registered twice in one parent
         for child_name, child in list(parent._modules.items()):
             if child is None:

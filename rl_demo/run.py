@@ -71,8 +71,13 @@ def checkpoint_problem(cfg: DemoConfig, path: Path, fresh: bool) -> Optional[str
         ck = err
     if not (isinstance(ck, dict) and isinstance(ck.get("key"), dict) and "state" in ck):
         why = f"cannot be read: {type(ck).__name__}" if isinstance(ck, Exception) else "holds something else"
+        with open(path, "rb") as fh:
+            zip_file = fh.read(4) == b"PK\x03\x04"  # (what torch.save writes)
+        if fresh and isinstance(ck, Exception) and zip_file:
+            return None  # (a torch file cut short, as a run killed while saving one left it: --fresh-warmup replaces it)
         return (f"--checkpoint {path} is not a warm-up checkpoint ({why}); the warm-up would be written over it: "
-                "give another path")
+                "give another path" + (" (or, if it is a warm-up cut short, pass --fresh-warmup)"
+                                       if isinstance(ck, Exception) else ""))
     key = _checkpoint_key(cfg)
     if ck["key"] != key and not fresh:
         differ = [k for k in key if ck["key"].get(k) != key[k]] or ["version"]
@@ -97,7 +102,9 @@ def load_or_warmup(cfg: DemoConfig, ev: EvalSet, path: Path, progress=None, *, s
             return ck["state"], {**ck["log"], "reused": f"{where}:{c.name}"}
     state, log = warmup(cfg, ev, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": key, "state": state, "log": log}, path)
+    part = path.with_name(path.name + ".part")  # (aside, then renamed: a run killed meanwhile leaves no half file)
+    torch.save({"key": key, "state": state, "log": log}, part)
+    os.replace(part, path)
     return state, {**log, "reused": None}
 
 

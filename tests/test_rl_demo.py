@@ -444,6 +444,17 @@ def test_cli_writes_no_warm_up_over_a_file_it_did_not_make_for_this_configuratio
                          (["--workers", "1"], "--workers goes with --study")):
         assert cli.main(["--tiny", "--no-parity", *extra]) == 2
         assert words in capsys.readouterr().err
+    # a torch file cut short (a run killed while saving the warm-up): refused, replaced with --fresh-warmup
+    cut = tmp_path / "cut.pt"
+    torch.save({"key": {}, "state": {"w": torch.zeros(1000)}, "log": {}}, cut)
+    cut.write_bytes(cut.read_bytes()[:300])
+    assert cli.main([*argv, str(cut)]) == 2
+    assert "pass --fresh-warmup" in capsys.readouterr().err
+    from rl_demo.config import preset
+    from rl_demo.run import checkpoint_problem
+
+    assert checkpoint_problem(preset("tiny"), cut, fresh=True) is None
+    assert checkpoint_problem(preset("tiny"), notes, fresh=True) is not None  # (a user's file: never)
     with pytest.raises(SystemExit):  # (torch takes no seed of 2**63 or more: it failed after the warm-up)
         cli.main(["--tiny", "--seeds", str(2**63)])
     assert "must be in [0, 2**63)" in capsys.readouterr().err

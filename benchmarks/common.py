@@ -22,8 +22,6 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from portable_mx._argtypes import int_at_least, output_file_problem
-
 EXIT_NO_GPU = 2
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -49,9 +47,24 @@ def add_device_args(p: argparse.ArgumentParser, benchmark: str) -> None:
                    help=f"result JSON path (default benchmarks/results/{benchmark}-<device>.json)")
 
 
+def int_at_least(low: int) -> Callable[[str], int]:
+    """portable_mx's argparse type of an int >= ``low``, imported when an argument is
+    parsed (so that ``--help`` and the no-GPU exit need no installed portable_mx)."""
+
+    def parse(text: str) -> int:
+        from portable_mx._argtypes import int_at_least as parser
+
+        return parser(low)(text)
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
 def out_file(text: str) -> str:
     """An --out result file: refused before any measurement (a folder, a path under a
     file, not writable), not after the whole run as before."""
+    from portable_mx._argtypes import output_file_problem
+
     problem = output_file_problem("--out", text)
     if problem:
         raise argparse.ArgumentTypeError(problem.removeprefix("--out "))

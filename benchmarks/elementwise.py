@@ -40,9 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from common import (EXIT_NO_GPU, default_out, gpu_device, names_in, no_gpu, out_file, result_header,  # noqa: E402
-                    time_interleaved, write_result)
-from portable_mx._argtypes import int_at_least  # noqa: E402
+from common import (EXIT_NO_GPU, default_out, gpu_device, int_at_least, names_in, no_gpu, out_file,  # noqa: E402
+                    result_header, time_interleaved, write_result)
 
 SHAPES = [(1024, 1024), (4096, 4096), (8192, 8192), (16384, 8192)]
 QUICK_SHAPES = [(4096, 4096), (8192, 8192)]

@@ -64,13 +64,13 @@ from common import (
     EXIT_NO_GPU,
     add_device_args,
     add_timing_args,
+    int_at_least,
     gpu_device,
     no_gpu,
     result_header,
     time_interleaved,
     write_unless_trial,
 )
-from portable_mx._argtypes import int_at_least
 
 EXIT_CHECK_FAILED = 3
 CHECK_REL = 2e-2

@@ -43,8 +43,7 @@ if "--cpu" in sys.argv or "--cpu-smoke" in sys.argv:
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS_DIR, no_gpu, result_header, slug, write_result  # noqa: E402
-from portable_mx._argtypes import int_at_least  # noqa: E402
+from common import RESULTS_DIR, int_at_least, no_gpu, result_header, slug, write_result  # noqa: E402
 
 M, N, K = 16, 8192, 8192
 HOST_FACTOR = 1.5

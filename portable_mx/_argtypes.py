@@ -51,7 +51,8 @@ def output_file_problem(flag: str, path: str, inputs: Iterable[tuple[str, Option
     if os.path.isdir(path):
         return f"{flag} {path} is a folder; give a file path"
     for in_flag, in_path in inputs:
-        if in_path and os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path):
+        if in_path and (os.path.realpath(in_path) == os.path.realpath(path) or (
+                os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path))):
             return f"{flag} {path} is the {in_flag} file the command reads; give another path"
     folder = os.path.dirname(os.path.abspath(path))
     try:

@@ -27,6 +27,7 @@ One verb per layer: ``matmul`` is the public op (:mod:`portable_mx.ops`), ``mm``
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -220,7 +221,7 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
     name = backend.name
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"a backend needs a non-empty name without surrounding spaces; got {name!r}")
-    if not isinstance(backend.priority, int) or isinstance(backend.priority, bool):
+    if not isinstance(backend.priority, numbers.Integral) or isinstance(backend.priority, bool):
         raise ValueError(f"backend {name!r}: priority must be an int; got {backend.priority!r}")
     unknown = set(backend.ops) - set(OPS)
     if unknown:

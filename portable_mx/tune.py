@@ -573,11 +573,14 @@ def output_errors(args: argparse.Namespace) -> list[str]:
     creatable and writable, no path flag given empty."""
     from .tuning import files
     from .tuning.cache import ENV_CACHE_DIR
-    from .tuning.search import study_dir
+    from .tuning.search import JOURNAL_NAME, study_dir
 
     errors = [f"--{flag.replace('_', '-')} is empty; give a path" for flag in ("out", "study_dir", "storage", "record")
               if getattr(args, flag, None) == ""]
-    inputs = [("--tensors", args.tensors)] + [("--replay", t.strip()) for t in (args.replay or "").split(",")]
+    journal = args.storage if args.storage and "://" not in args.storage else \
+        str(study_dir(args.study_dir) / JOURNAL_NAME)
+    inputs = [("--tensors", args.tensors), ("--storage (the Optuna journal)", journal)] + \
+        [("--replay", t.strip()) for t in (args.replay or "").split(",")]
     if args.json is not None and (problem := output_file_problem("--json", args.json, inputs)):
         errors.append(problem)
     if args.record and os.path.exists(args.record) and not os.path.isdir(args.record):

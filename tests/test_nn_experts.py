@@ -294,6 +294,10 @@ def test_a_state_dict_quantized_with_another_macro_block_is_refused():
             dst.load_state_dict(src.state_dict(), strict=strict)
         # refused, nothing was copied: the module keeps its own bytes (it held the other ones, a mix)
         assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())
+    # a state dict saved before the size was kept loads as before, with a warning that it is unchecked
+    older = {k: v for k, v in src.state_dict().items() if not k.endswith("_macro_block")}
+    with pytest.warns(UserWarning, match="has no gate_up_proj_macro_block, down_proj_macro_block"):
+        frozen(96).load_state_dict(older)
     same = frozen(96)
     same.load_state_dict(src.state_dict())
     x = torch.randn(5, 192, generator=g)

@@ -35,8 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py, elementwise.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: portable_mx
 
-from common import names_in, out_folder, result_header, slug, write_result  # noqa: E402
-from portable_mx._argtypes import int_at_least  # noqa: E402
+from common import int_at_least, names_in, out_folder, result_header, slug, write_result  # noqa: E402
 from elementwise import Timer, buffers  # noqa: E402
 
 # (case, recipe kwargs) -> candidate tiles as (block_r, block_k, num_warps); one 32-block

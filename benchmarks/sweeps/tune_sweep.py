@@ -52,8 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: portable_mx
 
-from common import out_folder  # noqa: E402
-from portable_mx._argtypes import int_at_least  # noqa: E402
+from common import int_at_least, out_folder  # noqa: E402
 
 PROBLEMS = (("w4a16", (16, 8192, 8192)), ("w4a16", (4096, 4096, 4096)), ("a4w4", (4096, 4096, 4096)),
             ("a4w4", (16, 8192, 8192)))

@@ -54,6 +54,7 @@ fp16 experts do) where fp32 x would not.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -205,8 +206,17 @@ class MXExperts(torch.nn.Module):
                     f"elements (build the module from MXTensors quantized with macro_block={int(got)})")
         if len(error_msgs) > refused:
             return
+        missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        old = [k for k in missing_keys[missing:] if k.endswith("_macro_block") and k.startswith(prefix)
+               and k[len(prefix):-len("_macro_block")] in PROJECTIONS]
+        if old:  # a state dict saved before the size was kept: loaded as before, the size unchecked
+            for k in old:
+                missing_keys.remove(k)
+            warnings.warn(f"MXExperts: the state dict has no {', '.join(old)} (saved by an older portable_mx): the "
+                          "macro-block factors are applied with this module's block size, which the state dict "
+                          "cannot confirm", UserWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ state
 

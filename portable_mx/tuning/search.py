@@ -247,7 +247,8 @@ def mend_journal(path: Path) -> None:
                 raise ValueError(f"the Optuna journal {path}: line {number} is no journal record ({line[:60]!r}); "
                                  "delete that line to keep the other studies, or move the file aside to start them "
                                  "afresh")
-        if tail and not tail.lstrip().startswith(b'{"op_code"'):  # (not a record Optuna began: not ours to cut)
+        begun = tail.lstrip()
+        if tail and not (begun.startswith(b'{"op_code"') or b'{"op_code"'.startswith(begun)):  # (not Optuna's)
             raise ValueError(f"the Optuna journal {path}: its last line is no journal record ({tail[:60]!r})")
         if tail:
             with open(path, "r+b") as fh:

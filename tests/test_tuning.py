@@ -713,7 +713,11 @@ def test_tune_refuses_to_write_over_what_it_reads_and_empty_paths(tmp_path, caps
                          "is the --tensors file the command reads"),
                         (["--exhaustive", "--record", str(rec), "--shapes", "16x64x128"], "is a file; give a folder"),
                         (["--shapes", "16x64x128", "--out", ""], "--out is empty"),
-                        (["--static", "--target", "sm_90", "--json", ""], "--json is empty")):
+                        (["--static", "--target", "sm_90", "--json", ""], "--json is empty"),
+                        (["--shapes", "16x64x128", "--storage", str(tmp_path / "j.log"), "--json",
+                          str(tmp_path / "j.log")], "is the --storage (the Optuna journal) file"),
+                        (["--shapes", "16x64x128", "--study-dir", str(tmp_path / "s"), "--json",
+                          str(tmp_path / "s" / "optuna.journal")], "is the --storage (the Optuna journal) file")):
         assert cli.main(["tune", *argv]) == 2, argv
         assert words in capsys.readouterr().err, argv
     assert rec.read_text() == '{"kept": true}' and tensors.read_bytes() == before
@@ -735,10 +739,11 @@ def test_a_journal_cut_short_is_mended_and_a_foreign_file_refused(tmp_path):
         study.enqueue_trial({"x": 1})
         study.optimize(lambda t: t.suggest_int("x", 0, 3), n_trials=2)
     whole = journal.read_bytes()
-    journal.write_bytes(whole + b'{"op_code":4,"worker_id":"x')
-    with pytest.warns(UserWarning, match="ended in a record cut short"):
-        storage = search.storage_for(str(journal))
-    assert journal.read_bytes() == whole
+    for cut in (b'{"op_', b'{"op_code":4,"worker_id":"x'):  # (cut within its first bytes, or later)
+        journal.write_bytes(whole + cut)
+        with pytest.warns(UserWarning, match="ended in a record cut short"):
+            storage = search.storage_for(str(journal))
+        assert journal.read_bytes() == whole
     with search._quiet_optuna():
         study = optuna.load_study(study_name="s", storage=storage)
         study.optimize(lambda t: t.suggest_int("x", 0, 3), n_trials=1)

@@ -412,6 +412,10 @@ def test_convert_skip_pattern_naming_a_container_keeps_every_layer_inside_it():
             super().__init__()
             self.model, self.lm_head = Inner(), nn.Linear(8, 4)
 
+    # a module registered inside itself: walking every name must not recurse without end
+    looped = nn.Sequential(nn.Linear(8, 8))
+    looped.add_module("again", looped)
+    assert type(convert(looped)[0]) is MXLinear
     # a container shared under two names, skipped by its second name (only its first was asked)
     for skip in (["b.lin"], ["b"], ["b.*"]):
         shared = nn.Sequential(nn.Linear(8, 8))

@@ -106,7 +106,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     # its names is skipped (a shared Linear is never split into a float and an MX copy)
     modules: dict[int, tuple[torch.nn.Module, list[str]]] = {}
     places: list[tuple[torch.nn.Module, str, int]] = []  # set once every layer converted: an error changes nothing
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):  # (every name of a shared parent)
+    for parent_name, parent in _every_name(model):  # (every name of a shared parent)
         # _modules, not named_children(): that skips a child registered twice in one parent
         for child_name, child in list(parent._modules.items()):
             if child is None:
@@ -130,11 +130,31 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                       "torch.nn.utils.parametrize computes their weight; convert first, then register the "
                       "parametrization on the MXLinear", UserWarning, stacklevel=2)
     # (a pattern naming any module, a container included, is no typo)
-    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    names = [n for n, _ in _every_name(model) if n]
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched:
         _warn_unmatched(unmatched, [n for n in linear_names if n])
     return model
+
+
+def _every_name(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) for every place a module sits, a shared module under each
+    of its names (``named_modules`` names it once), and no module inside itself: a module
+    registered within its own subtree is not walked again (``named_modules(remove_duplicate
+    =False)`` recursed without end there)."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    path: set[int] = set()
+
+    def walk(name: str, module: torch.nn.Module) -> None:
+        out.append((name, module))
+        path.add(id(module))
+        for child_name, child in module._modules.items():
+            if child is not None and id(child) not in path:
+                walk(f"{name}.{child_name}" if name else child_name, child)
+        path.discard(id(module))
+
+    walk("", model)
+    return out
 
 
 def _pattern_skips(name: str, pattern: str) -> bool:

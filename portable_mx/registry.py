@@ -223,6 +223,7 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
         raise ValueError(f"a backend needs a non-empty name without surrounding spaces; got {name!r}")
     if not isinstance(backend.priority, numbers.Integral) or isinstance(backend.priority, bool):
         raise ValueError(f"backend {name!r}: priority must be an int; got {backend.priority!r}")
+    backend.priority = int(backend.priority)  # (a numpy integer sorted wrongly and broke `info --json`)
     unknown = set(backend.ops) - set(OPS)
     if unknown:
         raise ValueError(f"backend {backend.name!r} lists unknown ops {sorted(unknown)}; known: {OPS}")

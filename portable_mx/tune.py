@@ -577,10 +577,13 @@ def output_errors(args: argparse.Namespace) -> list[str]:
 
     errors = [f"--{flag.replace('_', '-')} is empty; give a path" for flag in ("out", "study_dir", "storage", "record")
               if getattr(args, flag, None) == ""]
-    journal = args.storage if args.storage and "://" not in args.storage else \
-        str(study_dir(args.study_dir) / JOURNAL_NAME)
-    inputs = [("--tensors", args.tensors), ("--storage (the Optuna journal)", journal)] + \
-        [("--replay", t.strip()) for t in (args.replay or "").split(",")]
+    inputs = [("--tensors", args.tensors)] + [("--replay", t.strip()) for t in (args.replay or "").split(",")]
+    if not args.replay:  # (the Optuna storage the study reads: a journal file, or an SQLite file)
+        storage = args.storage or str(study_dir(args.study_dir) / JOURNAL_NAME)
+        if storage.startswith("sqlite:///"):
+            storage = storage[len("sqlite:///"):]
+        if "://" not in storage:
+            inputs.append(("--storage (the Optuna storage)", os.path.expanduser(storage)))
     if args.json is not None and (problem := output_file_problem("--json", args.json, inputs)):
         errors.append(problem)
     if args.record and os.path.exists(args.record) and not os.path.isdir(args.record):

@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -72,12 +73,15 @@ def checkpoint_problem(cfg: DemoConfig, path: Path, fresh: bool) -> Optional[str
     if not (isinstance(ck, dict) and isinstance(ck.get("key"), dict) and "state" in ck):
         why = f"cannot be read: {type(ck).__name__}" if isinstance(ck, Exception) else "holds something else"
         with open(path, "rb") as fh:
-            zip_file = fh.read(4) == b"PK\x03\x04"  # (what torch.save writes)
-        if fresh and isinstance(ck, Exception) and zip_file:
-            return None  # (a torch file cut short, as a run killed while saving one left it: --fresh-warmup replaces it)
+            # a zip (what torch.save writes) without its central directory: a save cut short, as a
+            # run killed while writing left one before warm-ups were written aside; a whole zip
+            # (an archive, a user's own torch file) is never taken for one
+            cut_short = fh.read(4) == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+        if fresh and isinstance(ck, Exception) and cut_short:
+            return None  # (--fresh-warmup replaces it)
         return (f"--checkpoint {path} is not a warm-up checkpoint ({why}); the warm-up would be written over it: "
-                "give another path" + (" (or, if it is a warm-up cut short, pass --fresh-warmup)"
-                                       if isinstance(ck, Exception) else ""))
+                "give another path" + (" (it looks like a torch file cut short: --fresh-warmup replaces it)"
+                                       if isinstance(ck, Exception) and cut_short else ""))
     key = _checkpoint_key(cfg)
     if ck["key"] != key and not fresh:
         differ = [k for k in key if ck["key"].get(k) != key[k]] or ["version"]

@@ -4,6 +4,8 @@ buffers) modes; autograd; the frozen state dict. No optional package needed."""
 
 import copy
 
+import warnings
+
 import pytest
 import torch
 
@@ -296,8 +298,13 @@ def test_a_state_dict_quantized_with_another_macro_block_is_refused():
         assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())
     # a state dict saved before the size was kept loads as before, with a warning that it is unchecked
     older = {k: v for k, v in src.state_dict().items() if not k.endswith("_macro_block")}
-    with pytest.warns(UserWarning, match="has no gate_up_proj_macro_block, down_proj_macro_block"):
+    with pytest.warns(UserWarning, match="has no gate_up_proj_macro_block, down_proj_macro_block") as caught:
         frozen(96).load_state_dict(older)
+    assert caught[0].filename == __file__  # (the caller's line, not torch's)
+    with warnings.catch_warnings():  # a load that leaves the experts out reports the keys missing, no warning
+        warnings.simplefilter("error")
+        result = frozen(96).load_state_dict({}, strict=False)
+    assert "gate_up_proj_macro_block" in result.missing_keys
     same = frozen(96)
     same.load_state_dict(src.state_dict())
     x = torch.randn(5, 192, generator=g)

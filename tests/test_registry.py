@@ -103,6 +103,14 @@ def test_register_rejects_names_that_cannot_be_forced_and_priorities_that_are_no
         with pytest.raises(ValueError, match=words):
             registry.register(Recording(name, priority, {"quantize"}))
     assert registry.select("quantize", "cpu").name == "reference"
+    import numpy as np  # a numpy integer is kept as an int (np.uint64 sorted below 0; `info --json` failed)
+
+    big = registry.register(Recording("numpy", np.uint64(1000), {"quantize"}))
+    try:
+        assert type(big.priority) is int and registry.select("quantize", "cpu") is big
+        json.dumps(pmx.backends())
+    finally:
+        registry.unregister("numpy")
 
 
 def test_a_decision_made_while_a_backend_registers_is_not_kept(extra_backends):

@@ -449,12 +449,23 @@ def test_cli_writes_no_warm_up_over_a_file_it_did_not_make_for_this_configuratio
     torch.save({"key": {}, "state": {"w": torch.zeros(1000)}, "log": {}}, cut)
     cut.write_bytes(cut.read_bytes()[:300])
     assert cli.main([*argv, str(cut)]) == 2
-    assert "pass --fresh-warmup" in capsys.readouterr().err
+    assert "torch file cut short: --fresh-warmup replaces it" in capsys.readouterr().err
     from rl_demo.config import preset
     from rl_demo.run import checkpoint_problem
 
     assert checkpoint_problem(preset("tiny"), cut, fresh=True) is None
     assert checkpoint_problem(preset("tiny"), notes, fresh=True) is not None  # (a user's file: never)
+    import argparse
+    import zipfile
+
+    archive = tmp_path / "photos.zip"  # a whole zip torch cannot read: never taken for a warm-up cut short
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("a.txt", "x")
+    own = tmp_path / "own.pt"  # a user's torch file that weights_only loading refuses
+    torch.save({"args": argparse.Namespace(lr=1)}, own)
+    for path in (archive, own):
+        problem = checkpoint_problem(preset("tiny"), path, fresh=True)
+        assert problem is not None and "--fresh-warmup" not in problem, path
     with pytest.raises(SystemExit):  # (torch takes no seed of 2**63 or more: it failed after the warm-up)
         cli.main(["--tiny", "--seeds", str(2**63)])
     assert "must be in [0, 2**63)" in capsys.readouterr().err

@@ -704,6 +704,7 @@ def test_tune_refuses_to_write_over_what_it_reads_and_empty_paths(tmp_path, caps
     or --json fell back to the default or wrote nothing. All exit 2 before any work, the
     files untouched."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(AssertionError("ran")))
+    monkeypatch.setenv("HOME", str(tmp_path))
     rec, tensors = tmp_path / "rec.json", tmp_path / "t.pt"
     rec.write_text('{"kept": true}')
     torch.save(torch.randn(4, 32), tensors)
@@ -715,9 +716,13 @@ def test_tune_refuses_to_write_over_what_it_reads_and_empty_paths(tmp_path, caps
                         (["--shapes", "16x64x128", "--out", ""], "--out is empty"),
                         (["--static", "--target", "sm_90", "--json", ""], "--json is empty"),
                         (["--shapes", "16x64x128", "--storage", str(tmp_path / "j.log"), "--json",
-                          str(tmp_path / "j.log")], "is the --storage (the Optuna journal) file"),
+                          str(tmp_path / "j.log")], "is the --storage (the Optuna storage) file"),
+                        (["--shapes", "16x64x128", "--storage", "~/j.log", "--json", str(tmp_path / "j.log")],
+                         "is the --storage (the Optuna storage) file"),
+                        (["--shapes", "16x64x128", "--storage", f"sqlite:///{tmp_path / 'o.db'}", "--json",
+                          str(tmp_path / "o.db")], "is the --storage (the Optuna storage) file"),
                         (["--shapes", "16x64x128", "--study-dir", str(tmp_path / "s"), "--json",
-                          str(tmp_path / "s" / "optuna.journal")], "is the --storage (the Optuna journal) file")):
+                          str(tmp_path / "s" / "optuna.journal")], "is the --storage (the Optuna storage) file")):
         assert cli.main(["tune", *argv]) == 2, argv
         assert words in capsys.readouterr().err, argv
     assert rec.read_text() == '{"kept": true}' and tensors.read_bytes() == before

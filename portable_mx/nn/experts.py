@@ -54,6 +54,7 @@ fp16 experts do) where fp32 x would not.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import replace
 from typing import Any, Optional
@@ -209,14 +210,21 @@ class MXExperts(torch.nn.Module):
         missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        old = [k for k in missing_keys[missing:] if k.endswith("_macro_block") and k.startswith(prefix)
-               and k[len(prefix):-len("_macro_block")] in PROJECTIONS]
-        if old:  # a state dict saved before the size was kept: loaded as before, the size unchecked
+        # a state dict saved before the size was kept (it holds this projection's factors, not
+        # its size): loaded as before, the size unchecked, with a warning; a load that leaves
+        # the projection out altogether (strict=False) reports the key missing as any other
+        old = [f"{prefix}{proj}_macro_block" for proj in PROJECTIONS
+               if f"{prefix}{proj}_macro_block" in missing_keys[missing:]
+               and f"{prefix}{proj}_macro_scales" in state_dict]
+        if old:
             for k in old:
                 missing_keys.remove(k)
+            level, frame = 1, sys._getframe()
+            while frame is not None and frame.f_code.co_filename in (__file__, torch.nn.modules.module.__file__):
+                frame, level = frame.f_back, level + 1
             warnings.warn(f"MXExperts: the state dict has no {', '.join(old)} (saved by an older portable_mx): the "
                           "macro-block factors are applied with this module's block size, which the state dict "
-                          "cannot confirm", UserWarning, stacklevel=4)
+                          "cannot confirm", UserWarning, stacklevel=level)
 
     # ------------------------------------------------------------------ state
 

@@ -74,16 +74,11 @@ def out_file(text: str) -> str:
 def out_folder(text: str) -> str:
     """An --out folder (made when missing): refused before any measurement when it is a
     file or cannot be made or written."""
-    from portable_mx.tuning.files import make_dir
+    from portable_mx._argtypes import folder_problem
 
-    if not text:
-        raise argparse.ArgumentTypeError("is empty; give a folder")
-    try:
-        make_dir(text)
-    except OSError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    if not os.access(text, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: the folder is not writable")
+    problem = folder_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

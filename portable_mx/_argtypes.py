@@ -44,8 +44,6 @@ def output_file_problem(flag: str, path: str, inputs: Iterable[tuple[str, Option
     would replace what the command reads), not writable, or its folder cannot be made (a
     parent is a file, no permission). Its folder is made here. Checked before the work,
     whose result would otherwise be lost after minutes of it."""
-    from .tuning.files import make_dir
-
     if not path:
         return f"{flag} is empty; give a file path"
     if os.path.isdir(path):
@@ -54,21 +52,25 @@ def output_file_problem(flag: str, path: str, inputs: Iterable[tuple[str, Option
         if in_path and (os.path.realpath(in_path) == os.path.realpath(path) or (
                 os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path))):
             return f"{flag} {path} is the {in_flag} file the command reads; give another path"
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        make_dir(folder)
-    except OSError as err:
-        return f"{flag} {path}: {err}"
+    problem = folder_problem(os.path.dirname(os.path.abspath(path)))
+    if problem:
+        return f"{flag} {path}: {problem}"
     if os.path.exists(path) and not os.access(path, os.W_OK):
         return f"{flag} {path}: the file is not writable"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{flag} {path}: its folder {folder} is not writable"
     return None
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Write an output file in one rename: a run cut short (a full disk, a kill) leaves the
-    earlier file whole, never a part of the new one."""
-    from .tuning.files import write_atomic
+def folder_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot take output files, or None when it can: it is empty, it or a
+    parent is a file, it cannot be made (it is made here) or written."""
+    from .tuning.files import make_dir
 
-    write_atomic(path, text)
+    if not path:
+        return "is empty; give a folder"
+    try:
+        make_dir(path)
+    except OSError as err:
+        return str(err)
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path}: the folder is not writable"
+    return None

@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
-from ._argtypes import int_at_least, output_file_problem, write_text_atomic
+from ._argtypes import int_at_least, output_file_problem
+from .tuning.files import write_atomic
 
 if TYPE_CHECKING:
     from .aot import CompileResult
@@ -243,7 +244,7 @@ def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> i
     doc = report(items, results, time.perf_counter() - start)
     print(table(doc["rows"]))
     if args.json:
-        write_text_atomic(args.json, json.dumps(doc, indent=2) + "\n")
+        write_atomic(args.json, json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     print(summary_line(doc["rows"]))
     return 1 if doc["summary"]["with_problems"] else 0

@@ -52,7 +52,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ._argtypes import output_file_problem, write_text_atomic
+from ._argtypes import output_file_problem
+from .tuning.files import write_atomic
 from .decompose import DEFINITIONS
 
 HELP = "bit-exact parity report of quantize/decompose on a fixed corpus, or compare reports"
@@ -788,7 +789,7 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_NOTHING_CHECKED
     errors = {k: e["error"] for k, e in report["cases"].items() if "error" in e}
     if args.json:
-        write_text_atomic(args.json, json.dumps(report, indent=1, allow_nan=False) + "\n")
+        write_atomic(args.json, json.dumps(report, indent=1, allow_nan=False) + "\n")
     print(f"parity: corpus {args.corpus}, {len(report['cases'])} cases on {device} "
           f"({report['device']['description']}), backends {report['backends']}, "
           f"{time.perf_counter() - start:.1f} s" + (f", written to {args.json}" if args.json else ""))

@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from ._argtypes import finite_at_least_0, int_at_least, output_file_problem, write_text_atomic
+from ._argtypes import finite_at_least_0, folder_problem, int_at_least, output_file_problem
 
 HELP = ("tune the GEMM's tiles on this device (Optuna) into the config cache; --static: only "
         "the ahead-of-time pruning and cost-model ranking for a --target; --replay: a recorded exhaustive run, "
@@ -182,7 +182,9 @@ def _config(config: Any) -> str:
 
 
 def _write_json(path: str, doc: dict) -> None:
-    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
+    from .tuning.files import write_atomic
+
+    write_atomic(path, json.dumps(doc, indent=2) + "\n")
     print(f"wrote {path}")
 
 
@@ -571,7 +573,6 @@ def output_errors(args: argparse.Namespace) -> list[str]:
     used to fail after every candidate had compiled): --json a writable file path that is
     none of the inputs, --record a folder, the study folder (--study-dir, or the cache's)
     creatable and writable, no path flag given empty."""
-    from .tuning import files
     from .tuning.cache import ENV_CACHE_DIR
     from .tuning.search import JOURNAL_NAME, study_dir
 
@@ -589,14 +590,10 @@ def output_errors(args: argparse.Namespace) -> list[str]:
     if args.record and os.path.exists(args.record) and not os.path.isdir(args.record):
         errors.append(f"--record {args.record} is a file; give a folder (each recording is a file in it)")
     if not args.replay and not errors:
-        where = study_dir(args.study_dir)  # (journals and static verdicts)
-        try:
-            files.make_dir(where)
-            if not os.access(where, os.W_OK | os.X_OK):
-                raise PermissionError(f"{where}: the folder is not writable")
-        except OSError as err:
-            errors.append(f"--study-dir: {err}" if args.study_dir else
-                          f"the study folder (in the cache folder, {ENV_CACHE_DIR} or ~/.cache/portable_mx): {err}")
+        problem = folder_problem(str(study_dir(args.study_dir)))  # (journals and static verdicts)
+        if problem:
+            errors.append(f"--study-dir: {problem}" if args.study_dir else
+                          f"the study folder (in the cache folder, {ENV_CACHE_DIR} or ~/.cache/portable_mx): {problem}")
     return errors
 
 
@@ -629,15 +626,12 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args)
     if device is None:
         return EXIT_NO_GPU
-    from .tuning import cache, files
+    from .tuning import cache
 
-    try:  # before the search, not after it: where its results go (--study-dir: output_errors)
-        out = args.out or cache.cache_dir()
-        files.make_dir(out)
-        if not os.access(out, os.W_OK | os.X_OK):
-            raise PermissionError(f"{out}: the folder is not writable (the config cache goes there)")
-    except OSError as err:
-        print(f"portable-mx tune: {err}", file=sys.stderr)
+    # before the search, not after it: where its results go (--study-dir: output_errors)
+    problem = folder_problem(str(args.out or cache.cache_dir()))
+    if problem:
+        print(f"portable-mx tune: {problem} (the config cache goes there)", file=sys.stderr)
         return 2
     from .registry import BackendUnavailableError
 

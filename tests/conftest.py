@@ -122,6 +122,12 @@ def gemm_kernel(request):
     return registry.get(name), device
 
 
+def indexed(device: str) -> torch.device:
+    """``device`` as the tensors made on it name it ("cuda" -> cuda:0): the key under which
+    a backend keeps its per-device decisions (an index-less key is another entry)."""
+    return torch.empty(0, device=device).device
+
+
 def values_route_spy(backend, device, monkeypatch, min_n: int = 64) -> list:
     """Make ``backend`` (a Triton backend) take the W4A16-on-values route for A4W4 as on
     sm_90: its ``device`` marked as an upcast target, the wide-output threshold lowered to
@@ -129,7 +135,7 @@ def values_route_spy(backend, device, monkeypatch, min_n: int = 64) -> list:
     input shape to."""
     from portable_mx.backends.triton import backend as triton_backend
 
-    backend._device(torch.device(device)).upcasts = True
+    backend._device(indexed(device)).upcasts = True
     monkeypatch.setattr(triton_backend, "VALUES_MIN_N", min_n)
     calls: list = []
     real = type(backend).quantized_values

@@ -23,7 +23,7 @@ from portable_mx.backends.targets import TARGETS
 from portable_mx.recipe import QuantRecipe as QR
 from portable_mx.tensor import MXTensor
 
-from conftest import kernel_backends, left_stream, no_kernels_reason, values_route_spy
+from conftest import indexed, kernel_backends, left_stream, no_kernels_reason, values_route_spy
 from test_triton_gemm import assert_accumulation_close, randn, rows_mx
 
 REF = ReferenceBackend()
@@ -860,10 +860,11 @@ def test_backend_matmul_refuses_tokens_it_cannot_quantize(gemm_kernel, monkeypat
     monkeypatch.setattr(backend, "_devices", {})
     w = pmx.quantize(randn(70, 100, seed=160).to(device), axis=-1).rows()
     with pytest.raises(ValueError, match="readable as words"):
-        backend.matmul(randn(5, 101, seed=161).to(torch.bfloat16)[:, :100].to(device), w, torch.float32, 0)
+        # (sliced on the device: .to() of a strided CPU view makes a contiguous copy)
+        backend.matmul(randn(5, 101, seed=161).to(torch.bfloat16).to(device)[:, :100], w, torch.float32, 0)
     with pytest.raises(ValueError, match="readable as words"):
         backend.matmul(randn(5, 100, seed=162).to(device), w, torch.float32, 0)
-    target = backend._device(torch.device(device)).target
+    target = backend._device(indexed(device)).target
     upcast = backend.gemm_route(target, Operand(torch.bfloat16, None, 0, 0), Operand(None, None, 0)).kernel == "upcast"
     if upcast:  # a plan for tokens at an even offset first: an odd one (the same stride) is refused all the same
         backend.matmul(randn(5, 100, seed=164).to(torch.bfloat16).to(device), w, torch.float32, 0)
@@ -900,12 +901,16 @@ def test_a4w4_at_decode_in_one_launch(gemm_kernel, monkeypatch):
         assert bitwise_equal(out.reshape(-1, out.shape[-1]), want)
         return list(calls)
 
-    with monkeypatch.context() as mp:  # the interpreter's own route: tl.dot_scaled, nothing fused
-        backend._device(torch.device(device)).upcasts = True
-        assert run(randn(5, 100, seed=151).to(torch.bfloat16), QR()) == [(5, 100)]
+    from portable_mx.backends.triton.gemm import Operand
+
+    st = backend._device(indexed(device))
+    native = backend.gemm_route(st.target, Operand(torch.bfloat16, None, 0, 0), Operand(None, None, 0)).kernel
+    with monkeypatch.context():  # the device's own route: fused only on upcast (the interpreter: tl.dot_scaled)
+        st.upcasts = True
+        assert run(randn(5, 100, seed=151).to(torch.bfloat16), QR()) == ([] if native == "upcast" else [(5, 100)])
     monkeypatch.setattr(backend, "gemm_route", lambda target, a, b: _upcast_route())
     monkeypatch.setattr(backend, "_devices", {})
-    backend._device(torch.device(device)).upcasts = True
+    backend._device(indexed(device)).upcasts = True
     for dtype in (torch.bfloat16, torch.float16):
         for recipe in (QR(), QR(scale_rule="rceil"), QR(scale_rule="even")):
             assert run(randn(1, 5, 100, seed=152, scale=3.0).to(dtype), recipe) == []
@@ -913,7 +918,7 @@ def test_a4w4_at_decode_in_one_launch(gemm_kernel, monkeypatch):
     assert run(randn(5, 100, seed=154).to(torch.bfloat16), QR(rounding="stochastic", seed=3)) == [(5, 100)]
     assert run(randn(5, 100, seed=155), QR()) == [(5, 100)]  # fp32 tokens
     assert run(randn(5, 99, seed=156).to(torch.bfloat16), QR(), w=randn(99, 70, seed=157)) == [(5, 99)]
-    odd = randn(5, 101, seed=158).to(torch.bfloat16)[:, :100]  # row stride 101
+    odd = randn(5, 101, seed=158).to(torch.bfloat16).to(device)[:, :100]  # row stride 101, on the device
     assert run(odd, QR()) == [(5, 100)]
     assert run(randn(17, 100, seed=159).to(torch.bfloat16), QR()) == [(17, 100)]  # N = 70 >= 64: wide
 

@@ -650,6 +650,10 @@ def test_every_targets_quantize_tile_is_exact(kernel, name, target, recipe, monk
     gpu = reg.get(name)
     config = gpu.tile_config("quantize", TARGETS[target], recipe)
     options = backend.options(config)
+    if device != "cpu" and name != backend.name:  # another vendor's launch options mean nothing here
+        from portable_mx.tuning.space import AMD_EXTRA
+
+        options = {k: v for k, v in options.items() if k not in (AMD_EXTRA if name == "rocm" else ("maxnreg",))}
     for i, shape in enumerate([(70, 300), (64, 512)]):
         x = sample(shape, seed=110 + i)
         with backend.running():
@@ -789,8 +793,9 @@ def test_the_masked_plan_takes_the_masked_config(kernel, monkeypatch):
     recipe = QR(rounding="stochastic", seed=5)
     for shape, want_config in (((70, 300), masked), ((64, 512), usual)):
         x = sample(shape, seed=140)
-        assert_same_mx(backend.quantize(x.to(device), recipe), REF.quantize(x, recipe))
-        (plan,) = [p for _, p in backend._devices[torch.device(device)].quantize_plans.values()
+        on = x.to(device)
+        assert_same_mx(backend.quantize(on, recipe), REF.quantize(x, recipe))
+        (plan,) = [p for _, p in backend._devices[on.device].quantize_plans.values()  # (cuda:0, not cuda)
                    if p.ints[0] == shape[0]]
         assert plan.launch.config == want_config and plan.launch.constexprs["EVEN"] == (want_config is usual)
 

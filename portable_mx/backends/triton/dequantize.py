@@ -6,9 +6,12 @@ the scale byte is 0xFF, then one rounding to the output dtype.
 
 Word layout (as the quantize kernel's, encode.py): packed byte j of a row becomes output
 word j, the two elements 2j and 2j+1 (an int64 of two fp32, or an int32 of two 16-bit
-values). A thread owns whole 32-blocks: it loads a block's 16 code bytes at once and
-writes its 16 words with 16-byte stores (4 for 16-bit output, 8 for fp32); the block's
-scale, macro factor and outliers are loaded once and broadcast over its bytes.
+values). A thread loads ``VEC`` consecutive bytes (4 bytes for 16-bit output, 2 for fp32)
+and writes their ``VEC`` words with one 16-byte store, beside its neighbours' (a warp's
+stores are contiguous); the vector's block's scale, macro factor and outliers are loaded
+once per thread and broadcast over its bytes. (One whole block a thread, 16-byte stores
+64 or 128 bytes apart across a warp, ran at 0.47 / 0.13 of a device copy for bf16 / fp32
+output on an H200 against 0.73 / 0.64 this way: benchmarks/NOTES-elementwise.md.)
 
 Each value is built from bits: the magnitude code placed in an fp32's exponent and
 mantissa is the E2M1 value times 2**-126, multiplied by 2**126 and by the block factor
@@ -25,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ...tensor import MXTensor
-from .encode import exact_grid, program_tile, store_block_words, tile_grid
+from .encode import exact_grid, program_tile, tile_grid
 from .launch import KernelLaunch, TileConfig
 from .numerics import F32_QNAN, bf16_round_bits, decode_bits, exp2i, f16_bits
 
@@ -37,20 +40,26 @@ F16_QNAN = tl.constexpr(0x7E00)  # format.CANONICAL_NAN_BITS
 BF16_QNAN = tl.constexpr(0x7FC0)
 
 
+def vec_bytes(dtype: torch.dtype) -> int:
+    """Packed bytes per thread and load: their words make one 16-byte store."""
+    return 2 if dtype == torch.float32 else 4
+
+
 @triton.jit
-def _per_block(ptr, rows, blk, stride, mask, other, EVEN: tl.constexpr):
-    """Load ptr[rows * stride + blk] for [BR, NBK] (one value per block: per thread)."""
+def _per_vector(ptr, rows, blk, stride, mask, other, EVEN: tl.constexpr):
+    """Load ptr[rows * stride + blk] for [NV, BR] (one value per thread vector: the
+    vector's block's)."""
     if EVEN:
-        return tl.load(ptr + rows[:, None] * stride + blk)
+        return tl.load(ptr + rows[None, :] * stride + blk)
     else:
-        return tl.load(ptr + rows[:, None] * stride + blk, mask=mask, other=other)
+        return tl.load(ptr + rows[None, :] * stride + blk, mask=mask, other=other)
 
 
 @triton.jit
 def dequantize_kernel(
     q_ptr, s_ptr, m_ptr, ov_ptr, oi_ptr, out_ptr,
     R, KW, NM, MACRO,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MACRO: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, HAS_MACRO: tl.constexpr,
     N_OUT: tl.constexpr, OUT_KIND: tl.constexpr, EVEN: tl.constexpr, K_FIRST: tl.constexpr,
 ):
     """q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM]; ov: int16 (bf16
@@ -59,48 +68,45 @@ def dequantize_kernel(
     fp32, int32 for bf16/fp16). MACRO is the macro block length. EVEN: whole tiles, one
     program each. The program's tile from encode.program_tile (K_FIRST: their order).
 
-    One thread owns whole 32-blocks: the block's 16 code bytes in one 16-byte load, its
-    scale byte (macro factor, outliers) in one load each, its 16 output words in 16-byte
-    stores from its registers (encode.store_block_words): no layout conversion."""
-    NBK: tl.constexpr = BLOCK_K // 32
+    A thread owns VEC consecutive code bytes and stores their VEC words with one 16-byte
+    store; neighbouring threads own neighbouring vectors of a row, so a warp's stores are
+    contiguous. The tile is [NV, BR, VEC], vectors first: Triton orders the dimensions
+    that are not contiguous by their index, and a [BR, NV, VEC] tile put a warp's threads
+    over 16 rows (32-byte runs). Loads, the per-vector scale and outliers, and the stores
+    share its one layout: no conversion."""
+    BW: tl.constexpr = BLOCK_K // 2
+    NV: tl.constexpr = BW // VEC
     NB = KW // 16
     pid_r, pid_k = program_tile(K_FIRST)
     rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    blk = (pid_k * NBK + tl.arange(0, NBK))[None, :]  # [1, NBK]
-    bmask = (rows[:, None] < R) & (blk < NB)  # unused (dead) when EVEN
-    # the codes as a [BR, BW] tile (its layout spreads threads over blocks, then rows, as
-    # the per-block loads' does), viewed as [BR, NBK, 16]
-    byte = (pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2))[None, :]
+    vcol = (pid_k * BW + tl.arange(0, NV) * VEC)[:, None]  # first byte of each vector
+    byte = vcol[:, :, None] + tl.arange(0, VEC)[None, None, :]  # [NV, 1, VEC]
+    vmask = (rows[None, :] < R) & (vcol < KW)  # [NV, BR]; unused (dead) when EVEN
+    at = rows[None, :, None] * KW + byte  # a byte's offset, and its word's
     if EVEN:
-        packed = tl.load(q_ptr + rows[:, None] * KW + byte)
+        packed = tl.load(q_ptr + at)
     else:
-        packed = tl.load(q_ptr + rows[:, None] * KW + byte, mask=(rows[:, None] < R) & (byte < KW), other=0)
-    packed = tl.reshape(packed, (BLOCK_R, NBK, 16)).to(tl.int32)
+        packed = tl.load(q_ptr + at, mask=vmask[:, :, None], other=0)
+    packed = packed.to(tl.int32)
 
-    sbyte = _per_block(s_ptr, rows, blk, NB, bmask, 0, EVEN).to(tl.int32)
+    blk = vcol // 16
+    sbyte = _per_vector(s_ptr, rows, blk, NB, vmask, 0, EVEN).to(tl.int32)
     factor = exp2i(sbyte - 127)
     if HAS_MACRO:
-        # loaded as [NBK, BR] and transposed: a tile with no contiguous dimension spreads
-        # threads over its first one, here the blocks, as the scale bytes' load does
-        mptr = m_ptr + rows[None, :] * NM + (tl.trans(blk) * 32 // MACRO)
-        if EVEN:
-            m = tl.load(mptr)
-        else:
-            m = tl.load(mptr, mask=tl.trans(bmask), other=1.0)
-        factor = factor * tl.trans(m)
+        factor = factor * _per_vector(m_ptr, rows, blk * 32 // MACRO, NM, vmask, 1.0, EVEN)
     factor = factor[:, :, None]
     lo = decode_bits(packed & 15, factor)
     hi = decode_bits(packed >> 4, factor)
     if N_OUT >= 1:
-        lane = tl.arange(0, 16)[None, None, :] * 2
+        lane = (byte % 16) * 2
         if N_OUT == 1:
-            idx = _per_block(oi_ptr, rows, blk, NB, bmask, 0, EVEN).to(tl.int32)
-            val = _per_block(ov_ptr, rows, blk, NB, bmask, 0, EVEN).to(tl.int32) << 16
-            lo = tl.where(lane == idx[:, :, None], val[:, :, None], lo)
-            hi = tl.where(lane + 1 == idx[:, :, None], val[:, :, None], hi)
+            idx = _per_vector(oi_ptr, rows, blk, NB, vmask, 0, EVEN).to(tl.int32)[:, :, None]
+            val = (_per_vector(ov_ptr, rows, blk, NB, vmask, 0, EVEN).to(tl.int32) << 16)[:, :, None]
+            lo = tl.where(lane == idx, val, lo)
+            hi = tl.where(lane + 1 == idx, val, hi)
         else:  # a block's two values as one word, its two indices as one half-word
-            idx2 = _per_block(oi_ptr.to(tl.pointer_type(tl.int16)), rows, blk, NB, bmask, 0, EVEN).to(tl.int32)
-            val2 = _per_block(ov_ptr.to(tl.pointer_type(tl.int32)), rows, blk, NB, bmask, 0, EVEN)
+            idx2 = _per_vector(oi_ptr.to(tl.pointer_type(tl.int16)), rows, blk, NB, vmask, 0, EVEN).to(tl.int32)
+            val2 = _per_vector(ov_ptr.to(tl.pointer_type(tl.int32)), rows, blk, NB, vmask, 0, EVEN)
             i0 = (idx2 & 0xFF)[:, :, None]
             i1 = ((idx2 >> 8) & 0xFF)[:, :, None]
             v0 = (val2 << 16)[:, :, None]
@@ -127,12 +133,14 @@ def dequantize_kernel(
             hi = f16_bits(hi)
             nan = F16_QNAN
         word = tl.where(special, nan | (nan << 16), lo | (hi << 16))
-    store_block_words(out_ptr, word, rows, pid_k * BLOCK_K, 0, R, KW, KW, BLOCK_R, NBK, BLOCK_K, EVEN,
-                      2 if OUT_KIND == 0 else 4)
+    if EVEN:
+        tl.store(out_ptr + at, word)
+    else:
+        tl.store(out_ptr + at, word, mask=vmask[:, :, None])
 
 
 def _constexprs(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, even: bool) -> dict:
-    return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "HAS_MACRO": has_macro,
+    return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "VEC": vec_bytes(dtype), "HAS_MACRO": has_macro,
             "N_OUT": n_out, "OUT_KIND": OUT_KINDS[dtype], "EVEN": even, "K_FIRST": config.order == "k"}
 
 

@@ -5,9 +5,10 @@
 # matters most:
 #
 #   default   portable-mx info; the benchmarks, each in its quick mode (element-wise, GEMM,
-#             host overhead, MoE when benchmarks/moe.py exists); the GPU tests
-#             (`pytest -m gpu`: the compiled kernels against the reference, the small
-#             parity corpus against a CPU reference report). (The full corpus's parity,
+#             host overhead, MoE when benchmarks/moe.py exists); the GPU tests in what
+#             is left of the budget (`pytest -m gpu`: the compiled kernels against the
+#             reference, the small parity corpus against a CPU reference report).
+#             (The full corpus's parity,
 #             ci/gpu_parity.sh, needs a call of its own: it reached 216 of 728 cases in the
 #             75 s that were left here.)
 #   --sweeps  portable-mx info; the tuning sweeps (benchmarks/sweeps/*.py: candidate tile
@@ -94,13 +95,15 @@ committed_verdicts() {  # the study directory of the tuning sweep: a copy of the
 }
 
 steps_default() {
-  # limits from the H200 run of 2026-11-26 (second): element-wise 15 s, GEMM 147 s,
-  # overhead 17 s, MoE 40 s, the GPU tests 145 s on 8 workers (now 16)
+  # limits from the H200 run of 2026-11-27: wheels 1 s, info 12 s, element-wise 22 s, GEMM
+  # past 165 s (137 s on 2026-11-26; it writes each shape as it goes), overhead ~35 s, MoE
+  # 35 s, the GPU tests past 175 s at 99% on 16 workers (they take what is left, at most 220 s)
   bench bench-elementwise 30 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
-  bench bench-gemm 165 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
-  bench bench-overhead 30 benchmarks/overhead.py --gpu-checks --out "$out/results"
-  bench bench-moe 60 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
-  gpu_tests 175
+  bench bench-gemm 185 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
+  bench bench-overhead 45 benchmarks/overhead.py --gpu-checks --out "$out/results"
+  bench bench-moe 45 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
+  step_rest tests-gpu 220 "$PY" -m pytest -m gpu -v -ra --tb=short "${xdist[@]}" -p no:cacheprovider \
+    --junitxml="$out/tests-gpu.xml" tests
 }
 
 steps_sweeps() {
@@ -125,7 +128,7 @@ steps_tune() {
 
 steps_setup() {
   if [ $plan -eq 1 ] || [ -d .whl ]; then
-    step wheels 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    step wheels 10 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target "$site" .whl/*.whl
     export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   else
@@ -139,7 +142,7 @@ steps_setup() {
     finish
     exit 100
   fi
-  step info 30 bash -c '{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+  step info 20 bash -c '{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
       --format=csv,noheader 2>/dev/null || rocm-smi --showproductname 2>/dev/null || echo "no nvidia-smi / rocm-smi"; } &&
     "$1" -c "import json, sys; from portable_mx import cli; report = cli.info(); json.dump(report, open(sys.argv[1], \"w\"), indent=1, default=str)" "$2"' \
     info "$PY" "$out/info.json"

@@ -194,12 +194,19 @@ def default_out(benchmark: str, device_name: str) -> str:
     return os.path.join(RESULTS_DIR, f"{benchmark}-{slug(device_name)}.json")
 
 
+def result_path(out: Optional[str], trial: bool, benchmark: str, device_name: str) -> Optional[str]:
+    """Where :func:`write_unless_trial` writes: ``out``, else the default file unless the
+    run is a trial (then None: nowhere)."""
+    if out is None and not trial:
+        return default_out(benchmark, device_name)
+    return out
+
+
 def write_unless_trial(result: Mapping[str, Any], out: Optional[str], trial: bool, benchmark: str,
                        device_name: str) -> None:
     """Write ``result`` to ``out``, or by default to benchmarks/results/<benchmark>-<device>.json;
     a trial run (--quick / --cpu-smoke) writes only where --out names a place."""
-    if out is None and not trial:
-        out = default_out(benchmark, device_name)
+    out = result_path(out, trial, benchmark, device_name)
     if out is None:
         print("not written (--quick/--cpu-smoke without --out)")
     else:

@@ -37,24 +37,29 @@ and ``a4w4`` (both MXFP4, ``QuantRecipe()``). The peer is gemlite (pure Triton;
 Before timing, each portable_mx result (kernel and eager) is checked against the float64
 product of the dequantized operands on up to 256 evenly spaced rows: ``|C - C64| <= K *
 2**-24 * (|A| @ |B|)`` elementwise (fp32 accumulation), plus half a bf16 ulp of C for the
-bf16 eager output; otherwise it exits with status 3, writing nothing. Every result (torch
-and gemlite too) also gets its relative error against the float64 product of the
-unquantized bf16 operands (``rel_err``, what a user sees).
+bf16 eager output; otherwise it exits with status 3, leaving no result file (it removes
+the one it wrote for the earlier shapes). Every result (torch and gemlite too) also gets its
+relative error against the float64 product of the unquantized bf16 operands (``rel_err``,
+what a user sees).
 
 Reported per (shape, variant): both times, TFLOP/s, ``kernel_speedup = bf16 kernel /
 portable_mx kernel`` (the issue's goals are on it), ``eager_speedup``, ``eager_over_kernel``
 (goal: <= 1.2 once the host path is lean), the peer's times and ``pmx_vs_peer = peer
 kernel / portable_mx kernel`` (> 1: portable_mx faster), the byte ratio (W4A16: the
-speedup a memory-bound GEMM can reach) and the goal of issue 14 (:data:`GOALS`). The
-result goes to ``benchmarks/results/gemm-<device slug>.json`` (``--quick`` and
-``--cpu-smoke`` write only to ``--out``). With no GPU (and no ``--cpu-smoke``) it prints
-why and exits with status 2, writing nothing.
+speedup a memory-bound GEMM can reach), the goal of issue 14 (:data:`GOALS`) and the
+shape's wall-clock seconds by phase (``shape_seconds``: setup and checks, the peer's setup,
+host_us, each timer; also printed per shape). The result goes to
+``benchmarks/results/gemm-<device slug>.json`` (``--quick`` and ``--cpu-smoke`` write only
+to ``--out``) after every shape with ``complete`` false, so that a run cut at its time
+limit keeps the shapes it finished, and at the end with ``complete`` true. With no GPU (and
+no ``--cpu-smoke``) it prints why and exits with status 2, writing nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -67,7 +72,9 @@ from common import (
     gpu_device,
     no_gpu,
     result_header,
+    result_path,
     time_interleaved,
+    write_result,
     write_unless_trial,
 )
 # the shapes and their parser are the tuner's: `portable-mx tune --shapes decode` tunes
@@ -449,13 +456,16 @@ def measure_shape(
     peer: Optional[dict[str, Any]] = None,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Check, then time kernel-only and eager, the bf16 baseline, each variant and the peer."""
+    """Check, then time kernel-only and eager, the bf16 baseline, each variant and the peer.
+    Each row also gets the shape's wall-clock seconds by phase (:func:`phase_seconds`)."""
     import torch
 
     import portable_mx as pmx
     from portable_mx import QuantRecipe, ops, registry
 
     recipes = {"w4a16": QuantRecipe(activations="bf16"), "a4w4": QuantRecipe()}
+    t_start = time.perf_counter()
+    peer_s = 0.0
     backend = registry.select("matmul", device)
     m, n, k = shape
     gen = torch.Generator(device=device).manual_seed(0)
@@ -503,6 +513,7 @@ def measure_shape(
         eager_fns[variant] = _cycling(lambda wi, r=recipe: pmx.matmul(x, wi, r), w_mx, prime)
         del w64, a64
         if peer is not None:
+            t_peer = time.perf_counter()
             name = f"peer_{variant}"
             try:
                 layers = peer_layers(peer, variant, w, min(copies[variant], PEER_COPIES))
@@ -513,18 +524,45 @@ def measure_shape(
                 peer_info[variant] = {"name": peer["name"], "version": peer["version"],
                                       "error": f"{type(err).__name__}: {err}"[:300]}
                 log(f"peer {peer['name']} {label}: failed: {peer_info[variant]['error']}")
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # its layers' first calls in its share
+            peer_s += time.perf_counter() - t_peer
     if device.type == "cuda":
         torch.cuda.synchronize()  # the copies' first calls done before any time is taken
+    t_setup = time.perf_counter()
     hosts = {name: host_us(fn) for name, fn in kernel_fns.items()} if device.type == "cuda" else {}
+    t_host = time.perf_counter()
     kernel = kernel_timer(kernel_fns, *args.bench_ms)
+    t_kernel = time.perf_counter()
     eager = eager_timer(eager_fns, args.repeats, args.warmup, args.inner)
+    seconds = phase_seconds(t_start, t_setup, t_host, t_kernel, time.perf_counter(),
+                            peer_s if peer is not None else None)
     out = []
     for v in variants:
         check = {**checks[v], "rel_err": errors[v], "bf16_rel_err": errors["bf16"]}
         out.append(build_row(shape, v, recipe=recipes[v].describe(), backend=backend.name,
                              path=backend.path(device, "matmul"), kernel=kernel, eager=eager, check=check,
                              copies={"bf16": copies["bf16"], v: copies[v]}, peer=peer_info.get(v), host_us=hosts))
+        out[-1]["shape_seconds"] = seconds
     return out
+
+
+def phase_seconds(start: float, setup: float, host: float, kernel: float, end: float,
+                  peer: Optional[float]) -> dict[str, Optional[float]]:
+    """A shape's wall-clock seconds by phase, from the perf_counter readings that end each:
+    ``setup_checks`` (inputs, weight copies quantized, correctness checks, every function's
+    first calls and compiles; the peer's share apart), ``peer_setup`` (its layers made,
+    checked and first-called; None without a peer), ``host`` (the host_us calls),
+    ``kernel`` and ``eager`` (the two timers, the peer's functions included)."""
+    return {"setup_checks": setup - start - (peer or 0.0), "peer_setup": peer, "host": host - setup,
+            "kernel": kernel - host, "eager": end - kernel}
+
+
+def format_seconds(shape: Shape, seconds: dict[str, Optional[float]]) -> str:
+    """The one line of a shape's :func:`phase_seconds`."""
+    peer = "" if seconds["peer_setup"] is None else f", peer setup {seconds['peer_setup']:.1f} s"
+    return (f"time {shape_name(shape)}: setup+checks {seconds['setup_checks']:.1f} s{peer}, host "
+            f"{seconds['host']:.1f} s, kernel {seconds['kernel']:.1f} s, eager {seconds['eager']:.1f} s")
 
 
 # ----------------------------------------------------------------------------- output
@@ -589,18 +627,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"peer {'gemlite ' + peer['version'] if peer else 'none (' + peer_why + ')'}  "
           f"eager: repeats {args.repeats} warmup {args.warmup} inner {args.inner}  kernel: do_bench "
           f"{args.bench_ms[0]:g}/{args.bench_ms[1]:g} ms  cache bust {args.cache_bust_mib} MiB", flush=True)
-    rows: list[dict[str, Any]] = []
-    try:
-        with torch.no_grad():
-            for shape in args.shapes:
-                rows += measure_shape(shape, args.variants, device, args, kernel_timer, eager_timer, peer)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    except CheckFailed as err:
-        print(f"benchmarks/gemm.py: correctness check FAILED: {err}. Nothing was written.", file=sys.stderr)
-        return EXIT_CHECK_FAILED
-
-    goals = summarize_goals(rows)
     result = {
         **header,
         "quick": args.quick,
@@ -617,9 +643,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "interleaved": True,
         "cache_bust_mib": args.cache_bust_mib,
         "seconds": None,
-        "rows": rows,
-        "goals": goals,
+        "rows": [],
+        "goals": [],
+        "complete": False,
     }
+    trial = args.quick or args.cpu
+    path = result_path(args.out, trial, "gemm", name)  # None: a trial run without --out writes nowhere
+    rows: list[dict[str, Any]] = []
+    try:
+        with torch.no_grad():
+            for i, shape in enumerate(args.shapes, 1):
+                print(f"shape {shape_name(shape)} ({i} of {len(args.shapes)}) at {time.perf_counter() - start:.1f} s",
+                      flush=True)
+                shape_rows = measure_shape(shape, args.variants, device, args, kernel_timer, eager_timer, peer)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                rows += shape_rows
+                print(format_table(shape_rows))
+                print(format_seconds(shape, shape_rows[0]["shape_seconds"]), flush=True)
+                if path is not None:  # after every shape: a run cut at its time limit keeps what it measured
+                    write_result({**result, "seconds": time.perf_counter() - start, "rows": rows,
+                                  "goals": summarize_goals(rows)}, path, quiet=True)
+    except CheckFailed as err:
+        if rows and path is not None:
+            os.remove(path)  # the earlier shapes' partial result: a failed check leaves no result file
+        print(f"benchmarks/gemm.py: correctness check FAILED: {err}. Nothing was written.", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+
+    goals = summarize_goals(rows)
+    result.update(rows=rows, goals=goals, complete=True)
     print(format_table(rows))
     for g in goals:
         status = "not measured" if g["met"] is None else ("met" if g["met"] else "NOT met")
@@ -632,7 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: some kernel-only times include host time (host_us > {FLUSH_US:g}): see the rows' host_us")
     result["seconds"] = time.perf_counter() - start
 
-    write_unless_trial(result, args.out, args.quick or args.cpu, "gemm", name)
+    write_unless_trial(result, args.out, trial, "gemm", name)
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -277,8 +278,13 @@ def test_gemm_cpu_end_to_end(tmp_path, monkeypatch, capsys):
     assert r["benchmark"] == "gemm" and r["device"].startswith("cpu") and r["device_slug"]
     assert r["peer"] == {"name": "gemlite", "available": False, "why": "no GPU: gemlite is imported only on one"}
     assert (r["repeats"], r["warmup"], r["inner"], r["cache_bust_mib"], r["interleaved"]) == (4, 2, 3, 1, True)
-    assert r["method"]["bench_ms"] == [1.0, 2.0] and r["seconds"] > 0
+    assert r["method"]["bench_ms"] == [1.0, 2.0] and r["seconds"] > 0 and r["complete"] is True
     rows = r["rows"]
+    for x in rows:  # the shape's seconds by phase, the same in each of its rows
+        seconds = x["shape_seconds"]
+        assert set(seconds) == {"setup_checks", "peer_setup", "host", "kernel", "eager"}
+        assert seconds["peer_setup"] is None and all(seconds[k] >= 0 for k in seconds if k != "peer_setup")
+    assert rows[0]["shape_seconds"] == rows[1]["shape_seconds"] != rows[2]["shape_seconds"]
     assert [(x["shape"], x["variant"]) for x in rows] == [
         ("1x64x96", "w4a16"), ("1x64x96", "a4w4"), ("1024x32x64", "w4a16"), ("1024x32x64", "a4w4")]
     assert [x["kernel_speedup"] for x in rows] == [3.6, 1.8, 0.5, 1.0]
@@ -299,6 +305,8 @@ def test_gemm_cpu_end_to_end(tmp_path, monkeypatch, capsys):
                      "W4A16 eager within 1.2x of the kernel": True, "A4W4 eager within 1.2x of the kernel": False}
     text = capsys.readouterr().out
     assert "max rel err" in text and "NOT met" in text and "vs peer" in text
+    assert "shape 1x64x96 (1 of 2) at " in text and "shape 1024x32x64 (2 of 2) at " in text
+    assert "time 1x64x96: setup+checks " in text and ", kernel " in text and ", eager " in text
 
 
 def test_gemm_kernel_timing_starts_with_every_weight_copy_prepared(tmp_path, monkeypatch):
@@ -349,6 +357,80 @@ def test_gemm_cpu_smoke_runs_for_real_without_out(tmp_path, monkeypatch, capsys)
                     "--inner", "1", "--cache-bust-mib", "0"])
     assert rc == 0 and list(tmp_path.iterdir()) == []
     assert "not written" in capsys.readouterr().out
+
+
+class Cut(Exception):
+    """A step cut at its time limit, in the middle of a shape."""
+
+
+def _cut_at_second_shape(monkeypatch, kernel_s=0.0, eager_s=0.0):
+    """gemm.measure_shape cut (Cut raised) at the second shape; the fake timers sleep
+    ``kernel_s`` and ``eager_s``."""
+    real = gemm.measure_shape
+    calls = []
+
+    def measure(*args, **kw):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise Cut
+        return real(*args, **kw)
+
+    def kernel(fns, warmup_ms, rep_ms):
+        time.sleep(kernel_s)
+        return {name: 1.0 for name in fns}
+
+    def eager(fns, *a, **kw):
+        time.sleep(eager_s)
+        return {name: 2.0 for name in fns}
+
+    monkeypatch.setattr(gemm, "measure_shape", measure)
+    monkeypatch.setattr(gemm, "bench_host", kernel)
+    monkeypatch.setattr(gemm, "time_interleaved", eager)
+
+
+def test_gemm_cut_at_its_limit_keeps_the_finished_shapes(tmp_path, monkeypatch, capsys):
+    """The H200 run cut at its limit after its first shapes wrote nothing: the result was
+    written only at the end. Now every finished shape is written (complete false) and
+    printed, with its seconds by phase."""
+    _cut_at_second_shape(monkeypatch, kernel_s=0.1, eager_s=0.2)
+    out = tmp_path / "g.json"
+    with pytest.raises(Cut):
+        gemm.main(["--cpu-smoke", "--shapes", "1x64x96,16x64x128,64x32x64", "--cache-bust-mib", "0",
+                   "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["complete"] is False and r["seconds"] > 0 and not (tmp_path / "g.json.part").exists()
+    assert [(x["shape"], x["variant"]) for x in r["rows"]] == [("1x64x96", "w4a16"), ("1x64x96", "a4w4")]
+    assert [x["kernel_speedup"] for x in r["rows"]] == [1.0, 1.0] and len(r["goals"]) == len(gemm.GOALS) + 2
+    seconds = r["rows"][0]["shape_seconds"]
+    assert seconds["kernel"] >= 0.1 and seconds["eager"] >= 0.2  # each timer in its own phase
+    text = capsys.readouterr().out
+    assert "1x64x96          w4a16" in text and "time 1x64x96: setup+checks" in text
+    assert "shape 16x64x128 (2 of 3) at " in text and "written to" not in text
+
+
+def test_gemm_cut_trial_run_without_out_writes_nowhere(tmp_path, monkeypatch):
+    """The partial writes follow write_unless_trial: a --cpu-smoke (or --quick) run
+    without --out writes no default file, even cut short."""
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    _cut_at_second_shape(monkeypatch)
+    with pytest.raises(Cut):
+        gemm.main(["--cpu-smoke", "--shapes", "1x64x96,16x64x128", "--cache-bust-mib", "0"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gemm_check_failure_at_a_later_shape_leaves_no_file(tmp_path, monkeypatch, capsys):
+    import portable_mx
+
+    real = portable_mx.matmul
+    monkeypatch.setattr(portable_mx, "matmul", lambda a, b, r=None: real(a, b, r) * (1.01 if a.shape[0] == 4 else 1))
+    kernel, eager, seen = _fake_timers([{"bf16": 1.0, "w4a16": 1.0, "a4w4": 1.0}], [{"bf16": 1.0, "w4a16": 1.0,
+                                                                                      "a4w4": 1.0}])
+    monkeypatch.setattr(gemm, "bench_host", kernel)
+    monkeypatch.setattr(gemm, "time_interleaved", eager)
+    out = tmp_path / "g.json"
+    rc = gemm.main(["--cpu-smoke", "--shapes", "1x64x64,4x64x64", "--cache-bust-mib", "0", "--out", str(out)])
+    assert rc == gemm.EXIT_CHECK_FAILED and list(tmp_path.iterdir()) == [] and len(seen["kernel"]) == 1
+    assert "4x64x64" in capsys.readouterr().err
 
 
 def test_gemm_check_failure_exits_3(tmp_path, monkeypatch, capsys):

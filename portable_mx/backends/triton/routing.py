@@ -6,10 +6,13 @@ form, ~40 small device ops, is the exact twin of this kernel). At decode (a few 
 those ops are all the routing costs: one kernel launch each, host-bound. Here one program
 computes everything for up to :data:`MAX_ROWS` rows and :data:`MAX_EXPERTS` experts:
 
-- pair p's sorted row: the number of pairs (e_j, j) ordered before (e_p, p), i.e. with a
-  smaller expert, or the same expert and a smaller pair index (a stable sort, as
-  ``torch.argsort(stable=True)``), counted over chunks of pairs;
-- per-expert counts by comparison with every expert id; their running sum, the offsets;
+- the pairs' order: ``tl.sort`` of the distinct keys expert * BLOCK_R + pair index, a
+  stable sort by expert as ``torch.argsort(stable=True)`` (row r holds the pair its sorted
+  key names; the scatter index is its inverse). An earlier form counted, for every pair,
+  the pairs ordered before it over chunks of 8 pairs: 64 dependent steps of a global load
+  and two layout conversions at 512 pairs, 100 us of a 334 us Qwen3-30B-A3B MoE layer at
+  64 tokens on an H200 (benchmarks/NOTES-overhead.md);
+- per-expert counts, a ``tl.histogram`` of the valid ids; their running sum, the offsets;
 - slot s of the schedule: its expert is the number of experts whose tile ends lie at or
   before s (``searchsorted(right=True)``), its first row that expert's start plus the
   tiles before s inside it; both as sums over the experts that end at or before s.
@@ -37,7 +40,7 @@ MAX_ROWS = 1024
 """Most (token, slot) pairs the kernel takes (T * k); beyond, the torch form runs."""
 MAX_EXPERTS = 256
 """Most experts the kernel takes."""
-_LANES = 4096  # int32 comparisons per step: 32 a thread on 4 warps
+_LANES = 4096  # int32 comparisons per step of the schedule: 32 a thread on 4 warps
 _OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 _ASSERTING = {"debug": True, "sanitize_overflow": False}  # the device assertion compiled in, nothing else
 ASSERTING_TRITON = ((3, 6), (3, 9))
@@ -49,11 +52,11 @@ is checked to carry its device assertion on every NVIDIA target (the compile mat
 @triton.jit
 def route_kernel(ids_ptr, counts_ptr, offsets_ptr, gather_ptr, scatter_ptr, sched_ptr, ok_ptr,
                  R, K, E, SLOTS, TILE_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                 CHUNK: tl.constexpr, SCHUNK: tl.constexpr):
+                 SCHUNK: tl.constexpr):
     """One program: ids int32/int64 [R] (pair p = t * K + j) -> counts and offsets int32
     [E], gather and scatter int32 [R], schedule int32 [SLOTS, 2], ok int32 [1] (1: every id
     in [0, E)). R <= BLOCK_R,
-    E <= BLOCK_E, both powers of two; CHUNK pairs and SCHUNK slots compared per step."""
+    E <= BLOCK_E, both powers of two; SCHUNK slots compared per step."""
     p = tl.arange(0, BLOCK_R)
     p_in = p < R
     raw = tl.load(ids_ptr + p, mask=p_in, other=0)
@@ -65,24 +68,21 @@ def route_kernel(ids_ptr, counts_ptr, offsets_ptr, gather_ptr, scatter_ptr, sche
     # kernel's end, or the caller's after it)
     e_p = tl.where(valid, raw.to(tl.int32), BLOCK_E)
 
-    # sorted row of each pair, and the experts' counts, over chunks of pairs j
+    # the experts' counts: a histogram of the valid ids
     x = tl.arange(0, BLOCK_E)
-    before = tl.zeros([BLOCK_R], tl.int32)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for j0 in range(0, R, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        raw_j = tl.load(ids_ptr + j, mask=j < R, other=0)
-        e_j = tl.where((j < R) & (raw_j >= 0) & (raw_j < E), raw_j.to(tl.int32), BLOCK_E)
-        earlier = (e_j[None, :] < e_p[:, None]) | ((e_j[None, :] == e_p[:, None]) & (j[None, :] < p[:, None]))
-        before += tl.sum(earlier.to(tl.int32), 1)
-        counts += tl.sum((e_j[None, :] == x[:, None]).to(tl.int32), 1)
+    counts = tl.histogram(e_p, BLOCK_E, mask=valid)
     ends = tl.cumsum(counts, 0)
     x_in = x < E
     tl.store(counts_ptr + x, counts, mask=x_in)
     tl.store(offsets_ptr + x, ends, mask=x_in)
 
-    tl.store(scatter_ptr + p, before, mask=p_in)
-    tl.store(gather_ptr + before, p // K, mask=p_in)
+    # the stable sort by expert: the keys expert * BLOCK_R + pair are distinct, so sorting
+    # them orders the pairs by expert, then by pair index; the sorted key at row r names the
+    # pair placed there (padding and bad ids, expert BLOCK_E, land last: rows >= the valid)
+    order = tl.sort(e_p * BLOCK_R + p)
+    pair = order % BLOCK_R
+    tl.store(gather_ptr + p, pair // K, mask=p_in)
+    tl.store(scatter_ptr + pair, p, mask=p_in)
 
     # the tile schedule: slot s -> (expert, first row), or (-1, 0) past the last tile
     tiles = (counts + (TILE_M - 1)) // TILE_M
@@ -185,8 +185,7 @@ def make_plan(rows: int, num_experts: int, tile_m: int, asserts: bool = False):
 
 def _constexprs(rows: int, num_experts: int, tile_m: int) -> dict:
     block_r, block_e = _block(rows), _block(num_experts)
-    return {"TILE_M": tile_m, "BLOCK_R": block_r, "BLOCK_E": block_e, "CHUNK": _chunk(block_r),
-            "SCHUNK": _chunk(block_e)}
+    return {"TILE_M": tile_m, "BLOCK_R": block_r, "BLOCK_E": block_e, "SCHUNK": _chunk(block_e)}
 
 
 def launch_specs(target=None) -> list:
@@ -200,7 +199,7 @@ def launch_specs(target=None) -> list:
     signature = {"ids_ptr": "*i64", "counts_ptr": "*i32", "offsets_ptr": "*i32", "gather_ptr": "*i32",
                  "scatter_ptr": "*i32", "sched_ptr": "*i32", "ok_ptr": "*i32",
                  "R": "i32", "K": "i32", "E": "i32", "SLOTS": "i32",
-                 "TILE_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_E": "constexpr", "CHUNK": "constexpr",
+                 "TILE_M": "constexpr", "BLOCK_R": "constexpr", "BLOCK_E": "constexpr",
                  "SCHUNK": "constexpr"}
     out = []
     for rows, experts in ((4, 32), (512, 128), (MAX_ROWS, MAX_EXPERTS)):

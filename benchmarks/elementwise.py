@@ -7,7 +7,8 @@
 Per shape and input dtype, on one CUDA/ROCm device, it measures:
 
 - ``copy``: ``dst.copy_(x)`` of the input, the roofline this device demonstrably reaches;
-- every case of :data:`CASES`: quantize (floor, rceil, MBS-128, OF-2, stochastic),
+- every case of :data:`CASES`: quantize (floor, rceil, MBS-128, OF-2, stochastic, and
+  the bf16 values of the codes: ``quantized_values``),
   dequantize (bf16 and fp32 out, the one-pass kernel), decompose (statistics only, and
   full);
 - ``torchao``: ``torchao.prototype.mx_formats`` ``to_mx`` (MXFP4, floor and rceil) under
@@ -56,13 +57,15 @@ GOALS = {"quantize floor": 0.90, "quantize rceil": 0.90, "quantize mbs128": 0.85
 class Case:
     """One measured operation: ``op`` with a recipe (quantize, decompose: of the input;
     dequantize: of the MXTensor it reads), the dequantize output dtype, decompose's
-    ``full``."""
+    ``full``, quantize's ``values`` (the backend's ``quantized_values``: the bf16 values of
+    the codes, what the two-launch A4W4 GEMM reads on upcast targets)."""
 
     op: str
     name: str
     recipe: dict = field(default_factory=dict)
     out: Optional[str] = None  # dequantize: "bf16" / "fp32"
     full: bool = False
+    values: bool = False
 
     @property
     def label(self) -> str:
@@ -75,6 +78,7 @@ CASES = (
     Case("quantize", "mbs128", {"macro_block": 128}),
     Case("quantize", "of2", {"outliers_per_block": 2}),
     Case("quantize", "stochastic", {"rounding": "stochastic", "seed": 1}),
+    Case("quantize", "values", values=True),
     Case("dequantize", "bf16", out="bf16"),
     Case("dequantize", "fp32", out="fp32"),
     Case("decompose", "stats"),
@@ -193,6 +197,8 @@ def buffers(make: Callable[[int], Any], nbytes: int, rotate_mib: int) -> list:
 def case_bytes(case: Case, r: int, k: int, in_size: int, mx_bytes: int) -> int:
     """Bytes ``case`` must move once on an [r, k] input of ``in_size``-byte elements."""
     kp = -(-k // 32) * 32
+    if case.values:
+        return r * k * in_size + r * kp * 2
     if case.op == "quantize":
         return r * k * in_size + mx_bytes
     if case.op == "dequantize":
@@ -204,6 +210,8 @@ def case_bytes(case: Case, r: int, k: int, in_size: int, mx_bytes: int) -> int:
 def kernel_call(case: Case, backend, recipe, out_dtype) -> Callable[[Any], Any]:
     """The backend's op on the canonical rows problem: the kernel launch and its output
     allocation, none of the public op's validation and reshaping."""
+    if case.values:
+        return lambda x: backend.quantized_values(x, recipe)
     if case.op == "quantize":
         return lambda x: backend.quantize(x, recipe)
     if case.op == "dequantize":
@@ -211,9 +219,12 @@ def kernel_call(case: Case, backend, recipe, out_dtype) -> Callable[[Any], Any]:
     return lambda x: backend.decompose(x, recipe, "gain", case.full)
 
 
-def eager_call(case: Case, recipe, out_dtype) -> Callable[[Any], Any]:
+def eager_call(case: Case, recipe, out_dtype, backend=None) -> Callable[[Any], Any]:
+    """The public op (``values``: no public op; the backend's call, as the kernel time's)."""
     import portable_mx as pmx
 
+    if case.values:
+        return kernel_call(case, backend, recipe, out_dtype)
     if case.op == "quantize":
         return lambda x: pmx.quantize(x, recipe)
     if case.op == "dequantize":
@@ -273,10 +284,11 @@ def measure(args: argparse.Namespace, timer: Timer, device) -> list[dict[str, An
                         eager_inputs = mxs
                     else:
                         inputs = eager_inputs = xs
-                        mx_bytes = pmx.quantize(xs[0], recipe).nbytes() if case.op == "quantize" else 0
+                        mx_bytes = pmx.quantize(xs[0], recipe).nbytes() if case.op == "quantize" and not case.values \
+                            else 0
                     nbytes = case_bytes(case, r, k, dtype.itemsize, mx_bytes)
                     kernel_ms = timer.kernel_ms(kernel_call(case, backend, recipe, out_dtype), inputs, nbytes)
-                    eager_ms = timer.eager_ms(eager_call(case, recipe, out_dtype), eager_inputs)
+                    eager_ms = timer.eager_ms(eager_call(case, recipe, out_dtype, backend), eager_inputs)
                     gbps = nbytes / kernel_ms / 1e6
                     row.update({"backend": backend.name, "kernel_us": kernel_ms * 1e3, "eager_us": eager_ms * 1e3,
                                 "bytes": nbytes, "gbps": gbps, "ratio": gbps / copy_gbps,

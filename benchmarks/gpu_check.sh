@@ -98,7 +98,7 @@ steps_default() {
   # limits from the H200 run of 2026-11-27: wheels 1 s, info 12 s, element-wise 22 s, GEMM
   # past 165 s (137 s on 2026-11-26; it writes each shape as it goes), overhead ~35 s, MoE
   # 35 s, the GPU tests past 175 s at 99% on 16 workers (they take what is left, at most 220 s)
-  bench bench-elementwise 30 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
+  bench bench-elementwise 35 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
   bench bench-gemm 185 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
   bench bench-overhead 45 benchmarks/overhead.py --gpu-checks --out "$out/results"
   bench bench-moe 45 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"

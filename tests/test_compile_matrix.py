@@ -460,3 +460,39 @@ def test_comments_are_not_instructions():
         assert re.search(TARGETS[target].native_mx_pattern, text)  # the raw text would match
         bare = re.sub(tc.comment, "", text)
         assert not re.search(TARGETS[target].native_mx_pattern, bare) and not re.findall(tc.mma_pattern, bare)
+
+
+def test_a_warps_dequantize_stores_lie_along_one_row():
+    """The dequantize kernel's 16-byte stores: a warp's 32 lanes on 32 neighbouring vectors
+    of one row (512 contiguous bytes), in the tile orientation dequantize.nv_first picks for
+    the installed triton; the other orientation puts them over rows (triton 3.6 and 3.9
+    break the tie between the tile's two non-contiguous dimensions oppositely), the
+    pattern that ran dequantize at 0.47 / 0.13 of a device copy on an H200
+    (benchmarks/NOTES-elementwise.md, section 13). Compiled for sm_90, read from the TTGIR."""
+    script = (
+        "import re, dataclasses, torch, triton\n"
+        "from triton.compiler import ASTSource\n"
+        "from portable_mx.backends.targets import TARGETS\n"
+        "from portable_mx.backends.triton import dequantize as dq\n"
+        "from portable_mx.backends.triton.launch import TileConfig\n"
+        "for dtype in (torch.bfloat16, torch.float32):\n"
+        "    spec = dq.launch_spec(False, 0, dtype, TileConfig(16, 256, num_warps=4), {})\n"
+        "    for nv in (spec.constexprs['NV_FIRST'], not spec.constexprs['NV_FIRST']):\n"
+        "        k = triton.compile(ASTSource(spec.fn, dict(spec.signature), attrs=spec.attrs(),\n"
+        "                                     constexprs={**spec.constexprs, 'NV_FIRST': nv}),\n"
+        "                           target=TARGETS['sm_90'].gpu_target(), options=dict(spec.options))\n"
+        "        ir = k.asm['ttgir']\n"
+        "        name = re.search(r'tt\\.store .*?: tensor<[0-9x]+x!tt\\.ptr<i(?:32|64)>, #(\\w+)>', ir).group(1)\n"
+        "        lanes = re.search('#' + name + r' = #ttg\\.blocked<\\{.*?threadsPerWarp = \\[([0-9, ]+)\\]', ir).group(1)\n"
+        "        lanes = [int(v) for v in lanes.split(',')]\n"
+        "        print(str(dtype), nv == spec.constexprs['NV_FIRST'], lanes[0 if nv else 1])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.split("\n") if line.startswith("torch.")]
+    assert len(rows) == 4, proc.stdout
+    for dtype, chosen, lanes_on_vectors in rows:
+        if chosen == "True":
+            assert lanes_on_vectors == "32", (dtype, proc.stdout)
+        else:  # the guard is needed: the other orientation leaves lanes on the rows
+            assert int(lanes_on_vectors) < 32, (dtype, proc.stdout)

@@ -47,12 +47,12 @@ def vec_bytes(dtype: torch.dtype) -> int:
 
 @triton.jit
 def _per_vector(ptr, rows, blk, stride, mask, other, EVEN: tl.constexpr):
-    """Load ptr[rows * stride + blk] for [NV, BR] (one value per thread vector: the
-    vector's block's)."""
+    """Load ptr[rows * stride + blk] for the tile's two outer dimensions (rows and blk
+    broadcast to them: one value per thread vector, the vector's block's)."""
     if EVEN:
-        return tl.load(ptr + rows[None, :] * stride + blk)
+        return tl.load(ptr + rows * stride + blk)
     else:
-        return tl.load(ptr + rows[None, :] * stride + blk, mask=mask, other=other)
+        return tl.load(ptr + rows * stride + blk, mask=mask, other=other)
 
 
 @triton.jit
@@ -61,6 +61,7 @@ def dequantize_kernel(
     R, KW, NM, MACRO,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, HAS_MACRO: tl.constexpr,
     N_OUT: tl.constexpr, OUT_KIND: tl.constexpr, EVEN: tl.constexpr, K_FIRST: tl.constexpr,
+    NV_FIRST: tl.constexpr,
 ):
     """q: uint8 [R, KW = Kp/2]; s: uint8 [R, Kp/32]; m: fp32 [R, NM]; ov: int16 (bf16
     bits) and oi: uint8 [R, Kp/32, N_OUT] (N_OUT = 2: read a block's pair as one int32
@@ -70,19 +71,27 @@ def dequantize_kernel(
 
     A thread owns VEC consecutive code bytes and stores their VEC words with one 16-byte
     store; neighbouring threads own neighbouring vectors of a row, so a warp's stores are
-    contiguous. The tile is [NV, BR, VEC], vectors first: Triton orders the dimensions
-    that are not contiguous by their index, and a [BR, NV, VEC] tile put a warp's threads
-    over 16 rows (32-byte runs). Loads, the per-vector scale and outliers, and the stores
-    share its one layout: no conversion."""
+    contiguous. Loads, the per-vector scale and outliers, and the stores share the tile's
+    one layout: no conversion. The tile is [NV, BR, VEC] (NV_FIRST) or [BR, NV, VEC]:
+    Triton gives its threads to the two dimensions that are not contiguous in an order it
+    breaks by their index, ascending under triton 3.6 and descending under 3.9
+    (:func:`nv_first`), and the vectors' dimension must come first (the other way a warp's
+    lanes sit on 16 rows, 32-byte runs)."""
     BW: tl.constexpr = BLOCK_K // 2
     NV: tl.constexpr = BW // VEC
     NB = KW // 16
     pid_r, pid_k = program_tile(K_FIRST)
-    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    vcol = (pid_k * BW + tl.arange(0, NV) * VEC)[:, None]  # first byte of each vector
-    byte = vcol[:, :, None] + tl.arange(0, VEC)[None, None, :]  # [NV, 1, VEC]
-    vmask = (rows[None, :] < R) & (vcol < KW)  # [NV, BR]; unused (dead) when EVEN
-    at = rows[None, :, None] * KW + byte  # a byte's offset, and its word's
+    r1 = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    v1 = pid_k * BW + tl.arange(0, NV) * VEC  # first byte of each vector
+    if NV_FIRST:  # [NV, BR] outer dimensions
+        rows = r1[None, :]
+        vcol = v1[:, None]
+    else:  # [BR, NV]
+        rows = r1[:, None]
+        vcol = v1[None, :]
+    byte = vcol[:, :, None] + tl.arange(0, VEC)[None, None, :]
+    vmask = (rows < R) & (vcol < KW)  # unused (dead) when EVEN
+    at = rows[:, :, None] * KW + byte  # a byte's offset, and its word's
     if EVEN:
         packed = tl.load(q_ptr + at)
     else:
@@ -139,9 +148,21 @@ def dequantize_kernel(
         tl.store(out_ptr + at, word, mask=vmask[:, :, None])
 
 
+def nv_first() -> bool:
+    """Whether the kernel's tile puts its vectors' dimension first ([NV, BR, VEC]) for the
+    importable triton: its coalescing orders a tile's non-contiguous dimensions by index,
+    ascending under triton <= 3.6 and descending under 3.9 (both checked: the sm_90 TTGIR
+    in tests/test_compile_matrix.py); the releases between are taken as 3.9."""
+    from . import triton_version
+
+    version = triton_version()
+    return version is not None and version <= (3, 6)
+
+
 def _constexprs(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, even: bool) -> dict:
     return {"BLOCK_R": config.block_r, "BLOCK_K": config.block_k, "VEC": vec_bytes(dtype), "HAS_MACRO": has_macro,
-            "N_OUT": n_out, "OUT_KIND": OUT_KINDS[dtype], "EVEN": even, "K_FIRST": config.order == "k"}
+            "N_OUT": n_out, "OUT_KIND": OUT_KINDS[dtype], "EVEN": even, "K_FIRST": config.order == "k",
+            "NV_FIRST": nv_first()}
 
 
 def launch_spec(has_macro: bool, n_out: int, dtype: torch.dtype, config: TileConfig, options: dict,

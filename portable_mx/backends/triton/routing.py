@@ -125,7 +125,7 @@ def _block(n: int) -> int:
 
 
 def _chunk(block: int) -> int:
-    """Pairs (or slots) compared per step against ``block`` others: _LANES in all."""
+    """Slots of the schedule compared per step against ``block`` experts: _LANES in all."""
     return max(4, min(32, _LANES // block))
 
 

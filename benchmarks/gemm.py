@@ -50,8 +50,9 @@ speedup a memory-bound GEMM can reach), the goal of issue 14 (:data:`GOALS`) and
 shape's wall-clock seconds by phase (``shape_seconds``: setup and checks, the peer's setup,
 host_us, each timer; also printed per shape). The result goes to
 ``benchmarks/results/gemm-<device slug>.json`` (``--quick`` and ``--cpu-smoke`` write only
-to ``--out``) after every shape with ``complete`` false, so that a run cut at its time
-limit keeps the shapes it finished, and at the end with ``complete`` true. With no GPU (and
+to ``--out``) at the end with ``complete`` true; a file named by ``--out`` is also written
+after every shape with ``complete`` false, so that a run cut at its time limit keeps the
+shapes it finished (the default file is written only whole). With no GPU (and
 no ``--cpu-smoke``) it prints why and exits with status 2, writing nothing.
 """
 
@@ -72,7 +73,6 @@ from common import (
     gpu_device,
     no_gpu,
     result_header,
-    result_path,
     time_interleaved,
     write_result,
     write_unless_trial,
@@ -648,7 +648,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "complete": False,
     }
     trial = args.quick or args.cpu
-    path = result_path(args.out, trial, "gemm", name)  # None: a trial run without --out writes nowhere
     rows: list[dict[str, Any]] = []
     try:
         with torch.no_grad():
@@ -661,12 +660,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 rows += shape_rows
                 print(format_table(shape_rows))
                 print(format_seconds(shape, shape_rows[0]["shape_seconds"]), flush=True)
-                if path is not None:  # after every shape: a run cut at its time limit keeps what it measured
+                if args.out is not None:  # after every shape: a run cut at its time limit keeps what it measured
+                    # (only where --out names the file: never over a committed default file)
                     write_result({**result, "seconds": time.perf_counter() - start, "rows": rows,
-                                  "goals": summarize_goals(rows)}, path, quiet=True)
+                                  "goals": summarize_goals(rows)}, args.out, quiet=True)
     except CheckFailed as err:
-        if rows and path is not None:
-            os.remove(path)  # the earlier shapes' partial result: a failed check leaves no result file
+        if rows and args.out is not None:
+            os.remove(args.out)  # the earlier shapes' partial result: a failed check leaves no result file
         print(f"benchmarks/gemm.py: correctness check FAILED: {err}. Nothing was written.", file=sys.stderr)
         return EXIT_CHECK_FAILED
 

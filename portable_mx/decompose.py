@@ -28,9 +28,9 @@ with |x| <= 2**-129 are deadzoned (Q = 0, e_dead = -x): the statistics count the
 element tensors show them (a block of such values has relative error 1, all deadzone).
 
 The one finite x without finite statistics is one whose Q is itself infinite: Q is the
-fp32 value dequantize produces, and a block whose amax is within a rounding step of the
-fp32 maximum can quantize to 2**128 (rceil/even/ceil scales, macro factors), which fp32
-holds as +-inf, as an outlier past bfloat16's maximum is stored as +-inf. The error is
+fp32 value dequantize produces, and under rceil/even/ceil scales (or macro factors) a block
+whose largest |x| is at least 3.5 * 2**126 (about 2.98e38, 7/8 of the fp32 maximum)
+quantizes its largest values to 2**128, which fp32 holds as +-inf, as an outlier past bfloat16's maximum is stored as +-inf. The error is
 then infinite, as the ``dequantized`` elements show: that block's error energy is inf,
 its beta, scale and grid statistics inf or NaN, and so are the whole-tensor figures
 (relative MSE inf, shares NaN).
@@ -102,6 +102,9 @@ class Decomposition:
         """The five energies, beta's sum and the two counts summed over every block in
         float64 on the device, and the non-finite count, read back in one transfer; raises
         ValueError when x held NaN/Inf."""
+        if self.beta.device.type == "meta":
+            raise ValueError("a decomposition on the meta device holds shapes only: it has no whole-tensor figures")
+
         def total(t: torch.Tensor) -> torch.Tensor:
             return t.sum(dtype=torch.float64)
 

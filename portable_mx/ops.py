@@ -9,6 +9,7 @@ its custom op, so that a compiled graph holds one node per call (no graph break)
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -73,9 +74,10 @@ def dense_error(name: str, x: torch.Tensor) -> str:
 
 
 def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
-    if axis.__class__ is not int:
-        if not isinstance(axis, int) or isinstance(axis, bool):
+    if axis.__class__ is not int:  # numpy's integers too (operator.index), never a bool or a tensor
+        if isinstance(axis, (bool, torch.Tensor)) or not hasattr(type(axis), "__index__"):
             raise TypeError(f"{name} must be an int; got {type(axis).__name__}")
+        axis = operator.index(axis)
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}={axis} is out of range for a tensor with {ndim} dims")
     return axis % ndim
@@ -150,17 +152,24 @@ def decompose(
 ) -> Decomposition:
     """Split the MXFP4 error Q(x) - x into scale bias, deadzone and grid noise.
 
-    x: float tensor (as for :func:`quantize`); ``definition`` "gain" (orthogonal,
-    energy-additive) or "counterfactual" (numerics.md section 3). Q is the quantizer of
+    x: float tensor (as for :func:`quantize`), blocked along ``axis`` (an int, any of x's
+    dims); ``definition`` "gain" (orthogonal, energy-additive) or "counterfactual"
+    (numerics.md section 3; its Q* rounds to nearest, so with stochastic rounding its
+    scale bias holds that rounding's noise too: a warning says so). Q is the quantizer of
     ``recipe``, corrections included. Element tensors come back shaped like x in fp32
-    (omitted when ``full=False``); per-block statistics are ``[*lead, n_blocks]``.
+    (omitted when ``full=False``, a bool); per-block statistics are ``[*lead, n_blocks]``,
+    ``lead`` being x's shape without ``axis`` and the blocks last whatever the axis.
+    Identical on every backend: Q, the deadzone and the counts; beta, the energies and
+    the element tensors to fp32 rounding (a Triton kernel's statistics can differ in
+    their last bits between ``full=True`` and ``False``).
     Exact: scale_bias + deadzone + grid_noise == dequantized - x to fp32 rounding.
     x must be finite; checking it does not synchronise here: blocks holding NaN/Inf get
     NaN statistics, and the whole-tensor figures of the result (``totals``, ``shares``,
     ``relative_mse``, ``summary``) raise ValueError. The statistics are right for every
-    finite x, subnormals to the fp32 maximum (per-block energies are float64; see
+    finite x from the subnormals up (per-block energies are float64), save blocks whose Q
+    is inf (rceil/even/ceil scales round a largest |x| >= 3.5 * 2**126 to 2**128; see
     :mod:`portable_mx.decompose`). float64 x is decomposed as the fp32 values it rounds to,
-    as it is quantized: a value below fp32's range (|x| < 2**-150) counts as 0 (no signal,
+    as it is quantized: a value below fp32's range (|x| <= 2**-150) counts as 0 (no signal,
     no error, not deadzoned), one above it is Inf there (the whole-tensor figures raise).
     Under ``torch.compile`` (``fullgraph=True`` too) the
     call traces as one ``portable_mx::decompose`` op; the whole-tensor figures read the
@@ -170,6 +179,12 @@ def decompose(
     x, recipe, axis = _prepare("decompose", x, recipe, axis, _is_compiling())
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
+    if full is not True and full is not False:
+        raise TypeError(f"full must be a bool; got {type(full).__name__}")
+    if definition == "counterfactual" and recipe.rounding == "stochastic" and not _is_compiling():
+        warnings.warn("decompose(definition='counterfactual') rounds Q* = s* g(x / s*) to nearest, so under "
+                      "stochastic rounding scale_bias (Q - Q*) also holds the rounding's noise (with s = s* it is "
+                      "all of it); definition='gain' separates them", UserWarning, stacklevel=2)
     refuse_func_transforms("decompose", x)
     x = x.detach()  # (the reference's torch ops carried x's graph; the kernels' and the compiled op's did not)
     if _is_compiling():

@@ -114,7 +114,8 @@ class Backend:
     def decompose(
         self, x: torch.Tensor, recipe: "QuantRecipe", definition: str, full: bool
     ) -> "Decomposition":
-        """x: finite float [R, K] -> Decomposition in rows layout ([R, Kp] / [R, Kp/32])."""
+        """x: float [R, K] -> Decomposition in rows layout ([R, Kp] / [R, Kp/32]); blocks
+        holding NaN/Inf get NaN statistics."""
         raise NotImplementedError
 
     def matmul(

@@ -38,6 +38,7 @@ def _check_exact(d, x):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.describe())
 @pytest.mark.parametrize("definition", ["gain", "counterfactual"])
+@pytest.mark.filterwarnings("ignore:decompose\\(definition='counterfactual'\\)")
 def test_components_sum_to_the_error(recipe, definition):
     x = data()
     d = pmx.decompose(x, recipe, definition=definition)
@@ -469,3 +470,47 @@ def test_decompose_results_never_require_grad():
     d = pmx.decompose(x, full=True)
     assert not any(t.requires_grad for t in (d.beta, d.scale_bias, d.grid_noise, d.deadzone, d.dequantized,
                                              d.energy_scale, d.energy_grid))
+
+
+def test_full_must_be_a_bool_and_axis_any_integer():
+    """``full`` is a bool (the string "False" was truthy: element tensors came back); the
+    axis takes numpy's integers as quantize's recipe fields do, never a bool or a tensor."""
+    import numpy as np
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    for bad in ("False", 0, None):
+        with pytest.raises(TypeError, match="full must be a bool"):
+            pmx.decompose(x, full=bad)
+    want = pmx.decompose(x.t().contiguous(), axis=0)
+    got = pmx.decompose(x.t().contiguous(), axis=np.int64(0))
+    assert torch.equal(got.beta, want.beta) and torch.equal(got.dequantized, want.dequantized)
+    for bad in (True, torch.tensor(0), 0.0):
+        with pytest.raises(TypeError, match="axis must be an int"):
+            pmx.decompose(x, axis=bad)
+
+
+def test_counterfactual_under_stochastic_rounding_warns_that_its_scale_bias_holds_the_noise():
+    """Q* rounds to nearest: with stochastic rounding and s = s* (the block's amax 6 under
+    rceil), Q - Q* is the rounding's noise alone, which the counterfactual reports as scale
+    bias; the call says so. Gain, or nearest rounding, give no warning."""
+    import warnings
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    x = x / x.abs().amax(-1, keepdim=True) * 6.0  # rceil's scale is the ideal s* = 1
+    sr = pmx.QuantRecipe(scale_rule="rceil", rounding="stochastic", seed=1)
+    with pytest.warns(UserWarning, match="stochastic rounding"):
+        d = pmx.decompose(x, sr, definition="counterfactual")
+    assert d.shares()["scale"] > 0.5  # what the warning is about (0 with nearest rounding)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pmx.decompose(x, sr, definition="gain")
+        nearest = pmx.decompose(x, pmx.QuantRecipe(scale_rule="rceil"), definition="counterfactual")
+    assert nearest.shares()["scale"] == 0.0
+
+
+def test_whole_tensor_figures_on_the_meta_device_are_refused_clearly():
+    d = pmx.decompose(torch.empty(4, 64, device="meta"))
+    assert d.beta.shape == (4, 2)
+    for figure in (d.summary, d.totals, d.shares, d.relative_mse):
+        with pytest.raises(ValueError, match="meta device"):
+            figure()

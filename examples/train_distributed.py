@@ -22,6 +22,13 @@ step S (after the backward, before the optimizer step), as a preempted job would
 Rank 0 appends each step's loss (averaged over the ranks) to ``OUT/loss.jsonl``, once per
 step (a resumed run drops the lines of the steps after its checkpoint, which it runs
 again): a run resumed after a kill continues the uninterrupted run's loss curve exactly.
+A run without ``--resume`` refuses an ``--out`` that holds checkpoints already (their
+runs would mix), and ``--resume`` refuses an ``--out`` that holds none.
+
+Each step's line also gives the bytes of the MXFP4 layers' weights this rank passed to
+FSDP2's all-gathers in that step (``pmx.nn.gathered_bytes``): those weights only, not
+the other parameters (embeddings, norms, biases, the head), which FSDP2 gathers too; 0
+on one process (FSDP2 gathers nothing there), and not counted under ``--no-mx-gather``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,6 +48,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import portable_mx as pmx
+
+
+HEADS = 4
+"""Attention heads of each block (``--d-model`` must be a multiple)."""
 
 
 class Block(nn.Module):
@@ -108,6 +120,50 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()
+    # every rank checks the same arguments and folder before the process group exists;
+    # rank 0 alone says why, so that a bad argument gives one clear error
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def fail(message: str) -> NoReturn:
+        if int(os.environ.get("RANK", "0")) == 0:
+            p.error(message)
+        raise SystemExit(2)
+
+    for name, value, least in (("--steps", args.steps, 1), ("--ckpt-every", args.ckpt_every, 1),
+                               ("--batch", args.batch, 1), ("--seq", args.seq, 2), ("--vocab", args.vocab, 2),
+                               ("--d-model", args.d_model, 1), ("--layers", args.layers, 1)):
+        if value < least:
+            fail(f"{name} must be at least {least}, not {value}"
+                 + (" (the next-token loss needs 2 tokens a sequence)" if name == "--seq" else ""))
+    if args.batch % world:
+        fail(f"--batch {args.batch} must be a multiple of the number of processes ({world})")
+    if args.d_model % HEADS:
+        fail(f"--d-model {args.d_model} must be a multiple of the number of attention heads ({HEADS})")
+    if not args.lr > 0:
+        fail(f"--lr must be positive, not {args.lr}")
+    try:
+        fields = json.loads(args.recipe)
+        if not isinstance(fields, dict):
+            raise ValueError(f"a JSON object of QuantRecipe fields is needed, not {type(fields).__name__}")
+        recipe = pmx.QuantRecipe(**fields)
+    except (ValueError, TypeError) as e:
+        errors = getattr(e, "errors", None)  # pydantic's ValidationError: one line a field
+        why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'recipe'}: {err['msg']}" for err in errors()) \
+            if callable(errors) else str(e)
+        fail(f"--recipe {args.recipe!r}: {why}")
+    if args.out.exists() and not args.out.is_dir():
+        fail(f"--out {args.out} is a file, not a folder")
+    found = latest_checkpoint(args.out) if args.out.is_dir() else None
+    if args.resume and found is None:
+        fail(f"--resume: {args.out} holds no checkpoint (step_<n>) to resume from; "
+             "run without --resume to start a new run there")
+    if not args.resume and found is not None:
+        fail(f"{args.out} holds checkpoints already (the latest {found[1].name}): add --resume to continue "
+             "that run, or give another --out (a new run there would mix with the old one)")
+    start = found[0] if args.resume else 0
+    if args.kill_at is not None and not start <= args.kill_at < args.steps:
+        fail(f"--kill-at {args.kill_at} is never reached: this run does steps {start} to {args.steps - 1}"
+             if start < args.steps else f"--kill-at {args.kill_at} is never reached: this run has no steps left")
 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -120,13 +176,12 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the number of processes ({world})")
+    rank = dist.get_rank()
+    assert world == dist.get_world_size(), (world, dist.get_world_size())
 
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.seq, args.d_model, heads=4, hidden=4 * args.d_model, layers=args.layers)
-    pmx.nn.convert(model, pmx.QuantRecipe(**json.loads(args.recipe)), skip=["head"])
+    model = GPT(args.vocab, args.seq, args.d_model, heads=HEADS, hidden=4 * args.d_model, layers=args.layers)
+    pmx.nn.convert(model, recipe, skip=["head"])
     model.to(device)
     if not args.no_mx_gather:
         pmx.nn.enable_fsdp_mx_all_gather(model)
@@ -138,10 +193,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    start = 0
-    found = latest_checkpoint(args.out) if args.resume else None
-    if found is not None:
-        start, path = found
+    if args.resume:
+        path = found[1]
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
@@ -155,6 +208,8 @@ def main() -> None:
                 if line.strip() and json.loads(line)["step"] < start]
         path.write_text("".join(line + "\n" for line in kept))
         log = open(path, "a")
+        if start >= args.steps:
+            print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}", flush=True)
 
     per_rank = args.batch // world
     for step in range(start, args.steps):
@@ -170,11 +225,16 @@ def main() -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         mean = (mean / world).item()
+        # the MXFP4 layers' weights only (the other parameters are all-gathered too); one
+        # process all-gathers nothing; FSDP2's own gather (--no-mx-gather) is not counted
         sent = pmx.nn.gathered_bytes(model)
         if log is not None:
             log.write(json.dumps({"step": step, "loss": mean, "world": world}) + "\n")
             log.flush()
-            print(f"step {step:4d}  loss {mean:.6f}  weight bytes all-gathered by this rank {sent}", flush=True)
+            what = "not counted (--no-mx-gather)" if args.no_mx_gather else \
+                f"{sent}" + (" (one process: nothing is all-gathered)" if world == 1 else "")
+            print(f"step {step:4d}  loss {mean:.6f}  MXFP4 layer-weight bytes all-gathered by this rank {what}",
+                  flush=True)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
             final, tmp = args.out / f"step_{step + 1}", args.out / f"step_{step + 1}.tmp"
             model_sd, optim_sd = get_state_dict(model, opt)

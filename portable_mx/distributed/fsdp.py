@@ -271,7 +271,8 @@ class MXWeight(Tensor):
             n_copy = ops.quantize(w, recipe, axis=0).rows().parts()  # [K, n/2], [K, n/32], ...
             plan.num_k_parts = len(k_copy)
             inputs = (*k_copy, *(p.movedim(1, 0).contiguous() for p in n_copy))
-        state.bytes_sent += sum(t.numel() * t.element_size() for t in inputs)
+        if mesh.size() > 1:  # on one rank FSDP2 copies the inputs out without a collective
+            state.bytes_sent += sum(t.numel() * t.element_size() for t in inputs)
         return inputs, plan
 
     def fsdp_post_all_gather(self, outputs, metadata: _Plan, param_dtype, *, out=None):
@@ -506,8 +507,11 @@ def gathered_bytes(model: nn.Module, *, reset: bool = True) -> int:
     """Bytes of weights this rank has sent to FSDP2's all-gathers (forward and
     backward) since the last reset, summed over the layers of ``model`` prepared by
     :func:`enable_fsdp_mx_all_gather` (those in MXFP4 and those that fell back to high
-    precision); each rank receives ``world_size`` times as much. Call it once per step
-    for a per-step figure (``reset=True`` starts the next count at zero)."""
+    precision); each rank receives ``world_size`` times as much. Those layers' weights
+    only: FSDP2 gathers the other parameters (biases, norms, embeddings, layers not
+    prepared) in the same collectives, uncounted here. 0 on a one-rank mesh, where FSDP2
+    runs no collective. Call it once per step for a per-step figure (``reset=True``
+    starts the next count at zero)."""
     total = 0
     for module in model.modules():
         state = getattr(module, "_pmx_mx_gather", None)

@@ -499,3 +499,202 @@ def test_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV_CACHE_DIR, str(blocker))
     with pytest.raises(NotADirectoryError, match="not-a-dir"):
         cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)})
+
+
+# ----------------------------------------------------------------------------- repeated keys, strict numbers
+
+
+def _with(doc: dict, old: str, new: str) -> bytes:
+    """``doc`` as JSON text with ``old`` (which must occur once) replaced by ``new``: the
+    way to write a repeated key, which json.dumps cannot."""
+    text = json.dumps(doc)
+    assert text.count(old) == 1, old
+    return text.replace(old, new).encode()
+
+
+def _values(text: str, key: str, dotted: str) -> list:
+    """Every value that the entry ``key`` of the cache file ``text`` gives the field
+    ``dotted`` ("time_ms", "config.block_m"), a repeated key's included, in file order."""
+    top = dict(json.loads(text, object_pairs_hook=lambda pairs: pairs))
+    (pairs,) = [value for name, value in top["entries"] if name == key]
+    *outer, last = dotted.split(".")
+    for part in outer:
+        (pairs,) = [value for name, value in pairs if name == part]
+    return [value for name, value in pairs if name == last]
+
+
+@pytest.mark.parametrize("key", ["entries", "arch", "schema_version", "kernel_hash"])
+def test_a_repeated_top_level_key_makes_the_file_corrupt_never_a_silent_loss(key):
+    """A top-level key written twice (two "entries" objects after a hand merge): JSON's
+    last-wins hid the first object: its entries were missing without a word and the next
+    record() rewrote the file without them. Now the whole file is ignored with a warning
+    naming it and the key, and record() sets it aside byte for byte."""
+    path = cache.cache_file("interpret", "cpu")
+    first, second = (cache.entry_key("matmul", "e2m1", "e2m1", 32, n, 128) for n in (16, 32))
+    doc = _doc({first: _entry()})
+    repeated = {"entries": json.dumps({second: _entry()}), "arch": '"interpret"', "schema_version": "2",
+                "kernel_hash": json.dumps(cache.kernel_hash())}[key]
+    data = _write(path, _with(doc, '"entries": {', f'"{key}": {repeated}, "entries": {{'))
+    found, messages = _caught(lambda: [cache.lookup("interpret", "cpu", k) for k in (first, second)])
+    assert found == [None, None]
+    assert [m for m in messages if str(path) in m and repr(key) in m and "more than once" in m], messages
+    new = {KEY: cache.make_entry(GemmConfig(16, 32, 64), 2.0)}
+    _, messages = _caught(lambda: cache.record("interpret", "cpu", new))
+    assert any("set aside" in m and repr(key) in m for m in messages), messages
+    assert path.with_name(path.name[:-len(".json")] + ".corrupt.json").read_bytes() == data
+    assert list(json.loads(path.read_text())["entries"]) == [KEY]
+
+
+@pytest.mark.parametrize("old, new, twice, values", [
+    ('"time_ms": 1.0', '"time_ms": 1.0, "time_ms": 5.0', "time_ms", [1.0, 5.0]),
+    ('"block_m": 16', '"block_m": 16, "block_m": 32', "config.block_m", [16, 32]),
+])
+def test_a_key_repeated_inside_an_entry_makes_it_unreadable_and_kept_whole(old, new, twice, values):
+    """An entry that writes a key twice ("time_ms", or "block_m" in its config) was read
+    with the last value, silently. Now it is not used, with a warning naming the file,
+    the entry and the key; record() carries it through with both values, and a re-tune of
+    its shape keeps it, both values, in <name>.replaced.json."""
+    path = cache.cache_file("interpret", "cpu")
+    other = cache.entry_key("matmul", "e2m1", "e2m1", 32, 16, 128)
+    _write(path, _with(_doc({KEY: _entry()}), old, new))
+    found, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert found is None
+    assert [m for m in messages if str(path) in m and repr(KEY) in m and repr(twice) in m], messages
+    _caught(lambda: cache.record("interpret", "cpu", {other: cache.make_entry(GemmConfig(16, 16, 32), 2.0)}))
+    assert _values(path.read_text(), KEY, twice) == values
+    assert cache.lookup("interpret", "cpu", KEY) is None and cache.lookup("interpret", "cpu", other) is not None
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    aside = path.with_name(path.name[:-len(".json")] + ".replaced.json").read_text()
+    assert _values(aside, KEY, twice) == values
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+
+
+@pytest.mark.parametrize("field, value", [
+    ("time_ms", "true"), ("time_ms", '"1.5"'), ("time_ms", "Infinity"), ("time_ms", "NaN"), ("time_ms", "1e400"),
+    ("baseline_ms", "Infinity"), ("trials", "true"), ("trials", '"3"'), ("survivors", "2.0"),
+])
+def test_numbers_of_an_entry_are_strict(field, value):
+    """true or "1.5" as a time, an infinite time, a string count: were accepted (true as
+    1 ms, "1.5" as 1.5, Infinity as a time); now the entry is not used, with a warning
+    naming the file, the entry and the field."""
+    path = cache.cache_file("interpret", "cpu")
+    _write(path, _with(_doc({KEY: {**_entry(), field: 7}}), f'"{field}": 7', f'"{field}": {value}'))
+    found, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert found is None
+    assert [m for m in messages if str(path) in m and repr(KEY) in m and field in m], messages
+
+
+def test_a_byte_order_mark_is_no_corruption():
+    """A file saved by an editor with a UTF-8 byte order mark was called corrupt (and set
+    aside by the next record()): it is read."""
+    path = cache.cache_file("interpret", "cpu")
+    _write(path, b"\xef\xbb\xbf" + json.dumps(_doc({KEY: _entry()})).encode())
+    found, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert found["block_n"] == 32 and not [m for m in messages if str(path) in m]
+
+
+def test_a_schema_version_that_is_no_integer_is_set_aside_as_corrupt():
+    """schema_version "2" (a string) was set aside as "<name>.schema-2.schema-2.json",
+    as though it were of another schema: it is a malformed file, "<name>.corrupt.json"."""
+    path = cache.cache_file("interpret", "cpu")
+    data = _write(path, json.dumps(_doc({KEY: _entry()}, schema_version="2")).encode())
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 16, 32), 2.0)}))
+    stem = path.name[:-len(".json")]
+    assert path.with_name(f"{stem}.corrupt.json").read_bytes() == data
+    assert not list(path.parent.glob(f"{stem}.schema-*"))
+
+
+def test_info_says_malformed_for_a_malformed_entry(monkeypatch):
+    """``portable-mx info`` said "not readable by this version" of an entry with a negative
+    time, as though a newer version could read it: it says malformed, and keeps that text
+    for an entry with a field this version lacks."""
+    path = cache.cache_file("interpret", "cpu")
+    newer = {**_entry(), "config": {**_entry()["config"], "persistent": 1}}
+    keys = [cache.entry_key("matmul", "e2m1", "e2m1", 32, n, 128) for n in (16, 32, 48)]
+    _write(path, _doc({keys[0]: {**_entry(), "time_ms": -1}, keys[1]: {**_entry(), "time_ms": -2},
+                       keys[2]: newer}))
+    (row,) = [r for r in _caught(lambda: _info_rows(monkeypatch))[0] if r["file"] == str(path)]
+    assert "2 entries malformed" in row["why"] and "1 entries not readable by this version" in row["why"], row
+
+
+def test_an_unreadable_entry_carried_over_keeps_the_old_kernel_hash():
+    """record() under a new kernel source stamped the old file's hash on the entries it
+    could read, not on those it carries verbatim: they then looked measured with the new
+    source. Both are stamped now (and one kept aside after a re-tune)."""
+    path = cache.cache_file("interpret", "cpu")
+    bad, worse = (cache.entry_key("matmul", "e2m1", "e2m1", 32, n, 128) for n in (16, 48))
+    old = {bad: {**_entry(), "time_ms": -1}, worse: {**_entry(), "config": _fields(block_m=-16)}}
+    _write(path, _doc(old, kernel_hash="0123456789abcdef"))
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    doc = json.loads(path.read_text())
+    assert doc["kernel_hash"] == cache.kernel_hash()
+    for key, value in old.items():
+        assert doc["entries"][key] == {**value, "kernel_hash": "0123456789abcdef"}
+    _caught(lambda: cache.record("interpret", "cpu", {bad: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    aside = json.loads(path.with_name(path.name[:-len(".json")] + ".replaced.json").read_text())
+    assert aside["entries"][bad]["kernel_hash"] == "0123456789abcdef"
+
+
+# ----------------------------------------------------------------------------- the device
+
+
+def test_a_file_tuned_on_another_device_name_is_used_with_a_warning():
+    """The header's device_name was never checked: a file reached through the same file
+    name from another device's name was used as this device's tuning. Its configs still
+    launch (the arch is checked), so it is used, with one warning naming both."""
+    path = cache.cache_file("interpret", "cpu")
+    _write(path, _doc({KEY: _entry()}, device_name="CPU"))
+    found, messages = _caught(lambda: (cache.lookup("interpret", "cpu", KEY), cache.lookup("interpret", "cpu", KEY)))
+    assert found[0]["block_n"] == 32
+    assert len([m for m in messages if str(path) in m and "'CPU'" in m and "'cpu'" in m]) == 1, messages
+
+
+def test_device_names_outside_ascii_get_distinct_slugs():
+    """"GPU α" and "GPU β" both became "gpu", one file for two devices; ASCII names keep
+    the names every cache file so far was written under."""
+    assert cache.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert cache.slug("AMD Instinct MI300X (gfx942)") == "amd-instinct-mi300x-gfx942"
+    assert cache.slug("***") == "device"
+    alpha, beta = cache.slug("GPU α"), cache.slug("GPU β")
+    assert alpha != beta and alpha.startswith("gpu-") and beta.startswith("gpu-")
+    assert cache.slug("GPU α") == alpha and cache.slug("αβ") != cache.slug("γδ")
+    assert all(part.isascii() for part in (alpha, beta, cache.slug("αβ")))
+    for path in Path(cache.__file__).with_name("configs").glob("*.json"):  # the shipped files keep their names
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        assert path.name.startswith(f"{doc['arch']}-{cache.slug(doc['device_name'])}."), path.name
+
+
+def test_another_cache_dir_moves_the_generation(tmp_path, monkeypatch):
+    """Launch plans are kept while cache.generation() stands still: pointing
+    PORTABLE_MX_CACHE_DIR at another folder must move it (it did not)."""
+    before = cache.generation()
+    assert cache.generation() == before
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "elsewhere"))
+    moved = cache.generation()
+    assert moved != before and cache.generation() == moved
+    monkeypatch.delenv(cache.ENV_CACHE_DIR)
+    assert cache.generation() != moved
+
+
+@interpreted
+def test_matmul_after_the_cache_dir_changes_launches_the_new_folders_config(tmp_path, monkeypatch):
+    """Two folders tune one shape differently: a GEMM run under the first, then under the
+    second, launched the first folder's config from its kept plan."""
+    from portable_mx.backends.triton import launch as L
+
+    launched = []
+    real = L.launch
+    monkeypatch.setattr(L, "launch", lambda plan, args: launched.append(plan.config) or real(plan, args))
+    key = cache.entry_key("matmul", "e2m1", "e2m1", 16, 64, 128)
+    for folder, block_n in (("a", 32), ("b", 64)):
+        path = cache.cache_file("interpret", "cpu", tmp_path / folder)
+        _write(path, _doc({key: _entry(GemmConfig(16, block_n, 64))}))
+    gen = torch.Generator().manual_seed(6)
+    a = REF.quantize(torch.randn(16, 128, generator=gen), QuantRecipe())
+    b = REF.quantize(torch.randn(64, 128, generator=gen), QuantRecipe())
+    for folder, block_n in (("a", 32), ("b", 64), ("a", 32)):
+        monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / folder))
+        out = INTERPRET.matmul(a, b)
+        assert launched[-1].block_n == block_n, folder
+        exact = REF.dequantize(a, torch.float64) @ REF.dequantize(b, torch.float64).T
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4)

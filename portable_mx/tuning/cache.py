@@ -28,16 +28,24 @@ is exact for every K the kernel sees: 70 and 96 launch the same loop).
 **Reading** (:func:`load`, once per file and process):
 
 - A file that cannot be used as a whole is ignored with one warning naming it: unreadable,
-  not UTF-8, not JSON, not a cache document, or written for another schema version, arch
+  not UTF-8 (a leading byte order mark is allowed), not JSON, not a cache document (a key
+  outside the entries written twice, ``"entries"`` or ``"arch"`` say, is one: JSON's
+  last-wins would hide the first silently), or written for another schema version, arch
   or Triton release.
 - Each entry is checked on its own: its :class:`ConfigEntry` fields, and its config
   against what the GEMM kernels can launch (``backends/triton/config_rules.py``: this
   version's GemmConfig fields, ints, power-of-two tiles, warps, ``group_m`` in 1 .. 64,
-  ``split_k`` within the shape's K tiles, ...). An entry that fails is not used, with one
-  warning naming the file, the entry and why; its shape takes the next file's entry or the
-  backend's default config. The other entries are used.
-- A key the file holds more than once: the last of its entries is used (JSON's rule),
-  with one warning.
+  ``split_k`` within the shape's K tiles, ...). Its numbers are checked strictly: JSON
+  numbers, not ``true`` or ``"1.5"``; times finite and positive. An entry that writes a
+  key twice in one of its objects (``"time_ms"``, ``"config.block_m"``) is malformed. An
+  entry that fails is not used, with one warning naming the file, the entry and why; its
+  shape takes the next file's entry or the backend's default config. The other entries
+  are used.
+- An entry key the file holds more than once: the last of its entries is used (JSON's
+  rule), with one warning.
+- A file whose ``device_name`` is not the device's (another name with the same
+  :func:`slug`) is used (the arch is checked: its configs launch), with one warning that
+  they were measured on another device.
 - Entries measured with another GEMM kernel source (an entry's own ``kernel_hash``, or
   else the file's, differs from this version's :func:`kernel_hash`) are warned about once
   per file and still used (they are configs that compiled and ran correctly; re-tuning
@@ -51,17 +59,19 @@ processes lose nothing and adding an entry never invalidates the others.
 - New entries are checked like the ones read; an invalid one is refused (ValueError).
   An entry with the same key as a readable one replaces it only when faster, or when the
   old one was measured with another kernel source. The file's ``kernel_hash`` becomes
-  this version's; a carried entry measured with another one gets that hash as its own
-  ``kernel_hash``, so that re-tuning some shapes never makes the others look fresh.
+  this version's; a carried entry measured with another one (readable or not, and one
+  kept aside) gets that hash as its own ``kernel_hash``, so that re-tuning some shapes
+  never makes the others look fresh.
 - Entries this version cannot use (a field it lacks, written by a newer portable_mx;
   values the kernels cannot launch; a malformed entry) and top-level fields it does not
-  know are carried through verbatim. When a new entry takes the key of such an entry, the
-  old one is first written to ``<name>.replaced.json``.
+  know are carried through verbatim (an entry that writes a key twice is written back with
+  both). When a new entry takes the key of such an entry, the old one is first written
+  to ``<name>.replaced.json``.
 - A file that cannot be used as a whole is first set aside, renamed to
-  ``<name>.<why>.json`` (why: ``corrupt``, ``unreadable``, ``schema-1``, ``arch-sm_90``,
-  ``triton-3.5.0``), then a fresh file is written; ``<name>`` is the file's name without
-  ``.json``. An earlier file set aside is never replaced: the next one is
-  ``<name>.<why>.2.json``, and so on.
+  ``<name>.<why>.json`` (why: ``corrupt``, ``unreadable``, ``schema-1`` for a file of
+  schema version 1, ``arch-sm_90``, ``triton-3.5.0``), then a fresh file is written;
+  ``<name>`` is the file's name without ``.json``. An earlier file set aside is never
+  replaced: the next one is ``<name>.<why>.2.json``, and so on.
 - The entries a repeated key hid (all but its last) are first written to
   ``<name>.duplicates.json`` (one more file per further repetition).
 - A file that is a symbolic link stays one: the file it points to is replaced. A cache
@@ -69,8 +79,10 @@ processes lose nothing and adding an entry never invalidates the others.
   before it searches).
 
 **Lookup order:** the user cache dir's file of this release, its older-named file, then the
-package's two, then the backend's heuristics. Files are read once per process into a dict;
-a launch-time lookup is a dict lookup (:func:`lookup`).
+package's two, then the backend's heuristics. Files are read once per process and user
+cache dir into a dict; a launch-time lookup is a dict lookup (:func:`lookup`). Pointing
+``PORTABLE_MX_CACHE_DIR`` elsewhere moves :func:`generation`, so the GEMM's launch plans
+are made again from the new folder's entries.
 """
 
 from __future__ import annotations
@@ -81,6 +93,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import threading
 import warnings
 import dataclasses
@@ -118,9 +131,9 @@ class ConfigEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     config: dict[str, Any]
-    time_ms: float = Field(gt=0)
+    time_ms: float = Field(gt=0, allow_inf_nan=False)
     baseline: str = "default config"
-    baseline_ms: Optional[float] = Field(default=None, gt=0)
+    baseline_ms: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)
     trials: int = Field(default=0, ge=0)
     survivors: int = Field(default=0, ge=0)
     strategy: str = ""
@@ -215,8 +228,16 @@ def kernel_hash() -> str:
 
 
 def slug(name: str) -> str:
-    """A file-name-safe form of a device name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+    """A file-name-safe form of a device name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"
+    (an ASCII name: its lower-case letters and digits, each run of anything else one "-").
+    A name with characters outside ASCII gets the first 8 hex digits of the sha256 of its
+    UTF-8 bytes appended ("GPU α" -> "gpu-<hash>"), so that two names the ASCII form would
+    make one ("GPU α", "GPU β") get files of their own."""
+    out = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    if not name.isascii():
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        return f"{out}-{digest}" if out else f"device-{digest}"
+    return out or "device"
 
 
 def cache_dir() -> Path:
@@ -276,11 +297,12 @@ def _errors(err: ValidationError) -> str:
 
 def check_entry(key: str, value: Any, arch: str) -> tuple[Optional[ConfigEntry], Optional[str]]:
     """(the entry, None) when this version can use ``value`` as the entry ``key`` of a
-    cache for ``arch``, else (None, why not)."""
+    cache for ``arch``, else (None, why not). The fields are checked strictly: numbers are
+    JSON numbers (not booleans or strings), times finite and positive, counts ints."""
     from ..backends.triton import config_rules
 
     try:
-        entry = ConfigEntry.model_validate(value)
+        entry = ConfigEntry.model_validate(value, strict=True)  # (true or "1.5" is no time)
     except ValidationError as err:
         return None, _errors(err)
     found = config_rules.problems(entry.config, arch, key_kp(key))
@@ -298,20 +320,25 @@ def read(path: Path, arch: str) -> tuple[Optional[CacheFile], Optional[Problem]]
     except OSError as err:
         return None, Problem(f"unreadable ({type(err).__name__}: {err})", "unreadable")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # (a byte order mark, as some editors save one, is no content)
     except UnicodeDecodeError as err:
         return None, Problem(f"not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})", "corrupt")
-    repeated: dict[int, tuple[dict, list]] = {}
     try:
-        doc = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, repeated))
+        doc = json.loads(text, object_pairs_hook=_object)
     except (ValueError, RecursionError) as err:
         return None, Problem(f"not JSON ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
                              "corrupt")
     if not isinstance(doc, dict):
         return None, Problem(f"not a config cache (a JSON {type(doc).__name__}, not an object)", "corrupt")
+    twice = _repeat({k: v for k, v in doc.items() if k != "entries"}) or _repeat(doc, top=True)
+    if twice:
+        return None, Problem(f"not a config cache (the key {twice!r} is written more than once; JSON keeps "
+                             "the last, which would hide the others)", "corrupt")
     version = doc.get("schema_version")
-    if version != SCHEMA_VERSION or isinstance(version, bool):
-        return None, Problem(f"schema version {version!r}, expected {SCHEMA_VERSION}", f"schema-{version}")
+    if not isinstance(version, int) or isinstance(version, bool):
+        return None, Problem(f"not a config cache (schema_version {version!r} is not an integer)", "corrupt")
+    if version != SCHEMA_VERSION:
+        return None, Problem(f"schema version {version}, expected {SCHEMA_VERSION}", f"schema-{version}")
     raw = doc.get("entries", {})
     if not isinstance(raw, dict):
         return None, Problem(f"not a config cache (entries is a JSON {type(raw).__name__})", "corrupt")
@@ -327,28 +354,82 @@ def read(path: Path, arch: str) -> tuple[Optional[CacheFile], Optional[Problem]]
                              f"triton-{fields.triton_version}")
     entries, unreadable = {}, {}
     for key, value in raw.items():
-        entry, why = check_entry(key, value, arch)
+        entry, why = _read_entry(key, value, arch)
         if entry is None:
             unreadable[key] = why
         else:
             entries[key] = entry
-    duplicates = repeated[id(raw)][1] if id(raw) in repeated else []
-    return CacheFile(path, header, dict(raw), entries, unreadable, duplicates), None
+    return CacheFile(path, header, dict(raw), entries, unreadable, _hidden(raw)), None
 
 
-def _object(pairs: list, repeated: dict) -> dict:
-    """A JSON object as ``json`` makes it (a repeated name: the last value), noting the
-    values that a repeated name hid in ``repeated`` (id of the object -> (it, [(name,
-    value), ...]))."""
-    out: dict = {}
-    hidden = []
-    for key, value in pairs:
-        if key in out:
-            hidden.append((key, out[key]))
-        out[key] = value
-    if hidden:
-        repeated[id(out)] = (out, hidden)
-    return out
+def _read_entry(key: str, value: Any, arch: str) -> tuple[Optional[ConfigEntry], Optional[str]]:
+    """:func:`check_entry` of an entry as read from a file, where a key written twice in
+    one of its objects (``"time_ms"``, ``"config.block_m"``) makes it unreadable too: JSON
+    would keep the last value, and which one was meant is not known."""
+    twice = _repeat(value)
+    if twice:
+        return None, f"malformed: the key {twice!r} is written more than once in it; neither value is used"
+    return check_entry(key, value, arch)
+
+
+class _Pairs(dict):
+    """A JSON object that names a key more than once: the dict ``json`` makes of it (each
+    key's last value) and, in ``pairs``, every (key, value) in file order, so that it is
+    written back as it was read (:func:`_dumps`)."""
+
+    pairs: list
+
+
+def _object(pairs: list) -> dict:
+    """A JSON object as ``json`` makes it (a repeated key: its last value); a
+    :class:`_Pairs` when a key is repeated."""
+    out = dict(pairs)
+    if len(out) == len(pairs):
+        return out
+    found = _Pairs(out)
+    found.pairs = pairs
+    return found
+
+
+def _repeat(value: Any, top: bool = False) -> Optional[str]:
+    """The first key that ``value`` (as :func:`_object` made it) writes twice in one
+    object, as a dotted path from ``value`` (``"config.block_m"``); None when there is none.
+    ``top``: look at ``value``'s own keys only, not into its values."""
+    if isinstance(value, _Pairs):
+        seen = set()
+        for key, _ in value.pairs:
+            if key in seen:
+                return key
+            seen.add(key)
+    if top:
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = _repeat(item)
+        if inner:
+            return f"{key}.{inner}"
+    return None
+
+
+def _hidden(value: Any) -> list:
+    """(key, value) of every pair of an object that a later pair with the same key hides
+    (JSON's rule uses the last), in file order; [] for an object without repeated keys."""
+    if not isinstance(value, _Pairs):
+        return []
+    last = {key: i for i, (key, _) in enumerate(value.pairs)}
+    return [(key, item) for i, (key, item) in enumerate(value.pairs) if last[key] != i]
+
+
+def _newer(value: Any) -> bool:
+    """Whether the entry ``value`` names an entry field or a GemmConfig field this version
+    lacks: maybe written by a newer portable_mx, rather than malformed."""
+    from ..backends.triton.launch import GemmConfig
+
+    if not isinstance(value, dict):
+        return False
+    config = value.get("config")
+    return bool(set(value) - set(ConfigEntry.model_fields)) or \
+        (isinstance(config, dict) and bool(set(config) - {f.name for f in dataclasses.fields(GemmConfig)}))
 
 
 _warned: set[str] = set()
@@ -360,12 +441,14 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def load(path: Path, arch: str, quiet_mismatch: bool = False, written_here: bool = False) -> Optional[CacheFile]:
+def load(path: Path, arch: str, quiet_mismatch: bool = False, written_here: bool = False,
+         device_name: Optional[str] = None) -> Optional[CacheFile]:
     """The file at ``path`` if it exists and can be used for ``arch`` (and this Triton),
     else None. Warns once per process about a file that cannot be used (not about one
     written for another schema, arch or release when ``quiet_mismatch``; saying that
     tuning replaces it when ``written_here``, the user's file of this release), about each
-    entry that cannot, and about another kernel source hash."""
+    entry that cannot, about another kernel source hash, and about a file tuned on a
+    device whose name is not ``device_name`` (exact string comparison; given)."""
     path = Path(path)
     cache, problem = read(path, arch)
     if problem is not None:
@@ -390,6 +473,12 @@ def load(path: Path, arch: str, quiet_mismatch: bool = False, written_here: bool
                    f"portable_mx config cache {path}: entry {key!r} ignored ({why}); that shape uses the next cache "
                    "file's entry or the default config. Re-tune it (portable-mx tune) or correct the entry; "
                    "the entry is kept in the file as it is")
+    tuned_on = cache.header.get("device_name")
+    if device_name is not None and tuned_on != device_name:
+        _warn_once(f"{path}: device {tuned_on!r} {device_name!r}",
+                   f"portable_mx config cache {path} was tuned on {tuned_on!r}, not on this device "
+                   f"{device_name!r} (their names make one file name); its configs are used (they launch: the "
+                   "arch is checked) but may not be the fastest here. Re-tune on this device to refresh them")
     stale = stale_keys(cache)
     if stale:
         _warn_once(f"{path}: kernel: {len(stale)}",
@@ -448,7 +537,8 @@ def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
                 # an older-named file of another release is expected beside this release's file
                 quiet = path.name == legacy_file(arch, device_name).name and \
                     cache_file(arch, device_name, path.parent).exists()
-                cache = load(path, arch, quiet_mismatch=quiet, written_here=path == sources[0])
+                cache = load(path, arch, quiet_mismatch=quiet, written_here=path == sources[0],
+                             device_name=device_name)
                 if cache is not None:
                     found.update(cache.entries)
             if not any(p.exists() for p in sources[:2]):
@@ -497,8 +587,13 @@ def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
                         "why": f"ignored: {problem.why if problem else 'unreadable'}"})
         else:
             notes = []
-            if cache.unreadable:
-                notes.append(f"{len(cache.unreadable)} entries not readable by this version, kept")
+            newer = sum(_newer(cache.raw[key]) for key in cache.unreadable)
+            if len(cache.unreadable) > newer:
+                notes.append(f"{len(cache.unreadable) - newer} entries malformed or not launchable, not used, kept")
+            if newer:
+                notes.append(f"{newer} entries not readable by this version (fields it lacks), kept")
+            if cache.header.get("device_name") != device_name:
+                notes.append(f"tuned on {cache.header.get('device_name')!r}")
             stale = stale_keys(cache)
             if stale:
                 notes.append(f"{len(stale)} entries tuned for another kernel source, used; re-tune to refresh")
@@ -523,13 +618,35 @@ def clear() -> None:
         _generation += 1
 
 
+_ENV_KEY = getattr(os.environ, "encodekey", lambda key: key)(ENV_CACHE_DIR)
+
+
+def _dir_key() -> Any:
+    """``PORTABLE_MX_CACHE_DIR`` as ``os.environ`` holds it (bytes on POSIX; None when
+    unset), read without decoding it: a dict lookup, ~50 ns, where ``os.environ.get``
+    takes ~500 ns on every GEMM (:func:`generation`). It changes exactly when the text
+    the index is keyed by changes."""
+    data = getattr(os.environ, "_data", None)
+    return data.get(_ENV_KEY) if isinstance(data, dict) else os.environ.get(ENV_CACHE_DIR)
+
+
 _generation = 0
+_generation_dir = _dir_key()
+"""``PORTABLE_MX_CACHE_DIR`` as :func:`generation` last saw it."""
 
 
 def generation() -> int:
-    """A counter bumped by every :func:`clear` (and so by every :func:`record`): whoever
-    memoises a lookup (the GEMM launch plans) keeps the generation it read and looks up
-    again when it has moved."""
+    """A counter bumped by every :func:`clear` (and so by every :func:`record`), and by
+    the first call that finds ``PORTABLE_MX_CACHE_DIR`` (the text the index is keyed by)
+    changed since the call before: whoever memoises a lookup (the GEMM launch plans)
+    keeps the generation it read and looks up again when it has moved."""
+    global _generation, _generation_dir
+    directory = _dir_key()
+    if directory != _generation_dir:
+        with _lock:
+            if directory != _generation_dir:
+                _generation_dir = directory
+                _generation += 1
     return _generation
 
 
@@ -537,7 +654,46 @@ def generation() -> int:
 
 
 def _document(header: dict[str, Any], entries: dict[str, Any]) -> str:
-    return json.dumps({**header, "entries": entries}, indent=1) + "\n"
+    return _dumps({**header, "entries": entries}) + "\n"
+
+
+def _dumps(value: Any, indent: Optional[int] = 1) -> str:
+    """``json.dumps(value, indent=indent)``, where a :class:`_Pairs` (an object read with
+    a repeated key) is written with every pair it was read with, in their order (on one
+    line): an entry carried through verbatim keeps all its values."""
+    marks: dict[str, _Pairs] = {}
+    nonce = secrets.token_hex(8)
+
+    def swap(item: Any) -> Any:
+        if isinstance(item, _Pairs):
+            mark = f"\x00pairs-{nonce}-{len(marks)}"
+            marks[mark] = item
+            return mark
+        if isinstance(item, dict):
+            return {k: swap(v) for k, v in item.items()}
+        if isinstance(item, list):
+            return [swap(v) for v in item]
+        return item
+
+    text = json.dumps(swap(value), indent=indent)
+    for mark, item in marks.items():
+        pairs = ", ".join(f"{json.dumps(key)}: {_dumps(v, None)}" for key, v in item.pairs)
+        text = text.replace(json.dumps(mark), "{" + pairs + "}", 1)
+    return text
+
+
+def _stamped(value: Any, file_hash: Any) -> Any:
+    """An entry carried over from a file whose ``kernel_hash`` is ``file_hash``, with that
+    hash as its own ``kernel_hash`` where it names none (no such key, or ``""``: the
+    file's); a value that is no JSON object, or names a hash, is returned as it is."""
+    if not isinstance(value, dict) or value.get("kernel_hash", "") != "":
+        return value
+    if isinstance(value, _Pairs):
+        pairs = [(k, file_hash if k == "kernel_hash" else v) for k, v in value.pairs]
+        out = _Pairs({**value, "kernel_hash": file_hash})
+        out.pairs = pairs if "kernel_hash" in value else [*pairs, ("kernel_hash", file_hash)]
+        return out
+    return {**value, "kernel_hash": file_hash}
 
 
 def record(
@@ -575,14 +731,17 @@ def record(
         if current is None:
             current = CacheFile(path, {"device_name": device_name}, {}, {}, {})
         now, file_hash = kernel_hash(), current.header.get("kernel_hash")
+        old_hash = file_hash if isinstance(file_hash, str) and file_hash != now else None
         out, replaced = dict(current.raw), {}
         for key in stale_keys(current):  # carried over: keep the hash they were measured with
             if not current.entries[key].kernel_hash and isinstance(out[key], dict):
                 out[key] = {**out[key], "kernel_hash": str(file_hash)}
+        if old_hash:  # those it cannot read too (they are not the new kernel source's)
+            out.update({key: _stamped(out[key], old_hash) for key in current.unreadable})
         for key, entry in checked.items():
             old = current.entries.get(key)
             if key in current.unreadable:
-                replaced[key] = current.raw[key]
+                replaced[key] = out[key]
             elif old is not None and not (entry.time_ms <= old.time_ms or measured_with(old, current.header) != now):
                 continue
             fields = entry.model_dump(mode="json")
@@ -592,7 +751,8 @@ def record(
         header = {"schema_version": SCHEMA_VERSION, "device_name": current.header.get("device_name", device_name),
                   "arch": arch, "triton_version": triton_version(), "kernel_hash": now}
         header.update({k: v for k, v in current.header.items() if k not in header})
-        hidden = list(current.duplicates) if current.path == path else []
+        hidden = [(key, _stamped(value, old_hash) if old_hash else value) for key, value in current.duplicates] \
+            if current.path == path else []
         while hidden:  # the values a repeated key hid, one file per repetition (a JSON object holds one)
             batch, rest = {}, []
             for key, value in hidden:

@@ -58,7 +58,9 @@ class Case:
     """One measured operation: ``op`` with a recipe (quantize, decompose: of the input;
     dequantize: of the MXTensor it reads), the dequantize output dtype, decompose's
     ``full``, quantize's ``values`` (the backend's ``quantized_values``: the bf16 values of
-    the codes, what the two-launch A4W4 GEMM reads on upcast targets)."""
+    the codes, what the two-launch A4W4 GEMM reads on upcast targets) and, to compare the
+    kernel's two forms of it, ``values_mode`` (quantize.values_mode forced for the launch:
+    1, blocks shared by threads and a coalesced [BR, BW] store; 2, whole blocks a thread)."""
 
     op: str
     name: str
@@ -66,6 +68,7 @@ class Case:
     out: Optional[str] = None  # dequantize: "bf16" / "fp32"
     full: bool = False
     values: bool = False
+    values_mode: Optional[int] = None
 
     @property
     def label(self) -> str:
@@ -79,6 +82,7 @@ CASES = (
     Case("quantize", "of2", {"outliers_per_block": 2}),
     Case("quantize", "stochastic", {"rounding": "stochastic", "seed": 1}),
     Case("quantize", "values", values=True),
+    Case("quantize", "values-shared", values=True, values_mode=1),
     Case("dequantize", "bf16", out="bf16"),
     Case("dequantize", "fp32", out="fp32"),
     Case("decompose", "stats"),
@@ -219,6 +223,27 @@ def kernel_call(case: Case, backend, recipe, out_dtype) -> Callable[[Any], Any]:
     return lambda x: backend.decompose(x, recipe, "gain", case.full)
 
 
+def _plan_values_mode(backend, x, recipe, mode: int) -> None:
+    """Plan ``backend.quantized_values(x, recipe)`` with the kernel's VALUES form ``mode``
+    (the backend's plans are dropped first: one equal in value would be reused), and check
+    that it writes the bits of the backend's own form; later calls with this ``recipe``
+    object reuse the plan. A benchmark's comparison, not an API."""
+    import torch
+
+    from portable_mx.backends.triton import quantize as qk
+
+    want = backend.quantized_values(x, recipe.model_copy())
+    chosen = qk.values_mode
+    backend._devices.clear()
+    qk.values_mode = lambda plan, config, warp_size: mode
+    try:
+        got = backend.quantized_values(x, recipe)
+    finally:
+        qk.values_mode = chosen
+    if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        raise AssertionError(f"quantized_values with VALUES={mode} differs from the backend's own form")
+
+
 def eager_call(case: Case, recipe, out_dtype, backend=None) -> Callable[[Any], Any]:
     """The public op (``values``: no public op; the backend's call, as the kernel time's)."""
     import portable_mx as pmx
@@ -286,6 +311,8 @@ def measure(args: argparse.Namespace, timer: Timer, device) -> list[dict[str, An
                         inputs = eager_inputs = xs
                         mx_bytes = pmx.quantize(xs[0], recipe).nbytes() if case.op == "quantize" and not case.values \
                             else 0
+                    if case.values_mode is not None:
+                        _plan_values_mode(backend, inputs[0], recipe, case.values_mode)
                     nbytes = case_bytes(case, r, k, dtype.itemsize, mx_bytes)
                     kernel_ms = timer.kernel_ms(kernel_call(case, backend, recipe, out_dtype), inputs, nbytes)
                     eager_ms = timer.eager_ms(eager_call(case, recipe, out_dtype, backend), eager_inputs)

@@ -7,7 +7,7 @@ macro-block study.
     portable-mx tune [--op matmul] [--shapes MxNxK[,MxNxK...]|decode|prefill|all] [--trials N]
                      [--strategy ranked|ranked-tpe|tpe] [--storage URL] [--recipe R] [--seed S]
                      [--out DIR] [--study-dir DIR] [--full] [--exhaustive [--record DIR]]
-                     [--warm-jobs N] [--jobs N] [--json PATH]
+                     [--warm-jobs N] [--jobs N] [--json PATH] [--replace]
     portable-mx tune --static --target sm_100|gfx950|... [--shapes ...] [--recipe R] [--full] [--sm-count N]
     portable-mx tune --replay FILE[,FILE...] [--strategy S] [--json PATH]
     portable-mx tune --macro --shapes MxNxK [--tensors FILE] [--error-tolerance F] [--trials N]
@@ -16,6 +16,9 @@ The GEMM study (portable_mx.tuning.search) prints a progress bar per shape and a
 table: the best config, its time, the default config's time and the speed-up; the best
 configs go into ``<out or the user cache dir>/<arch>-<device>.triton-<release>.schema-2.json``,
 which every later process on that device and Triton release reads (tuning/cache.py).
+Where that file already holds a faster entry for a shape (measured with the same kernel
+source), it is kept and the run says so ("kept the existing faster entry ..."), unless
+``--replace`` is given: then the new best is written over it.
 Without a GPU (and without --static or --replay) it says so and exits with status 2.
 ``--exhaustive`` times every survivor, records every time (``--json``, ``--record``) and
 replays each strategy on the recording.
@@ -135,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study-dir", default=None, metavar="DIR",
                         help="the journal and static verdicts (default: <user cache dir>/studies)")
     parser.add_argument("--full", action="store_true", help="the full search space instead of the curated one")
+    parser.add_argument("--replace", action="store_true",
+                        help="write each shape's new best into the config cache even where the cache holds a "
+                             "faster entry for it (default: keep the faster one and say so)")
     parser.add_argument("--exhaustive", action="store_true",
                         help="measure every surviving candidate, record every time (in --json and --record) and "
                              "replay each search strategy on the recording: trials to come within 2%% of the best")
@@ -379,6 +385,21 @@ def _device(args: argparse.Namespace):
     return device
 
 
+def kept_note(r: Any) -> str:
+    """The line saying that the config cache kept its faster entry for ``r``'s key instead
+    of the run's best (a ``search.TuneResult`` with ``cache_kept``)."""
+    from .tuning.space import config_from_json
+
+    old = r.cache_kept
+    try:
+        label = config_from_json(old.config).label()
+    except (TypeError, ValueError):  # (it passed the cache's rules, so this is not expected)
+        label = json.dumps(old.config, sort_keys=True)
+    return (f"portable-mx tune: {r.problem.shape}: kept the existing faster entry {label} ({_ms(old.time_ms)} ms, "
+            f"tuned_at {old.tuned_at or 'unknown'}) in {r.cache_path}; this run's best {_config(r.best)} "
+            f"({_ms(r.best_ms)} ms) was not written (--replace writes it)")
+
+
 def run_search(args: argparse.Namespace, device: Any) -> int:
     from .recipe import QuantRecipe
     from .tuning import cache, replay, search
@@ -396,7 +417,7 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
             result = search.tune(problem, device=device, trials=trials, storage=args.storage,
                                  directory=args.study_dir, seed=args.seed, full=args.full, jobs=args.jobs,
                                  out=args.out, progress=bar.to, strategy=strategy, exhaustive=args.exhaustive,
-                                 warm_jobs=args.warm_jobs)
+                                 warm_jobs=args.warm_jobs, replace=args.replace)
         finally:
             bar.close()
         results.append(result)
@@ -420,6 +441,8 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
                  "static_pruned": r.static_pruned, "stop": r.stop_reason,
                  "history": [[c.label(), ms] for _, c, ms in r.history],
                  "cache": None if r.cache_path is None else str(r.cache_path),
+                 "cache_written": r.cache_path is not None and r.cache_kept is None,
+                 "cache_kept": None if r.cache_kept is None else r.cache_kept.model_dump(mode="json"),
                  "requested": None if r.requested is None else r.requested.key()}
         if r.recording is not None:
             entry["recording"] = r.recording
@@ -440,7 +463,10 @@ def run_search(args: argparse.Namespace, device: Any) -> int:
         print()
         print("trials to come within 2% of the exhaustive best, replayed on the recorded times (no GPU):")
         print(replay.table(replays, recordings))
-    paths = sorted({e["cache"] for e in doc["results"] if e["cache"]})
+    for r in results:
+        if r.cache_kept is not None:
+            print(kept_note(r))
+    paths = sorted({e["cache"] for e in doc["results"] if e["cache_written"]})
     for path in paths:
         print(f"config cache: {path}")
     if args.json:
@@ -536,13 +562,13 @@ def run_macro(args: argparse.Namespace, device: Any) -> int:
 # refused rather than silently ignored. "--replay wins over --static" was such a case.
 _COMMON = {"shapes", "recipe", "seed", "study_dir", "storage", "trials", "json"}
 MODE_FLAGS: dict[str, set[str]] = {
-    "search": _COMMON | {"op", "strategy", "out", "full", "exhaustive", "record", "warm_jobs", "jobs"},
+    "search": _COMMON | {"op", "strategy", "out", "full", "exhaustive", "record", "warm_jobs", "jobs", "replace"},
     "static": {"target", "shapes", "recipe", "full", "sm_count", "jobs", "study_dir", "json"},
     "replay": {"replay", "strategy", "seed", "json"},
     "macro": _COMMON | {"tensors", "error_tolerance"},
 }
 _FLAG_DEFAULTS = {"op": "matmul", "full": False, "exhaustive": False, "static": False, "macro": False,
-                  "warm_jobs": 0}
+                  "warm_jobs": 0, "replace": False}
 
 
 def flag_errors(args: argparse.Namespace) -> list[str]:

@@ -159,7 +159,7 @@ def test_files_written_by_the_previous_version_are_still_read_and_never_written(
     old_key = cache.entry_key("matmul", "bf16", "e2m1", 8, 64, 128)
     before = _write(legacy, _doc({old_key: _entry(GemmConfig(16, 64, 64))}))
     assert cache.lookup("interpret", "cpu", old_key)["block_n"] == 64
-    path = cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)})
+    path = cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}).path
     assert legacy.read_bytes() == before
     assert set(json.loads(path.read_text())["entries"]) == {old_key, KEY}
     assert cache.lookup("interpret", "cpu", old_key)["block_n"] == 64
@@ -236,7 +236,7 @@ def test_concurrent_writers_keep_an_entry_of_a_newer_version(tmp_path):
 
 
 def test_record_refuses_an_entry_the_kernels_cannot_launch():
-    path = cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    path = cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 32, 64), 2.0)}).path
     before = path.read_bytes()
     with pytest.raises(ValueError, match=r"not recorded: .*block_n 24 is not a positive power of two"):
         cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 24, 64), 1.0)})
@@ -278,7 +278,8 @@ def test_a_shipped_cache_with_an_invalid_config_falls_back_to_the_default(tmp_pa
 # (M, N, K, broken config field): each breaks the interpreted GEMM on the old code in its own
 # way: uninitialised output, wrong tiles, an InterpreterError, a TypeError, a ZeroDivisionError
 BROKEN = [(40, 48, 128, {"block_m": -16}), (40, 32, 128, {"group_m": 0}), (24, 48, 64, {"block_n": 24}),
-          (8, 16, 64, {"block_m": "16"}), (16, 16, 64, {"block_k": 0}), (5, 48, 96, {"group_m": 2**31 - 1})]
+          (8, 16, 64, {"block_m": "16"}), (16, 16, 64, {"block_k": 0}), (5, 48, 96, {"group_m": 2**31 - 1}),
+          (8, 48, 64, {"num_stages": 64}), (8, 80, 64, {"block_k": 1024})]
 
 
 @interpreted
@@ -322,7 +323,10 @@ def test_matmul_with_an_invalid_tuned_config_is_right_and_warns_once(monkeypatch
     ({"num_warps": 0}, "num_warps 0"), ({"num_warps": 3}, "num_warps 3"), ({"num_warps": 64}, "1024 threads"),
     ({"num_stages": 0}, "num_stages 0"), ({"group_m": 0}, "group_m 0"), ({"group_m": -1}, "group_m -1"),
     ({"group_m": 2**31 - 1}, "group_m 2147483647 is not in 1 .. 64"),
-    ({"split_k": -2}, "split_k -2"), ({"split_k": 5}, "split_k 5"), ({"block_m": 2048, "block_n": 1024}, "2097152"),
+    ({"split_k": -2}, "split_k -2"), ({"split_k": 5}, "split_k 5"),
+    ({"block_m": 512}, "block_m 512 is more than 256"), ({"block_n": 1024}, "block_n 1024 is more than 256"),
+    ({"block_k": 1024}, "block_k 1024 is more than 512"), ({"num_stages": 9}, "num_stages 9 is not in 1 .. 8"),
+    ({"num_stages": 64}, "num_stages 64"), ({"num_stages": 10**30}, "num_stages 1000000000000000000000000000000"),
     ({"extra": [["waves_per_eu", 2]]}, "AMD's"), ({"extra": [["foo", 1]]}, "'foo'"), ({"extra": "kpack"}, "extra"),
     ({"persistent": 1}, "no field persistent"),
 ])
@@ -343,13 +347,83 @@ def test_the_rules_follow_the_target():
     assert config_rules.problems(_fields(split_k=4), "sm_100") == []  # no shape: no bound
 
 
+def test_the_rules_refuse_what_no_gpu_can_run():
+    """The audit's configs: 64 pipeline stages of 64 x 64 x 128 tiles (564736 B of shared
+    memory on sm_90, 232448 B the limit), 10**30 stages and 1024 x 1024 x 1024 tiles (its
+    compile had not finished after 8 minutes) were accepted for every target."""
+    for arch in (*TARGETS, "interpret"):
+        for change, why in (({"num_stages": 64}, "num_stages 64 is not in 1 .. 8"),
+                            ({"num_stages": 10**30}, "is not in 1 .. 8"),
+                            ({"block_m": 1024, "block_n": 1024, "block_k": 1024}, "block_k 1024 is more than 512")):
+            fields = _fields(**{"block_m": 64, "block_n": 64, "block_k": 128, **change})
+            assert any(why in p for p in config_rules.problems(fields, arch)), (arch, change)
+    assert config_rules.problems(_fields(block_m=256, block_n=256, block_k=512, num_stages=8), "interpret") == []
+
+
+def test_the_shared_memory_floor_follows_the_target(cache_env):
+    """(num_stages - 1) x (block_m + block_n) x block_k / 2 bytes (4-bit A and B tiles in
+    every buffered stage) must fit the target's shared memory: 256 x 256 x 128 tiles in 5
+    stages need at least 131072 B, within sm_90's 232448 B, over sm_120's 101376 B and
+    gfx942's 65536 B; the interpreter has no limit. A cache entry with them is not used on
+    sm_120 (one warning names it), as for any other broken rule."""
+    big = _fields(block_m=256, block_n=256, block_k=128, num_stages=5, num_warps=8)
+    assert config_rules.shared_memory_floor(256, 256, 128, 5) == 131072
+    assert config_rules.shared_memory_floor(256, 256, 512, 1) == 0  # no pipeline buffer
+    assert config_rules.problems(big, "sm_90") == config_rules.problems(big, "interpret") == []
+    for arch, limit in (("sm_120", 101376), ("gfx942", 65536)):
+        (why,) = config_rules.problems(big, arch)
+        assert f"at least 131072 B of shared memory" in why and f"{arch}'s {limit} B" in why, why
+    assert config_rules.problems({**big, "num_stages": 2}, "sm_120") == []  # 32768 B
+    name = "NVIDIA GeForce RTX 5090"
+    path = cache.cache_file("sm_120", name)
+    _write(path, _doc({KEY: {**_entry(), "config": big}}, arch="sm_120", device_name=name))
+    got, messages = _caught(lambda: cache.lookup("sm_120", name, KEY))
+    assert got is None
+    assert len([m for m in messages if str(path) in m and repr(KEY) in m and "shared memory" in m]) == 1, messages
+
+
 def test_the_rules_accept_every_default_and_every_curated_candidate():
     """Not stricter than the code: every backend's default GEMM config and every candidate
-    of the tuner's curated spaces (that passes the space's own rule) launch."""
+    of the tuner's curated spaces (that passes the space's own rule) launch, except the
+    few sm_120 candidates over the shared-memory floor, which overflow its 101376 B when
+    compiled (the tuner's static stage prunes them; the next test compiles the closest)."""
     for name in ("cuda", "rocm", "triton-interpret"):
         for target, tiles in registry.get(name).gemm_tiles.items():
             for kind, config in tiles.items():
                 assert config_rules.problems(config_to_json(config), target, 8192) == [], (name, target, kind)
+    over = set()
+    for target, a, b, m, kp, config in _curated_candidates():
+        arch = target.name if target else "interpret"
+        found = config_rules.problems(config_to_json(config), arch, kp)
+        assert all("B of shared memory" in p for p in found), (arch, config, found)
+        if found:
+            over.add((arch, config))
+    assert {arch for arch, _ in over} == {"sm_120"}, over
+
+
+@pytest.mark.triton  # an ahead-of-time compile: triton >= 3.6
+def test_the_curated_candidate_closest_over_the_floor_overflows_when_compiled(tmp_path):
+    """The shared-memory floor is a lower bound: the sm_120 curated candidate it refuses by
+    the least (104960 B when compiled with triton 3.9, the floor 3% over the 101376 B
+    limit) does overflow, and the static stage prunes it for that."""
+    from portable_mx.tuning import static
+
+    over = []
+    for target, a, b, m, kp, config in _curated_candidates():
+        if target is not None and config_rules.problems(config_to_json(config), target.name, kp):
+            floor = config_rules.shared_memory_floor(config.block_m, config.block_n, config.block_k,
+                                                     config.num_stages)
+            over.append((floor / target.shared_memory, target.name, a == MX, m, config.label(), target, a, b, kp, config))
+    *_, target, a, b, kp, config = min(over, key=lambda x: x[:5])
+    report = static.prune([config], a, b, target, registry.get("cuda"), kp,
+                          static.VerdictStore(tmp_path / static.STORE_NAME), jobs=1)
+    verdict = report.verdicts[config]
+    assert not verdict.ok and verdict.shared_bytes > target.shared_memory, verdict
+    assert any("shared memory" in r for r in verdict.reasons), verdict
+
+
+def _curated_candidates():
+    """(target, a, b, m, kp, config) of every curated candidate that passes its space's rule."""
     heavy = Operand(None, 128, 1)
     for target in [*TARGETS.values(), None]:
         for a, b in ((MX, MX), (Operand(torch.bfloat16, None, 0), MX), (heavy, heavy)):
@@ -357,8 +431,7 @@ def test_the_rules_accept_every_default_and_every_curated_candidate():
                 space = gemm_space(target, a, b, m, kp)
                 for config in space.candidates():
                     if not space.violation(config):
-                        arch = target.name if target else "interpret"
-                        assert config_rules.problems(config_to_json(config), arch, kp) == [], (arch, config)
+                        yield target, a, b, m, kp, config
 
 
 def test_every_shipped_cache_entry_launches():

@@ -377,6 +377,64 @@ def test_record_merges_and_keeps_the_faster_entry(cache_env):
     assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_m"] == 64
 
 
+def test_record_says_which_entries_it_wrote_and_which_faster_ones_it_kept(cache_env):
+    """``record`` returns the keys it wrote and the existing faster entries it kept (a
+    slower new entry is not written); ``replace=True`` writes it over the faster one."""
+    other = "matmul|a:bf16 b:e2m1|M1xN64xK128"
+    first = cache.record("interpret", "cpu", {PROBLEM.key(): cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    assert first.written == (PROBLEM.key(),) and first.kept == {}
+    slower = cache.make_entry(GemmConfig(32, 32, 64), 3.0)
+    got = cache.record("interpret", "cpu", {PROBLEM.key(): slower, other: cache.make_entry(GemmConfig(16, 64, 64), 1.0)})
+    assert got.path == first.path and got.written == (other,) and set(got.kept) == {PROBLEM.key()}
+    assert got.kept[PROBLEM.key()].time_ms == 2.0 and got.kept[PROBLEM.key()].config["block_m"] == 16
+    assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_m"] == 16
+    forced = cache.record("interpret", "cpu", {PROBLEM.key(): slower}, replace=True)
+    assert forced.written == (PROBLEM.key(),) and forced.kept == {}
+    assert cache.lookup("interpret", "cpu", PROBLEM.key())["block_m"] == 32
+
+
+def _faster_entry_in(out: Path) -> tuple[Path, str]:
+    """A cache file in ``out`` whose entry for PROBLEM is faster than any the fake timer
+    gives (1.0 ms at best); (its path, its text)."""
+    faster = cache.make_entry(GemmConfig(16, 16, 32, group_m=1), 0.25)
+    path = cache.record("interpret", "cpu", {PROBLEM.key(): faster}, directory=out).path
+    return path, path.read_text()
+
+
+@interpreted
+def test_a_search_that_finds_no_faster_config_keeps_the_cached_one_and_says_so(tmp_path):
+    """The audit's case: the cache held a faster entry, record() kept it, and the result
+    still named the file as if the new best had been written there. The kept entry is
+    now on the result; ``replace=True`` writes the new best over it."""
+    path, before = _faster_entry_in(tmp_path / "out")
+    r = _tune(tmp_path, trials=4)
+    assert r.key == PROBLEM.key() and r.best_ms >= 1.0
+    assert r.cache_path == path and path.read_text() == before  # not written
+    assert r.cache_kept is not None and r.cache_kept.time_ms == 0.25 and r.cache_kept.config["block_n"] == 16
+    r = _tune(tmp_path, trials=0, replace=True)
+    assert r.cache_kept is None
+    entry = json.loads(path.read_text())["entries"][PROBLEM.key()]
+    assert entry["time_ms"] == r.best_ms and entry["config"]["block_m"] == r.best.block_m
+
+
+@interpreted
+def test_tune_reports_the_kept_faster_entry_and_replace_writes_the_new_best(tmp_path, capsys, monkeypatch):
+    path, before = _faster_entry_in(tmp_path / "out")
+    argv = _interpreted_tune(tmp_path, monkeypatch, trials=4) + ["--json", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "32x64x128: kept the existing faster entry m16xn16xk32" in out and "(0.2500 ms, tuned_at 20" in out
+    assert "was not written (--replace writes it)" in out and str(path) in out
+    assert "config cache:" not in out and path.read_text() == before
+    (result,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert result["cache_written"] is False and result["cache_kept"]["time_ms"] == 0.25
+    assert cli.main([*argv, "--replace", "--trials", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "kept the existing" not in out and f"config cache: {path}" in out
+    entry = json.loads(path.read_text())["entries"][PROBLEM.key()]
+    assert entry["time_ms"] >= 1.0 and json.loads((tmp_path / "r.json").read_text())["results"][0]["cache_written"]
+
+
 def test_shape_bucket_and_keys():
     assert cache.shape_bucket(1, 8, 32) == "M1xN8xK32"
     assert cache.shape_bucket(9, 8, 32) == cache.shape_bucket(16, 8, 32) == "M16xN8xK32"
@@ -664,6 +722,7 @@ def test_tune_without_a_gpu_exits_2(capsys, monkeypatch):
     (["--shapes", "decode", "--tensors", "t.pt"], "it goes with --macro"),
     (["--target", "sm_90"], "it goes with --static"),
     (["--shapes", "decode", "--record", "d"], "--record writes the recordings of --exhaustive"),
+    (["--static", "--target", "sm_90", "--replace"], "--replace does not apply to --static"),
 ])
 def test_tune_refuses_flags_the_mode_does_not_read(argv, words, capsys, monkeypatch):
     """A flag the chosen mode would ignore is an error, before any device check or compile

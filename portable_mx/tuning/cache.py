@@ -99,7 +99,7 @@ import warnings
 import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -696,20 +696,33 @@ def _stamped(value: Any, file_hash: Any) -> Any:
     return {**value, "kernel_hash": file_hash}
 
 
+class Recorded(NamedTuple):
+    """What :func:`record` did: the file (``path``), the keys whose new entry it wrote
+    (``written``), and the existing entries it kept instead of a slower new one, by key
+    (``kept``)."""
+
+    path: Path
+    written: tuple[str, ...]
+    kept: dict[str, ConfigEntry]
+
+
 def record(
     arch: str,
     device_name: str,
     new_entries: dict[str, ConfigEntry],
     directory: Optional[Path] = None,
-) -> Path:
+    *,
+    replace: bool = False,
+) -> Recorded:
     """Merge ``new_entries`` into this device's file of this Triton release
-    (:func:`cache_file`, in the user cache dir unless ``directory``) and return its path.
+    (:func:`cache_file`, in the user cache dir unless ``directory``) and say what it did
+    (:class:`Recorded`). ``replace``: write every new entry, even over a faster one.
 
     Each new entry must pass :func:`check_entry` (ValueError naming it otherwise). Under
     the file's lock the current file is read; one that cannot be used as a whole is set
     aside first (``<name>.<why>.json``, never replacing an earlier one); a file that does
     not exist yet starts from the older-named file's entries. The new entries are added
-    (an entry with the same key is replaced only by a faster one, or by any after the
+    (an entry with the same key is replaced only by a faster one, by any with ``replace``, or by any after the
     kernel source changed; one this version cannot read is replaced and kept in
     ``<name>.replaced.json``), every other entry and unknown field is carried through
     verbatim, and the result is written atomically."""
@@ -732,7 +745,7 @@ def record(
             current = CacheFile(path, {"device_name": device_name}, {}, {}, {})
         now, file_hash = kernel_hash(), current.header.get("kernel_hash")
         old_hash = file_hash if isinstance(file_hash, str) and file_hash != now else None
-        out, replaced = dict(current.raw), {}
+        out, replaced, written, kept = dict(current.raw), {}, [], {}
         for key in stale_keys(current):  # carried over: keep the hash they were measured with
             if not current.entries[key].kernel_hash and isinstance(out[key], dict):
                 out[key] = {**out[key], "kernel_hash": str(file_hash)}
@@ -742,8 +755,11 @@ def record(
             old = current.entries.get(key)
             if key in current.unreadable:
                 replaced[key] = out[key]
-            elif old is not None and not (entry.time_ms <= old.time_ms or measured_with(old, current.header) != now):
+            elif old is not None and not (replace or entry.time_ms <= old.time_ms
+                                          or measured_with(old, current.header) != now):
+                kept[key] = old
                 continue
+            written.append(key)
             fields = entry.model_dump(mode="json")
             if fields["kernel_hash"] in ("", now):
                 fields.pop("kernel_hash")  # (the file's)
@@ -772,7 +788,7 @@ def record(
                           RuntimeWarning, stacklevel=2)
         files.write_atomic(path, _document(header, out))
     clear()
-    return path
+    return Recorded(path, tuple(written), kept)
 
 
 def make_entry(config: Any, time_ms: float, baseline_ms: Optional[float] = None, trials: int = 0,

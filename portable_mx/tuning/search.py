@@ -35,7 +35,10 @@ kinds the GEMM sees) on a live device:
    within 2% of the best.
 5. **Result.** The fastest timed config is merged into the cache file of the device
    (``cache.record``) under ``cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp)``
-   with its time, the default's time and the number of configs measured.
+   with its time, the default's time and the number of configs measured, unless the
+   file already holds a faster entry for that key (measured with the same kernel
+   source): that one is kept and reported (``TuneResult.cache_kept``); ``replace=True``
+   (``portable-mx tune --replace``) writes the new best over it.
 
 On a GPU, ``warm_jobs`` worker processes compile (Triton JIT, into the on-disk cache)
 the configs about to be timed before the timing starts, so that the timing process
@@ -293,7 +296,9 @@ class TuneResult:
     measured, in order (the default first; ms None for a config that failed its check or
     its launch); ``trials``: configs measured by the study in all its runs (timed or
     failed), ``new_trials`` in this run. ``recording``: the exhaustive run's record
-    (:func:`recording`), else None."""
+    (:func:`recording`), else None. ``cache_path``: the config cache file holding the
+    key's entry after the run (None: nothing recorded): this run's best, or the faster
+    entry kept there (``cache_kept``)."""
 
     problem: Problem
     key: str
@@ -317,6 +322,9 @@ class TuneResult:
     requested: Optional[Problem] = None
     """The problem asked for, where the dispatch launches another for it (``problem``:
     an A4W4 GEMM run as the W4A16 GEMM on the activations' values)."""
+    cache_kept: Optional[cache.ConfigEntry] = None
+    """The faster entry the cache file already held for ``key`` and kept (this run's best
+    was then not written; ``tune(replace=True)`` writes it), else None."""
 
     @property
     def speedup(self) -> Optional[float]:
@@ -722,6 +730,7 @@ def tune(
     strategy: str = DEFAULT_STRATEGY,
     props: Optional[cost.DeviceProps] = None,
     warm_jobs: int = 0,
+    replace: bool = False,
 ) -> TuneResult:
     """Run (or continue) the study of ``problem`` on ``device`` and cache its best config.
     The study is of the launch the dispatch makes for ``problem`` (:meth:`Problem.launched`:
@@ -737,7 +746,9 @@ def tune(
     :func:`storage_for`); ``directory`` also holds the static verdicts. ``static_target``:
     the target the static stage compiles for (default the backend's; None skips the
     stage). ``compile_fn``, ``timer``, ``launcher``: see :mod:`.static` and the module doc.
-    ``out``: the cache directory written (default the user cache dir). ``exhaustive``:
+    ``out``: the cache directory written (default the user cache dir). ``replace``: record
+    the best even where the cache holds a faster entry for the key (default: keep that
+    one, ``TuneResult.cache_kept``). ``exhaustive``:
     measure every surviving candidate (in the model's order) and return the recording.
     ``props``: the device for the cost model (default :func:`.cost.device_props` of the
     target, read from the device on a GPU). ``warm_jobs``: worker processes that compile
@@ -815,6 +826,7 @@ def tune(
     if write_cache and o.best is not None:
         entry = cache.make_entry(o.best, o.best_ms, baseline_ms=o.default_ms, trials=result.trials,
                                  survivors=len(p.survivors), strategy="exhaustive" if exhaustive else strategy)
-        result.cache_path = cache.record(arch, device_name, {problem.key(): entry},
-                                         directory=Path(out) if out else None)
+        recorded = cache.record(arch, device_name, {problem.key(): entry},
+                                directory=Path(out) if out else None, replace=replace)
+        result.cache_path, result.cache_kept = recorded.path, recorded.kept.get(problem.key())
     return result

@@ -18,13 +18,33 @@ comes from:
   gemm_upcast.py needs one; positive, or no program covers the output).
 - **block_k:** a power of two >= 32 (``tl.arange(0, BLOCK_K // 32)``: one scale per 32
   elements).
-- **tile size:** the accumulator [block_m, block_n] and the operand tiles [block_m,
-  block_k], [block_n, block_k] of at most 2**20 elements each (Triton's
-  ``TRITON_MAX_TENSOR_NUMEL``).
+- **tile size:** ``block_m`` and ``block_n`` at most :data:`MAX_BLOCK_MN` (256),
+  ``block_k`` at most :data:`MAX_BLOCK_K` (512): the largest tiles the tuning space
+  offers on any target (``tuning/space.py``), so the largest any tuned or default config
+  has. Triton's own bound (2**20 elements a block tensor) let through tiles that compile
+  for minutes or longer (1024 x 1024 x 1024 had not finished after 8 minutes) and
+  overflow every GPU's shared memory.
 - **num_warps:** a power of two (Triton's CUDA and HIP options assert it) and at most
   1024 threads per program (``num_warps`` x the target's warp size: 32 on NVIDIA and in
   the interpreter, 64 on AMD).
-- **num_stages:** >= 1 (pipeline stages; 1 is no pipelining).
+- **num_stages:** 1 .. :data:`MAX_NUM_STAGES` (8; pipeline stages, 1 is no
+  pipelining). The tuning space offers at most 5; each stage beyond the first holds
+  another copy of the A and B tiles in shared memory, so a deep pipeline only overflows it
+  (64 stages of a 64 x 64 x 128 A4W4 tile need 564736 B on sm_90, whose limit is 232448 B).
+- **shared memory:** for a GPU target (``targets.TARGETS``: not the interpreter), a lower
+  bound of the shared memory the pipelined operand tiles take, :func:`shared_memory_floor`:
+  ``(num_stages - 1) x (block_m + block_n) x block_k / 2`` bytes (``num_stages - 1``
+  buffers of the A and B tiles, at 4 bits an element, the narrowest operand the GEMMs
+  take; scales, upcast buffers, the epilogue and the compiler's static shared memory are
+  not counted), at most the target's ``shared_memory``. It is a floor, not an estimate:
+  every GEMM launch of the compile matrix (``benchmarks/results/compile-matrix*.json``,
+  Triton 3.6 and 3.9, all five targets, the plain and grouped GEMMs, A4W4 and W4A16) uses
+  at least this much (1.01x at the closest, A4W4 128 x 64 x 256 in 4 stages on sm_100),
+  and the tuning-space candidates it refuses were compiled and overflowed. One caveat: with
+  macro-block operands the GEMM lowers ``block_k`` to the macro period
+  (``gemm.launch_spec``); the floor takes ``block_k`` as written (the rules do not know the
+  operands), so such a config must give the ``block_k`` the GEMM launches, as the tuner
+  writes it.
 - **group_m:** 1 .. :data:`MAX_GROUP_M` (``splitk.program_tile`` divides by ``GROUP_M`` x
   the tiles along N, an int32 product: a huge group_m wraps it, and some output tiles are
   then never written, silently; the tuner's own choices are 1 .. 16).
@@ -37,10 +57,11 @@ comes from:
   (1 or 2), ``matrix_instr_nonkdim`` and ``waves_per_eu`` (ints >= 0). Triton's CUDA
   launcher refuses keyword arguments it does not know.
 
-Not checked here: what depends on the compiled code (registers, shared memory, whether
-the native block-scaled instruction survives). The tuner's static stage compiles every
-candidate for its target before timing it (``tuning/static.py``); a hand-written config
-that does not compile on its GPU stops at its first launch with Triton's compile error.
+Not checked here: what depends on the compiled code (registers, the shared memory beyond
+the floor above, whether the native block-scaled instruction survives). The tuner's
+static stage compiles every candidate for its target before timing it
+(``tuning/static.py``); a hand-written config that does not compile on its GPU stops at
+its first launch with Triton's compile error.
 """
 
 from __future__ import annotations
@@ -50,8 +71,12 @@ from typing import Any, Mapping, Optional
 
 from .launch import GemmConfig
 
-MAX_TILE_ELEMENTS = 1 << 20
-"""Triton's ``TRITON_MAX_TENSOR_NUMEL``: the most elements one block tensor may have."""
+MAX_BLOCK_MN = 256
+"""The largest ``block_m`` and ``block_n``: the tuning space's largest on any target."""
+MAX_BLOCK_K = 512
+"""The largest ``block_k``: the tuning space's largest on any target."""
+MAX_NUM_STAGES = 8
+"""The most pipeline stages (the tuning space offers 1 .. 5)."""
 MAX_THREADS = 1024
 """Threads per program (CUDA block, HIP workgroup) at most."""
 MAX_GROUP_M = 64
@@ -62,6 +87,7 @@ AMD_OPTIONS = ("kpack", "matrix_instr_nonkdim", "waves_per_eu")
 """The vendor launch options a GemmConfig's ``extra`` may carry (on AMD targets)."""
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
+_DEFAULT_STAGES = next(f.default for f in dataclasses.fields(GemmConfig) if f.name == "num_stages")
 _REQUIRED = tuple(f.name for f in dataclasses.fields(GemmConfig)
                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 
@@ -109,11 +135,12 @@ def problems(fields: Mapping[str, Any], arch: Optional[str] = None, kp: Optional
             out.append(f"{name} {ints[name]} is not a positive power of two")
     if "block_k" in ints and not (_pow2(ints["block_k"]) and ints["block_k"] >= 32):
         out.append(f"block_k {ints['block_k']} is not a power of two >= 32")
+    tiles = (("block_m", MAX_BLOCK_MN), ("block_n", MAX_BLOCK_MN), ("block_k", MAX_BLOCK_K))
+    for name, top in tiles:
+        if ints.get(name, 0) > top:
+            out.append(f"{name} {ints[name]} is more than {top}, the largest tile the tuner offers")
+    tiles_ok = all(name in ints and _pow2(ints[name]) and ints[name] <= top for name, top in tiles)
     bm, bn, bk = (ints.get(n) for n in ("block_m", "block_n", "block_k"))
-    for (x, y), what in (((bm, bn), "block_m x block_n"), ((bm, bk), "block_m x block_k"),
-                         ((bn, bk), "block_n x block_k")):
-        if x is not None and y is not None and x > 0 and y > 0 and x * y > MAX_TILE_ELEMENTS:
-            out.append(f"{what} = {x * y} elements, more than Triton's {MAX_TILE_ELEMENTS} per block tensor")
     target = _target(arch)
     warp = target.warp_size if target is not None else 32
     if "num_warps" in ints:
@@ -122,8 +149,16 @@ def problems(fields: Mapping[str, Any], arch: Optional[str] = None, kp: Optional
             out.append(f"num_warps {w} is not a positive power of two")
         elif w * warp > MAX_THREADS:
             out.append(f"num_warps {w} x warp size {warp} is more than {MAX_THREADS} threads per program")
-    if "num_stages" in ints and ints["num_stages"] < 1:
-        out.append(f"num_stages {ints['num_stages']} is below 1")
+    stages = ints.get("num_stages")
+    if stages is not None and not 1 <= stages <= MAX_NUM_STAGES:
+        out.append(f"num_stages {stages} is not in 1 .. {MAX_NUM_STAGES}")
+    elif target is not None and tiles_ok:
+        stages = _DEFAULT_STAGES if stages is None else stages
+        floor = shared_memory_floor(bm, bn, bk, stages)
+        if floor > target.shared_memory:
+            out.append(f"num_stages {stages} of m{bm}xn{bn}xk{bk} tiles need at least {floor} B of shared memory "
+                       f"(their pipelined A and B tiles at 4 bits an element), more than {target.name}'s "
+                       f"{target.shared_memory} B")
     if "group_m" in ints and not 1 <= ints["group_m"] <= MAX_GROUP_M:
         out.append(f"group_m {ints['group_m']} is not in 1 .. {MAX_GROUP_M}")
     if "split_k" in ints:
@@ -135,6 +170,15 @@ def problems(fields: Mapping[str, Any], arch: Optional[str] = None, kp: Optional
                        f"in padded K {kp}")
     out += _extra_problems(fields.get("extra", []), target)
     return out
+
+
+def shared_memory_floor(block_m: int, block_n: int, block_k: int, num_stages: int) -> int:
+    """A lower bound, in bytes, of the shared memory a GEMM launch of these tiles takes on
+    a GPU: ``num_stages - 1`` pipeline buffers of the A [block_m, block_k] and B [block_n,
+    block_k] tiles at 4 bits an element (MXFP4, the narrowest operand; a bf16 operand takes
+    4x that). Scales, upcast and epilogue buffers are left out, so the launch takes more
+    (see the module doc for the evidence)."""
+    return max(0, num_stages - 1) * (block_m + block_n) * block_k // 2
 
 
 def _extra_problems(extra: Any, target) -> list[str]:

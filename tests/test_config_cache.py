@@ -399,13 +399,14 @@ def test_the_rules_accept_every_default_and_every_curated_candidate():
         if found:
             over.add((arch, config))
     assert {arch for arch, _ in over} == {"sm_120"}, over
+    assert len(over) == 32, len(over)  # (the 32 configs the static stage prunes there: the test after this one)
 
 
 @pytest.mark.triton  # an ahead-of-time compile: triton >= 3.6
 def test_the_curated_candidate_closest_over_the_floor_overflows_when_compiled(tmp_path):
     """The shared-memory floor is a lower bound: the sm_120 curated candidate it refuses by
-    the least (104960 B when compiled with triton 3.9, the floor 3% over the 101376 B
-    limit) does overflow, and the static stage prunes it for that."""
+    the least (its A4W4 form: 105472 B when compiled with triton 3.9, the floor 104448 B 3%
+    over the 101376 B limit) does overflow, and the static stage prunes it for that."""
     from portable_mx.tuning import static
 
     over = []
@@ -413,7 +414,7 @@ def test_the_curated_candidate_closest_over_the_floor_overflows_when_compiled(tm
         if target is not None and config_rules.problems(config_to_json(config), target.name, kp):
             floor = config_rules.shared_memory_floor(config.block_m, config.block_n, config.block_k,
                                                      config.num_stages)
-            over.append((floor / target.shared_memory, target.name, a == MX, m, config.label(), target, a, b, kp, config))
+            over.append((floor / target.shared_memory, target.name, a != MX, m, config.label(), target, a, b, kp, config))
     *_, target, a, b, kp, config = min(over, key=lambda x: x[:5])
     report = static.prune([config], a, b, target, registry.get("cuda"), kp,
                           static.VerdictStore(tmp_path / static.STORE_NAME), jobs=1)
@@ -720,6 +721,19 @@ def test_a_file_tuned_on_another_device_name_is_used_with_a_warning():
     found, messages = _caught(lambda: (cache.lookup("interpret", "cpu", KEY), cache.lookup("interpret", "cpu", KEY)))
     assert found[0]["block_n"] == 32
     assert len([m for m in messages if str(path) in m and "'CPU'" in m and "'cpu'" in m]) == 1, messages
+
+
+def test_recording_names_the_recording_device_so_the_warning_can_be_cleared():
+    """record() kept the first device's name in the header: after this device re-tuned
+    every entry the file still named the other one, and the warning could never clear."""
+    path = cache.cache_file("interpret", "cpu")
+    _write(path, _doc({KEY: _entry()}, device_name="CPU"))
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 9.0)},
+                                 replace=True))
+    assert json.loads(path.read_text())["device_name"] == "cpu"
+    cache._warned.clear()  # (a warning is given once a process)
+    _, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert not [m for m in messages if "tuned on" in m], messages
 
 
 def test_device_names_outside_ascii_get_distinct_slugs():

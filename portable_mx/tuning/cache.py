@@ -478,7 +478,8 @@ def load(path: Path, arch: str, quiet_mismatch: bool = False, written_here: bool
         _warn_once(f"{path}: device {tuned_on!r} {device_name!r}",
                    f"portable_mx config cache {path} was tuned on {tuned_on!r}, not on this device "
                    f"{device_name!r} (their names make one file name); its configs are used (they launch: the "
-                   "arch is checked) but may not be the fastest here. Re-tune on this device to refresh them")
+                   "arch is checked) but may not be the fastest here. Re-tune on this device to refresh them (a file "
+                   "names the last device that recorded into it), or give each device its own PORTABLE_MX_CACHE_DIR")
     stale = stale_keys(cache)
     if stale:
         _warn_once(f"{path}: kernel: {len(stale)}",
@@ -764,7 +765,7 @@ def record(
             if fields["kernel_hash"] in ("", now):
                 fields.pop("kernel_hash")  # (the file's)
             out[key] = fields
-        header = {"schema_version": SCHEMA_VERSION, "device_name": current.header.get("device_name", device_name),
+        header = {"schema_version": SCHEMA_VERSION, "device_name": device_name,  # the last device to record
                   "arch": arch, "triton_version": triton_version(), "kernel_hash": now}
         header.update({k: v for k, v in current.header.items() if k not in header})
         hidden = [(key, _stamped(value, old_hash) if old_hash else value) for key, value in current.duplicates] \

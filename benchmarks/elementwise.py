@@ -299,6 +299,7 @@ def measure(args: argparse.Namespace, timer: Timer, device) -> list[dict[str, An
                 recipe = pmx.QuantRecipe(**case.recipe)
                 out_dtype = torch.bfloat16 if case.out == "bf16" else torch.float32
                 row = {"shape": shape, "dtype": dtype_name, "case": case.label, "recipe": recipe.describe()}
+                backend = None
                 try:
                     backend = registry.select(case.op, device)
                     if case.op == "dequantize":
@@ -311,7 +312,7 @@ def measure(args: argparse.Namespace, timer: Timer, device) -> list[dict[str, An
                         inputs = eager_inputs = xs
                         mx_bytes = pmx.quantize(xs[0], recipe).nbytes() if case.op == "quantize" and not case.values \
                             else 0
-                    if case.values_mode is not None:
+                    if case.values_mode is not None:  # (its plan is dropped after the case: finally, below)
                         _plan_values_mode(backend, inputs[0], recipe, case.values_mode)
                     nbytes = case_bytes(case, r, k, dtype.itemsize, mx_bytes)
                     kernel_ms = timer.kernel_ms(kernel_call(case, backend, recipe, out_dtype), inputs, nbytes)
@@ -326,6 +327,9 @@ def measure(args: argparse.Namespace, timer: Timer, device) -> list[dict[str, An
                         row["goal_met"] = row["ratio"] >= goal
                 except Exception as err:  # noqa: BLE001  (record and go on)
                     row["error"] = f"{type(err).__name__}: {err}"[:500]
+                finally:
+                    if case.values_mode is not None and hasattr(backend, "_devices"):
+                        backend._devices.clear()  # the forced plan is kept by value: no later call may take it
                 rows.append(row)
                 print(_line(row), flush=True)
             if not args.no_peer and "quantize" in ops and dtype_name in ("bf16", "fp32"):

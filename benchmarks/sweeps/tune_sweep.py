@@ -281,6 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "best_ms": result.best_ms, "default": result.default.label(), "default_ms": result.default_ms,
             "speedup": result.speedup, "failed": result.failed, "measured": result.trials,
             "recording": os.path.relpath(path, args.out), "cache": str(result.cache_path),
+            "cache_kept": None if result.cache_kept is None else result.cache_kept.model_dump(mode="json"),
             "replay": {r.strategy: {"trials": r.trials, "fraction": r.fraction, "found": r.found} for r in replays},
             "random_expected_trials": replay.random_expectation(rec),
         })

@@ -29,8 +29,8 @@ element tensors show them (a block of such values has relative error 1, all dead
 
 The one finite x without finite statistics is one whose Q is itself infinite: Q is the
 fp32 value dequantize produces, and under rceil/even/ceil scales (or macro factors) a block
-whose largest |x| is at least 3.5 * 2**126 (about 2.98e38, 7/8 of the fp32 maximum)
-quantizes its largest values to 2**128, which fp32 holds as +-inf, as an outlier past bfloat16's maximum is stored as +-inf. The error is
+whose largest |x| is at least 3.5 * 2**126 (about 2.98e38, 7/8 of the fp32 maximum;
+with stochastic rounding, above 3 * 2**126) can quantize its largest values to 2**128, which fp32 holds as +-inf, as an outlier past bfloat16's maximum is stored as +-inf. The error is
 then infinite, as the ``dequantized`` elements show: that block's error energy is inf,
 its beta, scale and grid statistics inf or NaN, and so are the whole-tensor figures
 (relative MSE inf, shares NaN).

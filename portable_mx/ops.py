@@ -167,8 +167,8 @@ def decompose(
     NaN statistics, and the whole-tensor figures of the result (``totals``, ``shares``,
     ``relative_mse``, ``summary``) raise ValueError. The statistics are right for every
     finite x from the subnormals up (per-block energies are float64), save blocks whose Q
-    is inf (rceil/even/ceil scales round a largest |x| >= 3.5 * 2**126 to 2**128; see
-    :mod:`portable_mx.decompose`). float64 x is decomposed as the fp32 values it rounds to,
+    is inf (rceil/even/ceil scales round a largest |x| >= 3.5 * 2**126 to 2**128, and
+    stochastic rounding can from 3 * 2**126; see :mod:`portable_mx.decompose`). float64 x is decomposed as the fp32 values it rounds to,
     as it is quantized: a value below fp32's range (|x| <= 2**-150) counts as 0 (no signal,
     no error, not deadzoned), one above it is Inf there (the whole-tensor figures raise).
     Under ``torch.compile`` (``fullgraph=True`` too) the
@@ -180,7 +180,9 @@ def decompose(
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
     if full is not True and full is not False:
-        raise TypeError(f"full must be a bool; got {type(full).__name__}")
+        if type(full).__name__ != "bool_":  # numpy's bool
+            raise TypeError(f"full must be a bool; got {type(full).__module__}.{type(full).__name__}")
+        full = bool(full)
     if definition == "counterfactual" and recipe.rounding == "stochastic" and not _is_compiling():
         warnings.warn("decompose(definition='counterfactual') rounds Q* = s* g(x / s*) to nearest, so under "
                       "stochastic rounding scale_bias (Q - Q*) also holds the rounding's noise (with s = s* it is "

@@ -373,18 +373,23 @@ def test_cli_usage_errors(stub_registered, capsys, tmp_path, monkeypatch):
     assert exc.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
+def _compiled_python(args: list, timeout: int) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a process without the interpreter (the kernels compile there);
+    asserts it succeeded."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
 def test_real_backends_compile_clean_on_all_targets(tmp_path):
     """The shipped matrix: every launch of every registered Triton backend compiles on all
     five targets without problems. Skipped until a backend provides launches()."""
     if not any(callable(getattr(b, "launches", None)) for b in registry.registered()):
         pytest.skip("no registered backend has launches() yet (cuda.py / rocm.py)")
     path = tmp_path / "matrix.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "portable_mx.cli", "compile-matrix", "--json", str(path),
-         "--targets", ",".join(TARGETS)],
-        capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    _compiled_python(["-m", "portable_mx.cli", "compile-matrix", "--json", str(path), "--targets", ",".join(TARGETS)],
+                     timeout=1800)
     doc = json.loads(path.read_text())
     assert doc["rows"] and set(doc["targets"]) == set(TARGETS)
     for r in doc["rows"]:
@@ -426,9 +431,7 @@ def test_a_seed_is_never_specialised(tmp_path):
         "        param = fn.params[fn.arg_names.index('seed')]\n"
         "        assert param.do_not_specialize, name\n"
         "print(' '.join(sorted(seen)))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = _compiled_python(["-c", script], timeout=300)
     assert proc.stdout.split() == ["decompose_kernel", "quantize_kernel"]
 
     import torch
@@ -486,9 +489,7 @@ def test_a_warps_dequantize_stores_lie_along_one_row():
         "        lanes = re.search('#' + name + r' = #ttg\\.blocked<\\{.*?threadsPerWarp = \\[([0-9, ]+)\\]', ir).group(1)\n"
         "        lanes = [int(v) for v in lanes.split(',')]\n"
         "        print(str(dtype), nv == spec.constexprs['NV_FIRST'], lanes[0 if nv else 1])\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = _compiled_python(["-c", script], timeout=300)
     rows = [line.split() for line in proc.stdout.split("\n") if line.startswith("torch.")]
     assert len(rows) == 4, proc.stdout
     for dtype, chosen, lanes_on_vectors in rows:

@@ -23,6 +23,8 @@ shift. fp16 output uses the hardware conversion (round to nearest even).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -148,6 +150,7 @@ def dequantize_kernel(
         tl.store(out_ptr + at, word, mask=vmask[:, :, None])
 
 
+@functools.lru_cache(maxsize=None)
 def nv_first() -> bool:
     """Whether the kernel's tile puts its vectors' dimension first ([NV, BR, VEC]) for the
     importable triton: its coalescing orders a tile's non-contiguous dimensions by index,

@@ -959,6 +959,43 @@ def test_sweeps_hold_decode_candidates_at_128_registers(monkeypatch):
         assert "maxnreg" not in backend.grouped_config(None, 64, 8, torch.bfloat16, False).options()
 
 
+@pytest.mark.triton
+def test_the_committed_static_verdicts_cover_the_tune_sweeps_launches(tmp_path, monkeypatch):
+    """`gpu_check.sh --tune` starts the GPU's studies from benchmarks/sweeps/studies/ (sm_90,
+    triton 3.6.0, the GPU machine's): a launch without a verdict there is compiled on the
+    GPU machine, out of its few minutes (the H200 sweep of 2026-11-26b spent its whole
+    study budget compiling). A change to the GEMM kernels' sources (a new kernel hash) or
+    to their launches (tiles, constexprs, options) makes every key new: then regenerate
+    the file under triton 3.6.0 (a side venv with torch 2.11 and triton 3.6.0 compiles for
+    sm_90 with no GPU, about 10 minutes on two cores):
+    ``python benchmarks/sweeps/tune_sweep.py --static-only --target sm_90 --study-dir
+    benchmarks/sweeps/studies``. Nothing is compiled here: the keys are computed and
+    looked up (the triton release in the key is the GPU machine's)."""
+    import shutil
+
+    from portable_mx import aot
+    from portable_mx.tuning import cache
+
+    shutil.copy(os.path.join(BENCH, "sweeps", "studies", "static-verdicts.json"), tmp_path)
+    monkeypatch.setattr(cache, "triton_version", lambda: "3.6.0")
+    wanted: list[str] = []
+
+    def refuse(items, jobs=None, on_result=None):
+        wanted.extend(launch.label for launch, _ in items)
+        raise RuntimeError("a compile was asked for")
+
+    monkeypatch.setattr(aot, "compile_all", refuse)
+    sweep = _sweep()
+    try:
+        rc = sweep.main(["--static-only", "--target", "sm_90", "--study-dir", str(tmp_path)])
+    except RuntimeError:
+        rc = None
+    assert rc == 0 and not wanted, (
+        f"benchmarks/sweeps/studies/static-verdicts.json lacks {len(wanted)} of the tune sweep's sm_90 launches "
+        f"(kernel hash now {cache.kernel_hash()}), e.g. {wanted[:3]}: regenerate it under triton 3.6.0 (this test's "
+        f"docstring says how)")
+
+
 def test_tune_sweep_warms_only_the_problems_its_budget_reaches():
     """The GPU warm-up compiles the survivors of the problems the budget is predicted to
     reach (0.2 s timing + 0.18 s warm-up per survivor), skipping one that does not fit as

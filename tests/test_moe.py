@@ -550,3 +550,22 @@ def test_no_tokens_give_zero_gradients_not_none():
         assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)), name
     with torch.no_grad():
         assert not pmx.grouped_matmul(x, w, routing=routing, gather=True, scatter=True).requires_grad
+
+
+def test_opcheck_of_the_gradient_op_with_strided_operands():
+    """grouped_mm_grad's fake says what the real op returns, strides included, for a
+    strided x and a transposed expert weight (GptOss's layout): its fake once copied their
+    strides (empty_like) while the real gradients are contiguous, which inductor then read
+    wrongly (tests/test_nn_experts.py has the compiled case). No gradient needed too."""
+    e, n, k, t, kk = 3, 8, 64, 4, 2
+    r = pmx.route(ids_of(t, kk, e, seed=40), rand(t, kk, seed=41).abs(), e)
+    x = rand(k, t, seed=42).T
+    w = rand(e, k, n, seed=43).transpose(1, 2)
+    assert not x.is_contiguous() and not w.is_contiguous()
+    for needs in ([True, True, True, True], [True, False, False, True], [False, True, True, False]):
+        for act in ("", "swiglu"):
+            args = (rand(t, n // 2 if act else n, seed=44), x, w, [], [], r.offsets, r.gather_index,
+                    r.scatter_index, r.weights, rand(e, n, seed=45), True, True, kk, act,
+                    QR().model_dump_json(), "", "", needs)
+            torch.library.opcheck(torch.ops.portable_mx.grouped_mm_grad.default, args,
+                                  test_utils=("test_schema", "test_faketensor"))

@@ -405,3 +405,31 @@ def test_weights_that_need_no_gradient_give_the_same_input_gradient(recipe):
         experts(x, ids, wts).backward(dy)
         grads.append((x.grad, experts.gate_up_proj_bias.grad.clone()))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's
+def test_inductor_backward_of_transposed_experts_and_a_strided_input_equals_eager():
+    """GptOss's layout (``transposed=True``: the parameter [E, H, 2I], the op's weight a
+    transposed view of it) and a strided x, compiled with inductor: the gradient op's fake
+    gave dW and dX the strides of those views while the real op returns contiguous
+    tensors; inductor then refused the real gradients (its size asserts) or, with the
+    asserts off, read them with the fake's strides: wrong weight gradients. Now forward and
+    every gradient equal eager's bit for bit (fp32, the reference backend)."""
+    torch.manual_seed(0)
+    ids, wts = routing(5)
+    experts = MXExperts(E, H, I, transposed=True)
+    base = torch.randn(H, T)
+
+    def run(fn):
+        experts.zero_grad(set_to_none=True)
+        xt = base.clone().requires_grad_()
+        y = fn(xt.T, ids, wts)  # x [T, H], strided
+        y.square().sum().backward()
+        return [y.detach(), xt.grad] + [p.grad for p in experts.parameters()]
+
+    eager = run(experts)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(experts, backend="inductor", fullgraph=True))
+    assert len(eager) == len(compiled) == 6
+    for got, want in zip(compiled, eager):
+        assert got is not None and torch.equal(got, want)

@@ -182,12 +182,10 @@ def _grouped_mm_grad(grad, x, w, x_parts, w_parts, offsets, gather_index, scatte
     r = recipe_from_json(recipe)
     act = activation or None
     e, n, kk = w.shape
-    empty = grad.new_empty(0)
-    out = [empty] * 4
-    if rows == 0:
-        zeros = [torch.zeros_like(t) if need and t is not None else empty
-                 for need, t in zip(needs, (x, w, bias, topk_weights))]
-        return zeros
+    out = [grad.new_empty(0) for _ in range(4)]  # a gradient not asked for: its own empty tensor (outputs of
+    if rows == 0:  # a custom op must not alias each other)
+        return [t.new_zeros(t.shape) if need and t is not None else out[i]  # contiguous, as the fake says
+                for i, (need, t) in enumerate(zip(needs, (x, w, bias, topk_weights)))]
     x_op, w_op = _operands(x, w, x_parts, w_parts, x_recipe, w_recipe)
     g = grad.to(torch.float32) if grad.dtype != torch.float64 else grad
     need_z = scatter and needs[3]
@@ -213,7 +211,7 @@ def _grouped_mm_grad(grad, x, w, x_parts, w_parts, offsets, gather_index, scatte
     if needs[2]:
         ones = dh.new_ones(rows, 1)
         out[2] = _ragged.k_product(dh, ones, offsets)[:, :, 0].to(bias.dtype)
-    return out
+    return [t.contiguous() for t in out]  # the fake's strides: a transposed w or strided x gets a contiguous grad
 
 
 def _weight_values(w: Tensor, w_op) -> Tensor:
@@ -265,7 +263,9 @@ def _grouped_mm_grad_fake(grad, x, w, x_parts, w_parts, offsets, gather_index, s
                           gather, scatter, k, activation, recipe, x_recipe, w_recipe, needs):
     _check(x, w, x_parts, w_parts, offsets, gather_index, scatter_index, topk_weights, bias, gather, scatter, k,
            activation, recipe, x_recipe, w_recipe)
-    return [torch.empty_like(t) if need and t is not None else grad.new_empty(0)
+    # contiguous whatever the strides of x or w (a transposed expert weight, GptOss's layout): the
+    # real op's are, and inductor reads the real gradients with the strides said here
+    return [t.new_empty(t.shape) if need and t is not None else grad.new_empty(0)
             for need, t in zip(needs, (x, w, bias, topk_weights))]
 
 

@@ -569,3 +569,32 @@ def test_opcheck_of_the_gradient_op_with_strided_operands():
                     QR().model_dump_json(), "", "", needs)
             torch.library.opcheck(torch.ops.portable_mx.grouped_mm_grad.default, args,
                                   test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_offsets_call_keeps_the_row_count_dynamic():
+    """grouped_matmul(offsets=...) put the row count in its device assertion's message while
+    tracing, which made the count a constant of the graph: one compile per row count under
+    dynamic=True, and mark_dynamic refused. One graph now serves every count, each result
+    equal to eager's, and bad offsets are still refused in the compiled call."""
+    import torch._dynamo.testing
+
+    e, n, k = 4, 16, 64
+    w = pmx.quantize(rand(e, n, k, seed=50), axis=-1)
+
+    def offs(rows):
+        return torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows], dtype=torch.int32)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, o: pmx.grouped_matmul(x, w, offsets=o), backend=counter, dynamic=True)
+    for rows in (8, 12, 20):
+        x = rand(rows, k, seed=rows)
+        assert torch.equal(fn(x, offs(rows)), pmx.grouped_matmul(x, w, offsets=offs(rows)))
+    assert counter.frame_count == 1
+    with pytest.raises(RuntimeError, match="offsets must be non-decreasing"):
+        fn(rand(12, k), torch.tensor([3, 2, 9, 12], dtype=torch.int32))
+    torch._dynamo.reset()
+    x = rand(10, k, seed=51)
+    torch._dynamo.mark_dynamic(x, 0)
+    out = torch.compile(lambda x, o: pmx.grouped_matmul(x, w, offsets=o), backend="eager")(x, offs(10))
+    assert torch.equal(out, pmx.grouped_matmul(x, w, offsets=offs(10)))

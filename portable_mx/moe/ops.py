@@ -29,12 +29,15 @@ def _check_offsets(offsets: torch.Tensor, rows: int) -> None:
         return
     ends = offsets.to(torch.int64)
     bad = (ends[-1] != rows) | (ends < 0).any() | (ends[1:] < ends[:-1]).any()
-    msg = f"offsets must be non-decreasing cumulative ends of the {rows} rows (offsets[-1] == {rows})"
     if offsets.device.type == "cpu" and not torch.compiler.is_compiling():
         if bad:
-            _fail(f"{msg}; got {offsets.tolist()}")
+            _fail(f"offsets must be non-decreasing cumulative ends of the {rows} rows (offsets[-1] == {rows}); "
+                  f"got {offsets.tolist()}")
         return
-    torch._assert_async(~bad, f"grouped_matmul: {msg}")
+    # (no row count in the message: formatting it while tracing made the compiled graph's row
+    # count a constant, one graph per count, and mark_dynamic refused)
+    torch._assert_async(~bad, "grouped_matmul: offsets must be non-decreasing cumulative ends of x's rows "
+                              "(offsets[-1] == the number of rows)")
 
 
 def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = None,

@@ -479,6 +479,11 @@ def test_torch_func_transforms_are_refused():
         torch.func.vmap(lambda x: pmx.grouped_matmul(x, w, offsets=offs))(rand(5, 4, k))
     with pytest.raises(RuntimeError, match="torch.func transforms"):
         torch.func.grad(lambda x: pmx.grouped_matmul(x, w, offsets=offs).sum())(rand(4, k))
+    ids = ids_of(4, 2, e, seed=3)
+    with pytest.raises(RuntimeError, match="portable_mx route does not support torch.func"):  # (was torch's
+        torch.func.vmap(lambda i: pmx.route(i, None, e).offsets)(torch.stack([ids, ids]))  # control-flow error)
+    with pytest.raises(RuntimeError, match="portable_mx route does not support torch.func"):
+        torch.func.grad(lambda wts: pmx.route(ids, wts, e).weights.sum())(rand(4, 2, seed=4))
 
 
 def test_batched_gradients_are_refused_with_a_reason():

@@ -111,11 +111,11 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     """
     compiling = _is_compiling()
     x, recipe, axis = _prepare("quantize", x, recipe, axis, compiling)
+    refuse_func_transforms("quantize", x)  # (compiled too: dynamo traces the check, no graph break)
     if compiling:
         if not x.numel():
             return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
         return _custom_ops.quantize(x, recipe, axis)
-    refuse_func_transforms("quantize", x)
     if not x.numel():
         return MXTensor.zeros(x.shape, x.dtype, axis, recipe, x.device)
     return _dispatch.quantize(x, recipe, axis)
@@ -132,6 +132,7 @@ def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Te
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"dequantize expects an MXTensor; got {type(mx).__name__}")
+    refuse_func_transforms("dequantize")
     if _is_compiling():
         dtype = mx.dtype if dtype is None else dtype
         if dtype not in FLOAT_DTYPES:
@@ -247,9 +248,9 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
 
     if a_mx and not compiling and a.recipe.rounding == "stochastic":
         _warn_one_stream(a.recipe, b.recipe if b_mx else recipe)
+    refuse_func_transforms("matmul", a, b)
     if compiling:
         return _custom_ops.mx_matmul(a, b, recipe)
-    refuse_func_transforms("matmul", a, b)
     if torch.is_grad_enabled() and ((not a_mx and a.requires_grad) or (not b_mx and b.requires_grad)):
         return _custom_ops.mx_matmul(a, b, recipe)
     return _dispatch.matmul(a, b, recipe)

@@ -117,6 +117,20 @@ def test_func_transforms_refuse_with_a_clear_message(name):
         _calls()[name](x)
 
 
+@pytest.mark.parametrize("name", ["grad of matmul", "grad of MXLinear", "vmap of matmul", "vmap of quantize",
+                                  "vmap of dequantize", "jacrev of MXLinear"])
+def test_compiled_func_transforms_refuse_with_the_same_message(name):
+    """torch.compile of a transformed call: the compiled paths skipped the refusal, and
+    dynamo failed inside the custom op with torch's "Batching rule not implemented" or
+    "must override setup_context". The refusal is traced (no graph break: the fullgraph
+    tests) and raises the library's message."""
+    x = torch.randn(4, 64)
+    call = _calls()[name]
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        torch.compile(call, backend="eager")(x)
+
+
 def _dual_calls():
     torch.manual_seed(0)
     b = torch.randn(64, 8)

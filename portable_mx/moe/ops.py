@@ -166,9 +166,9 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
     grad = torch.is_grad_enabled() and (
         (not x_mx and x.requires_grad) or (not w_mx and w.requires_grad)
         or (bias is not None and bias.requires_grad) or (scatter and routing.weights.requires_grad))
+    refuse_func_transforms("grouped_matmul", x, w, bias, None if routing is None else routing.weights)
     if torch.compiler.is_compiling():
         return _custom_ops.mx_grouped_matmul(x, w, recipe, offsets, routing, gather, scatter, bias, activation)
-    refuse_func_transforms("grouped_matmul", x, w, bias, None if routing is None else routing.weights)
     if grad:
         return _custom_ops.mx_grouped_matmul(x, w, recipe, offsets, routing, gather, scatter, bias, activation)
     if routing is not None:

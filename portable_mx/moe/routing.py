@@ -209,8 +209,7 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
                          f"{topk_weights.device} and {topk_ids.device}")
     if tile_m is not None and tile_m not in TILE_M_CHOICES:
         raise ValueError(f"tile_m must be one of {TILE_M_CHOICES}; got {tile_m!r}")
-    if not torch.compiler.is_compiling():  # (vmap reached the CPU id check's branch, torch's error)
-        refuse_func_transforms("route", topk_ids, topk_weights)
+    refuse_func_transforms("route", topk_ids, topk_weights)  # (vmap reached the CPU id check: torch's error)
 
     t, k = topk_ids.shape
     rows = t * k

@@ -225,11 +225,11 @@ class MXLinear(torch.nn.Linear):
             raise ValueError(f"MXLinear: the bias must be [{n}] (the weight's out_features); got {tuple(bias.shape)}")
         if gemm is not None:  # a weight that holds its own MXFP4 operands (pmx.nn.enable_fsdp_mx_all_gather)
             y = gemm(w, x2, self, bias)
-        elif torch.compiler.is_compiling():
+        elif refuse_func_transforms("MXLinear", x, w, bias) or torch.compiler.is_compiling():
             # the recipe read through its property: torch 2.11's dynamo records an assignment
             # to it inside the compiled function without running the setter (_recipe_json stale)
             y = torch.ops.portable_mx.mm(x2, w.T, [], [], recipe_json(self.recipe), "", "", bias)
-        elif refuse_func_transforms("MXLinear", x, w, bias) or torch.is_grad_enabled() and (
+        elif torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
             if self._pmx_weight_cache.depth:
                 parts = self.quantized_weight().rows().parts()

@@ -1,6 +1,8 @@
 """The exact three-way decomposition: exactness, orthogonality, hand-computed blocks,
 both definitions, corrections, simulation ranges, bad input."""
 
+import math
+
 import pytest
 import torch
 
@@ -106,6 +108,58 @@ def test_clip_count_floor_rule():
     d = pmx.decompose(x)
     assert d.clip_count[:, 0].tolist() == [2, 1]
     assert pmx.decompose(x, pmx.QuantRecipe(scale_rule="rceil")).clip_count.sum().item() == 0
+    # |y| == 6 lies on the grid: not clipped (numerics.md 3, #{|y| > 6}); the cases above had
+    # no value on the boundary, so a ">=" in the reference and the kernel alike passed them
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([6.0, -6.0, 7.0, 5.0])  # floor: amax 7 -> E = 0, y = x
+    assert pmx.decompose(x).clip_count.item() == 1
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1_nearest64(y: float) -> float:
+    """g of numerics.md 2 in float64: the nearest E2M1 magnitude, a tie to the even code,
+    saturating at 6, with y's sign."""
+    a = abs(y)
+    if a >= 6.0:
+        return math.copysign(6.0, y)
+    i = max(j for j in range(8) if E2M1[j] <= a)
+    lo, hi = E2M1[i], E2M1[min(i + 1, 7)]
+    mid = (lo + hi) / 2
+    m = lo if a < mid else hi if a > mid else (lo if i % 2 == 0 else hi)
+    return math.copysign(m, y)
+
+
+@pytest.mark.parametrize("outliers", [0, 1])
+def test_counterfactual_against_its_definition_in_float64(outliers):
+    """Definition C written out in float64 from numerics.md 3 (and OF of section 4): s* =
+    amax of the block's rest / 6, Q* = s* g(x / s*) (Q* = Q at an outlier, kept exactly),
+    e_scale = Q - Q*, e_dead = -x where 0 < |x| <= s*/4, e_grid = Q* - x elsewhere. Here
+    s* = 0.5, so +-0.125 sit on the deadzone's edge (dead), 100 is the outlier. Every
+    earlier counterfactual case had no outlier and no value on the edge: the sum identity
+    holds for any Q*, so a Q* from the wrong amax, or a strict edge, passed them when the
+    reference and the kernel shared the mistake."""
+    vals = [3.0, 1.0, 0.2, 0.125, -0.125, 0.7, -2.2]
+    if outliers:
+        vals = [100.0] + vals
+    x = torch.zeros(1, 32)
+    x[0, : len(vals)] = torch.tensor(vals)
+    d = pmx.decompose(x, pmx.QuantRecipe(outliers_per_block=outliers), definition="counterfactual")
+    xs = x[0].double().tolist()
+    q = d.dequantized[0].double().tolist()
+    out = {0} if outliers else set()
+    s = max(abs(v) for i, v in enumerate(xs) if i not in out) / 6.0
+    assert s == 0.5
+    q_star = [q[i] if i in out else s * _e2m1_nearest64(v / s) for i, v in enumerate(xs)]
+    dead = [i not in out and 0 < abs(v) <= s / 4 for i, v in enumerate(xs)]
+    assert sum(dead) == 2
+    want = {"scale_bias": [q[i] - q_star[i] for i in range(32)],
+            "deadzone": [-v if dead[i] else 0.0 for i, v in enumerate(xs)],
+            "grid_noise": [0.0 if dead[i] else q_star[i] - v for i, v in enumerate(xs)]}
+    for name, values in want.items():
+        assert getattr(d, name)[0].double().tolist() == pytest.approx(values, abs=1e-6), name
+    assert d.dead_count.item() == 2
 
 
 def test_outliers_are_survivors_with_their_bf16_value():

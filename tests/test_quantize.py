@@ -185,6 +185,27 @@ def test_stochastic_rounding_keeps_grid_values_and_saturates():
     assert set(q[:, 1].tolist()) <= {0.0, 0.5} and set(q[:, 2].tolist()) <= {0.0, -0.5}
 
 
+def test_stochastic_threshold_is_strict_and_each_element_has_its_documented_draw():
+    """The stream as portable_mx.format documents it: element (r, c) of the padded rows
+    (Kp = 64 here, K = 40) rounds with u = the top 24 bits of word i % 4 of Philox4x32-10
+    at counter i // 4, i = r * Kp + c (fmt.philox4x32, pinned by Random123's known
+    answers), and rounds up iff u < 2**24 (|y| - lo) / (hi - lo). With a 4.0 anchoring each
+    block (floor: E = 0) and x = u / 2**25 in [0, 0.5), the threshold is u itself: every
+    code rounds down to 0; x = (u + 1) / 2**25 rounds every one up to 0.5. A "<=" (a grid
+    value, zero included, moving up with probability 2**-24) or a draw from another
+    element passes the statistical tests above."""
+    seed, rows, k, kp = 5, 3, 40, 64
+    idx = torch.arange(rows)[:, None] * kp + torch.arange(k)[None, :]
+    words = fmt.philox4x32(seed, idx // 4)
+    u = (words.gather(-1, (idx % 4).unsqueeze(-1)).squeeze(-1) >> 8).double()
+    for bump, want in ((0.0, 0.0), (1.0, 0.5)):
+        x = ((u + bump) / 2**25).float()
+        x[:, 0] = x[:, 32] = 4.0
+        q = pmx.dequantize(pmx.quantize(x, pmx.QuantRecipe(rounding="stochastic", seed=seed)))
+        body = torch.cat([q[:, 1:32], q[:, 33:]], dim=1)
+        assert (body == want).all(), (bump, int((body != want).sum()))
+
+
 # ----------------------------------------------------------------------------- corrections
 
 

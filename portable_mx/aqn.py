@@ -47,9 +47,9 @@ class AQNSchedule:
     sigma_end: float = 1e-4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.total_steps, int) or self.total_steps < 1:
+        if isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int) or self.total_steps < 1:
             raise ValueError(f"total_steps must be a positive int; got {self.total_steps!r}")
-        if not isinstance(self.stages, int) or self.stages < 2:
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2 (one silent stage, then noisy ones); got {self.stages!r}")
         if not (0 < self.sigma_start < math.inf and 0 < self.sigma_end < math.inf):
             raise ValueError(f"sigma_start and sigma_end must be finite and > 0; got {self.sigma_start}, "

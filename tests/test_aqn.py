@@ -49,7 +49,8 @@ def test_schedule_shape_default():
 def test_schedule_custom_and_invalid():
     s = AQNSchedule(20, stages=2, sigma_start=5e-3, sigma_end=1e-5)
     assert s.sigmas() == [0.0] * 10 + [5e-3] * 10
-    for bad in (dict(total_steps=0), dict(total_steps=10, stages=1), dict(total_steps=10, sigma_start=0.0)):
+    for bad in (dict(total_steps=0), dict(total_steps=10, stages=1), dict(total_steps=10, sigma_start=0.0),
+                dict(total_steps=True), dict(total_steps=10, stages=True)):  # (a bool is an int to Python)
         with pytest.raises(ValueError):
             AQNSchedule(**bad)
 

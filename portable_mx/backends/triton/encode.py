@@ -371,7 +371,8 @@ def _key_bits(top, klo, khi, lo, hi, IN_KIND: tl.constexpr):
         return (tl.sum(tl.where(klo == top[:, :, None], lo, 0), axis=2)
                 + tl.sum(tl.where(khi == top[:, :, None], hi, 0), axis=2))
     else:
-        r = top & ~tl.full([], 31 << _lane_shift(IN_KIND), tl.uint32)
+        lane = tl.full([], 31 << _lane_shift(IN_KIND), tl.uint32)
+        r = top & (lane ^ 0xFFFFFFFF)  # (not ~lane: triton 3.6's interpreter made that a negative int)
         return ((r >> 1) | (r << 31)).to(tl.int32, bitcast=True)
 
 

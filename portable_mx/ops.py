@@ -62,10 +62,26 @@ def _check_float_tensor(x: Any, name: str, mx_ok: bool = True) -> torch.Tensor:
         )
     if x.layout is not _STRIDED:
         raise TypeError(dense_error(name, x))
+    refuse_distributed(name, x)
     return x
 
 
 _STRIDED = torch.strided
+_Parameter = torch.nn.Parameter
+
+
+def refuse_distributed(name: str, x: Any) -> None:
+    """Raise for a DTensor (an FSDP2-sharded parameter, a tensor-parallel activation): the
+    ops work on a tensor's local bytes, and torch's DTensor drops some of the integer ops
+    the scale and code arithmetic is made of (``<<`` returned its input, torch 2.13), so its
+    quantized bytes were wrong without an error. Other subclasses pass."""
+    if x.__class__ is _Tensor or x.__class__ is _Parameter:  # (the hot path: two identity tests)
+        return
+    if any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in type(x).__mro__):
+        raise TypeError(f"{name} is a DTensor (sharded or replicated by torch.distributed): pass "
+                        f"{name}.full_tensor() (or the module's state dict gathered with torch.distributed."
+                        "checkpoint.state_dict.get_model_state_dict(..., options=StateDictOptions("
+                        "full_state_dict=True))), or call the op on the unsharded module inside its forward")
 
 
 def dense_error(name: str, x: torch.Tensor) -> str:

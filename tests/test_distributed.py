@@ -87,6 +87,53 @@ def _convert_after_fully_shard(rank, world):
     return out
 
 
+class GptOssExperts(torch.nn.Module):
+    """Stands for transformers' class of that name (convert knows a family by the class's
+    name and module, and refuses a sharded one before reading anything else of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 64))
+
+
+GptOssExperts.__module__ = "transformers.models.gpt_oss.modeling_gpt_oss"
+
+
+def _dtensors_refused(rank, world):
+    """What takes a float weight, given FSDP2's shard (a DTensor) between forwards: the
+    TypeError messages (the audit: its quantized bytes were wrong, torch's DTensor
+    dropping ``<<``), and convert on sharded transformers experts, which stayed float."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    linear = pmx.nn.convert(nn.Sequential(nn.Linear(64, 64)))
+    experts = pmx.nn.MXExperts(4, 64, 32, transposed=True)
+    fully_shard(linear)
+    fully_shard(experts)
+    out = []
+    for call in (lambda: linear[0].quantized_weight(), lambda: experts.quantized_weight("gate_up_proj"),
+                 lambda: pmx.quantize(experts.down_proj, axis=1),
+                 lambda: pmx.matmul(torch.randn(2, 64), linear[0].weight.T),
+                 lambda: pmx.grouped_matmul(torch.randn(3, 64), experts.down_proj.transpose(1, 2),
+                                            offsets=torch.tensor([1, 2, 3, 3], dtype=torch.int32))):
+        try:
+            call()
+            out.append("went through")
+        except TypeError as err:
+            out.append(str(err))
+    for per_layer in (True, False):
+        model = nn.Sequential(nn.GELU(), GptOssExperts())
+        if per_layer:
+            fully_shard(model[1])
+        fully_shard(model)
+        try:
+            pmx.nn.convert(model)
+            out.append("converted")
+        except TypeError as err:
+            out.append(str(err))
+    return out
+
+
 def fsdp_job(rank, world, only_cache: bool = False):
     results: dict = {}
     check(results, "cache", _cache_regression, rank, world)
@@ -95,6 +142,7 @@ def fsdp_job(rank, world, only_cache: bool = False):
     check(results, "cache_block", _cache_regression_in_block, rank, world)
     check(results, "cache_sub", _cache_on_a_submodule, rank, world)
     check(results, "convert_after", _convert_after_fully_shard, rank, world)
+    check(results, "dtensors", _dtensors_refused, rank, world)
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -150,6 +198,20 @@ def test_convert_after_fully_shard_is_refused(fsdp_results):
     first, and the model left as it was."""
     for message in result(fsdp_results, "convert_after"):
         assert "already sharded by FSDP2's fully_shard" in message and "convert the model before" in message, message
+
+
+def test_sharded_weights_are_refused_not_quantized_wrongly(fsdp_results):
+    """quantized_weight of a sharded MXLinear or MXExperts, pmx.quantize / matmul /
+    grouped_matmul of a DTensor: a TypeError saying to gather it, where the bytes were
+    wrong before (scales and codes off, NaN after a round trip through a checkpoint). And
+    convert of transformers experts sharded per layer (FSDP2's FSDPGptOssExperts) or by
+    the root is refused as a sharded Linear is: the first stayed float without a word."""
+    messages = result(fsdp_results, "dtensors")
+    assert len(messages) == 7
+    for message in messages[:5]:
+        assert "is a DTensor" in message and "full_tensor()" in message, message
+    for message in messages[5:]:
+        assert "already sharded by FSDP2's fully_shard" in message and "'1'" in message, message
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 
 from .._transforms import refuse_func_transforms
-from ..ops import _recipe, dense_error
+from ..ops import _recipe, dense_error, refuse_distributed
 from ..recipe import QuantRecipe
 from ..tensor import FLOAT_DTYPES, MXTensor
 from . import _custom_ops, activations
@@ -106,8 +106,10 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
         _fail(f"x must be a float tensor [X, K] or an MXTensor; got {type(x).__name__} "
               f"{getattr(x, 'dtype', '')} {tuple(getattr(x, 'shape', ()))}", TypeError)
     for name, t in (("x", x), ("w", w), ("bias", bias)):
-        if isinstance(t, torch.Tensor) and t.layout is not torch.strided:
-            _fail(dense_error(name, t), TypeError)
+        if isinstance(t, torch.Tensor):
+            if t.layout is not torch.strided:
+                _fail(dense_error(name, t), TypeError)
+            refuse_distributed(f"grouped_matmul: {name}", t)
     num_experts, n, k = w.shape
     rows_x, kx = x.shape
     device = w.device

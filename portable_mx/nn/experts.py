@@ -257,6 +257,7 @@ class MXExperts(torch.nn.Module):
             raise ValueError(f"proj must be one of {PROJECTIONS}; got {proj!r}")
         if self.frozen:
             return self._frozen_mx(proj)
+        ops.refuse_distributed(f"MXExperts.{proj}", getattr(self, proj))  # (FSDP2's shard between forwards)
         return self._pmx_weight_cache.get(proj, getattr(self, proj), self._recipe, self._quantizer(proj))
 
     def _frozen_mx(self, proj: str) -> MXTensor:

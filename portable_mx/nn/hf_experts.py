@@ -41,11 +41,13 @@ _OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
 def known_family(module: torch.nn.Module) -> Optional[dict[str, Any]]:
     """The :data:`FAMILIES` entry of a transformers expert module's class, or None for any
     other module; nothing about its configuration is checked (:func:`family_of` does)."""
-    cls = type(module)
-    family = FAMILIES.get(cls.__name__)
-    if family is None or not cls.__module__.startswith("transformers."):
-        return None
-    return family
+    mro = type(module).__mro__  # the class itself, or under FSDP2's fully_shard the class it subclassed
+    classes = mro if any(c.__name__ == "FSDPModule" for c in mro) else mro[:1]  # (FSDPGptOssExperts)
+    for cls in classes:
+        family = FAMILIES.get(cls.__name__)
+        if family is not None and cls.__module__.startswith("transformers."):
+            return family
+    return None
 
 
 def family_of(module: torch.nn.Module) -> Optional[dict[str, Any]]:

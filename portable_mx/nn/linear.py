@@ -185,7 +185,9 @@ class MXLinear(torch.nn.Linear):
     def quantized_weight(self) -> MXTensor:
         """``weight.T`` ``[in_features, out_features]`` quantized along axis 0
         (in_features, K) with the recipe: the MXTensor the forward GEMM uses (the cached
-        one inside :func:`~portable_mx.nn.weight_cache`, else quantized now)."""
+        one inside :func:`~portable_mx.nn.weight_cache`, else quantized now). Under FSDP2,
+        between forwards the weight is a shard (a DTensor): refused, as the ops refuse one."""
+        ops.refuse_distributed("MXLinear.weight", self.weight)
         return self._pmx_weight_cache.get("weight", self.weight, self._recipe, self._quantize_weight)
 
     def _quantize_weight(self, w: Tensor) -> MXTensor:

@@ -715,8 +715,10 @@ def _grouped_sweep(monkeypatch):
     import grouped_sweep
     from portable_mx import registry
 
-    if registry.get("triton-interpret").unavailable_reason(torch.device("cpu")) is not None:
-        pytest.skip("the Triton interpreter does not serve this process")
+    interpreter = registry.get("triton-interpret")
+    why = interpreter.unavailable_reason(torch.device("cpu")) or interpreter.op_problem("grouped_matmul")
+    if why is not None:  # (triton 3.6 and 3.7 interpret no GEMM: the reference would answer)
+        pytest.skip(f"the Triton interpreter does not run the grouped GEMM here: {why}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(registry.ENV_BACKEND, "triton-interpret")
     return grouped_sweep

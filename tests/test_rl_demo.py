@@ -332,6 +332,8 @@ def test_study_scale_follows_the_device():
 
 
 def test_study_tiny_end_to_end_and_reproducible(tmp_path):
+    pytest.importorskip("matplotlib", reason="the study draws its figures with matplotlib, part of the demo "
+                        "extra: pip install 'portable_mx[demo]'")
     a, b = tmp_path / "a", tmp_path / "b"
     assert cli.main(["--study", "--tiny", "--workers", "2", "--out", str(a), "--no-progress"]) == 0
     assert cli.main(["--study", "--tiny", "--workers", "0", "--out", str(b), "--no-progress"]) == 0

@@ -228,6 +228,10 @@ def run(args: argparse.Namespace, save=None) -> dict[str, Any]:
         device = gpu_device("cuda")
         samples, repeats = args.samples, args.repeats
     backend = registry.select("grouped_matmul", device)
+    if smoke and backend.name != "triton-interpret":  # (triton 3.6, 3.7: the interpreter runs no GEMM)
+        why = registry.get("triton-interpret").op_problem("grouped_matmul") or "not selected"
+        raise SystemExit(f"grouped_sweep.py --cpu-smoke: the Triton interpreter does not run the grouped GEMM "
+                         f"here: {why}")
     timer = host_us if smoke else graph_us
     bandwidth = None
     if not smoke:

@@ -433,3 +433,39 @@ def test_inductor_backward_of_transposed_experts_and_a_strided_input_equals_eage
     assert len(eager) == len(compiled) == 6
     for got, want in zip(compiled, eager):
         assert got is not None and torch.equal(got, want)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
+def test_a_distributed_checkpoint_of_another_macro_block_is_refused_at_the_forward(tmp_path):
+    """torch.distributed.checkpoint loads into the module's own tensors and never calls
+    _load_from_state_dict: a frozen MBS-96 checkpoint (K = 192: the factors' shape of
+    MBS-128 too) loaded into MBS-128 experts gave outputs off by 3e3 of 1.5e5 without a
+    word (found by an audit), as did a set_state_dict that refused after DCP had written.
+    The module now reads its macro-block buffer again after it changed and refuses the
+    forward; a checkpoint of its own recipe loads and gives the saved module's output."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(20)
+    w1 = torch.randn(E, 192, 192, generator=g) * torch.logspace(-2, 2, 192)
+    w2 = torch.randn(E, 192, 96, generator=g)
+
+    def frozen(block, scale=1.0):
+        r = pmx.QuantRecipe(macro_block=block)
+        return MXExperts.from_mx(pmx.quantize(w1 * scale, r, axis=-1), pmx.quantize(w2 * scale, r, axis=-1),
+                                 recipe=W4A16)
+
+    x = torch.randn(5, 192, generator=g)
+    ids, wts = torch.randint(0, E, (5, 2), generator=g), torch.rand(5, 2, generator=g)
+    src = frozen(96)
+    dcp.save(src.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+    dst = frozen(128, scale=2.0)
+    with torch.no_grad():
+        dst(x, ids, wts)  # its own bytes: memoised
+        dcp.load(dst.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+        with pytest.raises(RuntimeError, match="gate_up_proj_macro_block holds 96 but this module applies macro "
+                                               "blocks of 128"):
+            dst(x, ids, wts)
+        same = frozen(96, scale=2.0)
+        same(x, ids, wts)
+        dcp.load(same.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+        assert torch.equal(same(x, ids, wts), src(x, ids, wts))

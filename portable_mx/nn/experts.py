@@ -114,7 +114,7 @@ class MXExperts(torch.nn.Module):
         self.activation = activation
         self.transposed = bool(transposed)
         self._mx_meta: dict[str, tuple[torch.Size, torch.dtype, QuantRecipe]] = {}
-        self._mx_memo: dict[str, tuple[tuple, MXTensor]] = {}
+        self._mx_memo: dict[str, tuple[tuple, MXTensor, tuple, Optional[int]]] = {}
         self.recipe = recipe
         kw = dict(device=device, dtype=dtype)
         e, h, i = num_experts, hidden_size, intermediate_size
@@ -269,10 +269,25 @@ class MXExperts(torch.nn.Module):
         # addresses tell, and in-place writes to the same storage need no rebuild.
         table, names = self._buffers, _BUFFERS[proj]
         bufs = tuple(_member(self, table, name) for name in names)
-        hit = None if torch.compiler.is_compiling() else self._mx_memo.get(proj)
-        if hit is not None and all(a is b for a, b in zip(hit[0], bufs)) and hit[2] == _addresses(bufs):
+        compiling = torch.compiler.is_compiling()
+        block = None if compiling else table.get(f"{proj}_macro_block")
+        version = None if block is None else block._version
+        hit = None if compiling else self._mx_memo.get(proj)
+        if (hit is not None and all(a is b for a, b in zip(hit[0], bufs)) and hit[2] == _addresses(bufs)
+                and hit[3] == version):
             return hit[1]
         shape, dtype, recipe = self._mx_meta[proj]
+        if block is not None and not block.is_meta and int(block) != recipe.macro_block:
+            # written in place with another recipe's bytes: torch.distributed.checkpoint's load
+            # copies into the module's own tensors and never calls _load_from_state_dict (and a
+            # load that refused afterwards has them too); the factors would fall on the wrong
+            # elements (one host read, here only: after a buffer changed)
+            raise RuntimeError(
+                f"MXExperts: {proj}_macro_block holds {int(block)} but this module applies macro blocks of "
+                f"{recipe.macro_block}: its buffers were overwritten with weights quantized with another macro "
+                f"block (a torch.distributed.checkpoint load writes into the module before any check); build the "
+                f"module from MXTensors quantized with macro_block={int(block)}, or load a checkpoint of this "
+                "module's recipe")
         blocks, scales, macro, ov, oi = bufs
         e, n, g, _ = blocks.shape
         mx = MXTensor(qdata=blocks.reshape(e, n, g * 16), scales=scales, shape=shape, dtype=dtype, axis=2,
@@ -281,7 +296,7 @@ class MXExperts(torch.nn.Module):
         if not torch.compiler.is_compiling() and mx.qdata.data_ptr() == blocks.data_ptr():
             # (a non-contiguous blocks buffer is reshaped into a copy, which in-place
             # writes to the buffer would not reach: such a weight is rebuilt every call)
-            self._mx_memo[proj] = (bufs, mx, _addresses(bufs))
+            self._mx_memo[proj] = (bufs, mx, _addresses(bufs), version)
         return mx
 
     def _quantizer(self, proj: str):

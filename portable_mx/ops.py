@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _custom_ops, _dispatch, registry
+from ._sharding import is_dtensor
 from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
 from .recipe import DEFAULT_RECIPE, VALIDATED, QuantRecipe, validated
@@ -67,7 +68,6 @@ def _check_float_tensor(x: Any, name: str, mx_ok: bool = True) -> torch.Tensor:
 
 
 _STRIDED = torch.strided
-_Parameter = torch.nn.Parameter
 
 
 def refuse_distributed(name: str, x: Any) -> None:
@@ -75,9 +75,7 @@ def refuse_distributed(name: str, x: Any) -> None:
     ops work on a tensor's local bytes, and torch's DTensor drops some of the integer ops
     the scale and code arithmetic is made of (``<<`` returned its input, torch 2.13), so its
     quantized bytes were wrong without an error. Other subclasses pass."""
-    if x.__class__ is _Tensor or x.__class__ is _Parameter:  # (the hot path: two identity tests)
-        return
-    if any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in type(x).__mro__):
+    if is_dtensor(x):
         raise TypeError(f"{name} is a DTensor (sharded or replicated by torch.distributed): pass "
                         f"{name}.full_tensor() (or the module's state dict gathered with torch.distributed."
                         "checkpoint.state_dict.get_model_state_dict(..., options=StateDictOptions("

@@ -121,11 +121,13 @@ def _dtensors_refused(rank, world):
             out.append("went through")
         except TypeError as err:
             out.append(str(err))
-    for per_layer in (True, False):
+    for how in ("per layer", "root", "per layer, unsharded now"):
         model = nn.Sequential(nn.GELU(), GptOssExperts())
-        if per_layer:
+        if how != "root":
             fully_shard(model[1])
         fully_shard(model)
+        if how.endswith("now"):
+            model[1].unshard()  # plain parameters, still FSDP2's (FSDPGptOssExperts)
         try:
             pmx.nn.convert(model)
             out.append("converted")
@@ -204,10 +206,11 @@ def test_sharded_weights_are_refused_not_quantized_wrongly(fsdp_results):
     """quantized_weight of a sharded MXLinear or MXExperts, pmx.quantize / matmul /
     grouped_matmul of a DTensor: a TypeError saying to gather it, where the bytes were
     wrong before (scales and codes off, NaN after a round trip through a checkpoint). And
-    convert of transformers experts sharded per layer (FSDP2's FSDPGptOssExperts) or by
-    the root is refused as a sharded Linear is: the first stayed float without a word."""
+    convert of transformers experts sharded per layer (FSDP2's FSDPGptOssExperts, its
+    parameters sharded or unsharded at the moment) or by the root is refused as a sharded
+    Linear is: the first stayed float without a word."""
     messages = result(fsdp_results, "dtensors")
-    assert len(messages) == 7
+    assert len(messages) == 8
     for message in messages[:5]:
         assert "is a DTensor" in message and "full_tensor()" in message, message
     for message in messages[5:]:

@@ -11,6 +11,7 @@ from typing import Any, Union
 import torch
 
 from .. import ops
+from .._sharding import is_fsdp_module
 from .hf_experts import experts_from_module, known_family
 from .linear import MXLinear
 from .weight_cache import sharded
@@ -89,7 +90,8 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     def keep(name: str, module: torch.nn.Module) -> bool:
         # (the class alone: an expert module in a configuration MXExperts cannot run is
         # refused when converted, so that a skip rule can keep it)
-        if (isinstance(module, torch.nn.Linear) or known_family(module) is not None) and sharded(module):
+        if ((isinstance(module, torch.nn.Linear) or known_family(module) is not None)
+                and (sharded(module) or is_fsdp_module(module))):  # (an FSDP<class>, unsharded just now too)
             raise TypeError(f"convert: layer {name!r} is already sharded by FSDP2's fully_shard (its parameters "
                             "are DTensors): convert the model before fully_shard")
         if type(module) is not torch.nn.Linear and known_family(module) is None:

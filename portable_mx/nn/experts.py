@@ -66,7 +66,7 @@ from .. import ops
 from ..moe import grouped_matmul, route
 from ..format import BLOCK_SIZE
 from ..recipe import QuantRecipe
-from ..tensor import MXTensor
+from ..tensor import MXTensor, version_of
 from ._members import member as _member
 from .weight_cache import WeightCache
 
@@ -114,7 +114,8 @@ class MXExperts(torch.nn.Module):
         self.activation = activation
         self.transposed = bool(transposed)
         self._mx_meta: dict[str, tuple[torch.Size, torch.dtype, QuantRecipe]] = {}
-        self._mx_memo: dict[str, tuple[tuple, MXTensor, tuple, Optional[int]]] = {}
+        self._mx_memo: dict[str, tuple[tuple, MXTensor, tuple]] = {}
+        self._mx_checked: dict[str, tuple[Tensor, Optional[int]]] = {}  # (_check_macro_block)
         self.recipe = recipe
         kw = dict(device=device, dtype=dtype)
         e, h, i = num_experts, hidden_size, intermediate_size
@@ -188,6 +189,7 @@ class MXExperts(torch.nn.Module):
                              torch.tensor(w.recipe.macro_block, dtype=torch.int64, device=w.qdata.device))
         self._mx_meta[proj] = (w.shape, w.dtype, w.recipe)
         self._mx_memo.pop(proj, None)
+        self._mx_checked.pop(proj, None)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -270,24 +272,13 @@ class MXExperts(torch.nn.Module):
         table, names = self._buffers, _BUFFERS[proj]
         bufs = tuple(_member(self, table, name) for name in names)
         compiling = torch.compiler.is_compiling()
-        block = None if compiling else table.get(f"{proj}_macro_block")
-        version = None if block is None else block._version
+        block = table.get(f"{proj}_macro_block")
+        if block is not None:
+            self._check_macro_block(proj, block, compiling)
         hit = None if compiling else self._mx_memo.get(proj)
-        if (hit is not None and all(a is b for a, b in zip(hit[0], bufs)) and hit[2] == _addresses(bufs)
-                and hit[3] == version):
+        if hit is not None and all(a is b for a, b in zip(hit[0], bufs)) and hit[2] == _addresses(bufs):
             return hit[1]
         shape, dtype, recipe = self._mx_meta[proj]
-        if block is not None and not block.is_meta and int(block) != recipe.macro_block:
-            # written in place with another recipe's bytes: torch.distributed.checkpoint's load
-            # copies into the module's own tensors and never calls _load_from_state_dict (and a
-            # load that refused afterwards has them too); the factors would fall on the wrong
-            # elements (one host read, here only: after a buffer changed)
-            raise RuntimeError(
-                f"MXExperts: {proj}_macro_block holds {int(block)} but this module applies macro blocks of "
-                f"{recipe.macro_block}: its buffers were overwritten with weights quantized with another macro "
-                f"block (a torch.distributed.checkpoint load writes into the module before any check); build the "
-                f"module from MXTensors quantized with macro_block={int(block)}, or load a checkpoint of this "
-                "module's recipe")
         blocks, scales, macro, ov, oi = bufs
         e, n, g, _ = blocks.shape
         mx = MXTensor(qdata=blocks.reshape(e, n, g * 16), scales=scales, shape=shape, dtype=dtype, axis=2,
@@ -296,8 +287,35 @@ class MXExperts(torch.nn.Module):
         if not torch.compiler.is_compiling() and mx.qdata.data_ptr() == blocks.data_ptr():
             # (a non-contiguous blocks buffer is reshaped into a copy, which in-place
             # writes to the buffer would not reach: such a weight is rebuilt every call)
-            self._mx_memo[proj] = (bufs, mx, _addresses(bufs), version)
+            self._mx_memo[proj] = (bufs, mx, _addresses(bufs))
         return mx
+
+    def _check_macro_block(self, proj: str, block: Tensor, compiling: bool) -> None:
+        """Refuse a forward whose ``{proj}_macro_block`` buffer holds another size than the
+        module applies: written in place with another recipe's bytes (torch.distributed.
+        checkpoint's load copies into the module's own tensors and never calls
+        _load_from_state_dict; a load that refused afterwards leaves them there too), the
+        factors would fall on the wrong elements. Eager: one host read after the buffer
+        changed (its identity or version; an inference tensor, its identity), none in a
+        CUDA graph capture or under torch.compile, where a device assertion checks it."""
+        if not compiling:
+            version = version_of(block)
+            seen = self._mx_checked.get(proj)
+            if seen is not None and seen[0] is block and seen[1] == version:
+                return
+        want = self._mx_meta[proj][2].macro_block
+        why = ("its buffers were overwritten with weights quantized with another macro block (a torch.distributed."
+               "checkpoint load writes into the module before any check); build the module from MXTensors of the "
+               "checkpoint's recipe, or load a checkpoint of this module's")
+        if compiling or (block.is_cuda and torch.cuda.is_current_stream_capturing()):
+            torch._assert_async(block == want, f"MXExperts: {proj}_macro_block does not hold {want}, the "
+                                               f"macro-block size this module applies: {why}")
+            if compiling:
+                return
+        elif not block.is_meta and int(block) != want:
+            raise RuntimeError(f"MXExperts: {proj}_macro_block holds {int(block)} but this module applies macro "
+                               f"blocks of {want}: {why}")
+        self._mx_checked[proj] = (block, version)
 
     def _quantizer(self, proj: str):
         transposed, recipe = self.transposed, self._recipe
@@ -389,6 +407,7 @@ class MXExperts(torch.nn.Module):
         if not isinstance(self.__dict__.get("_pmx_weight_cache"), WeightCache):
             self._pmx_weight_cache = WeightCache()
         self._mx_memo = {}
+        self._mx_checked = {}
 
 
 def _addresses(bufs: tuple) -> tuple:

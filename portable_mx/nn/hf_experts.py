@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._sharding import is_fsdp_module
 from ..tensor import MXTensor
 from .experts import MXExperts
 
@@ -41,8 +42,10 @@ _OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
 def known_family(module: torch.nn.Module) -> Optional[dict[str, Any]]:
     """The :data:`FAMILIES` entry of a transformers expert module's class, or None for any
     other module; nothing about its configuration is checked (:func:`family_of` does)."""
-    mro = type(module).__mro__  # the class itself, or under FSDP2's fully_shard the class it subclassed
-    classes = mro if any(c.__name__ == "FSDPModule" for c in mro) else mro[:1]  # (FSDPGptOssExperts)
+    mro = type(module).__mro__
+    # the class itself, or under FSDP2's fully_shard (FSDP<class>: FSDPModule, then the class) the class
+    # it wrapped, so that convert can refuse FSDPGptOssExperts; no other subclass of a family's class
+    classes = (mro[2],) if is_fsdp_module(module) and len(mro) > 2 else mro[:1]
     for cls in classes:
         family = FAMILIES.get(cls.__name__)
         if family is not None and cls.__module__.startswith("transformers."):

@@ -47,6 +47,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .._sharding import has_dtensor_parameters
 from ..tensor import version_of
 
 __all__ = ["WeightCache", "weight_cache"]
@@ -212,11 +213,7 @@ def _fsdp2_managed() -> set[int]:
 def sharded(module: torch.nn.Module) -> bool:
     """Whether a parameter of ``module`` itself is a DTensor (FSDP2 manages it: sharded
     between forwards)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # noqa: BLE001
-        return False
-    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+    return has_dtensor_parameters(module)
 
 
 def layer_caches(model: torch.nn.Module) -> list[tuple[str, WeightCache]]:

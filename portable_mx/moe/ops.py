@@ -34,13 +34,11 @@ def _check_offsets(offsets: torch.Tensor, rows: int) -> None:
             _fail(f"offsets must be non-decreasing cumulative ends of the {rows} rows (offsets[-1] == {rows}); "
                   f"got {offsets.tolist()}")
         return
-    if torch.compiler.is_compiling():  # no row count in the message: formatting it while tracing made
-        # the compiled graph's row count a constant (one graph per count; mark_dynamic refused)
-        torch._assert_async(~bad, "grouped_matmul: offsets must be non-decreasing cumulative ends of x's rows "
-                                  "(offsets[-1] == the number of rows)")
-    else:
-        torch._assert_async(~bad, f"grouped_matmul: offsets must be non-decreasing cumulative ends of the {rows} "
-                                  f"rows (offsets[-1] == {rows})")
+    # traced, no row count in the message: formatting it made the compiled graph's row count a
+    # constant (one graph per count; mark_dynamic refused)
+    ends_of = "x's rows (offsets[-1] == the number of rows)" if torch.compiler.is_compiling() else \
+        f"the {rows} rows (offsets[-1] == {rows})"
+    torch._assert_async(~bad, f"grouped_matmul: offsets must be non-decreasing cumulative ends of {ends_of}")
 
 
 def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = None,

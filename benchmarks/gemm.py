@@ -31,8 +31,13 @@ function first runs once on every copy, untimed: what a backend does once per we
 
 Variants: ``w4a16`` (bf16 activations x MXFP4 weight, ``QuantRecipe(activations="bf16")``)
 and ``a4w4`` (both MXFP4, ``QuantRecipe()``). The peer is gemlite (pure Triton;
-``A16W4_MXFP`` and ``A4W4_MXFP_dynamic``, its shipped configs), imported only on a GPU
-(it probes the device at import), reported when installed.
+``A16W4_MXFP`` and ``A4W4_MXFP_dynamic``), imported only on a GPU (it probes the device
+at import), reported when installed; not in ``--quick`` runs unless ``--peer``: with no
+configs of its own for MXFP4 on the device it autotunes at every first call, minutes in
+all. ``--peer-cache DIR`` starts it from the configs an earlier run on the device tuned
+(``DIR/gemlite-<device slug>.json``, gemlite's own ``load_config`` / ``cache_config``
+format) and writes them back after each variant; benchmarks/gpu_check.sh runs the peer as
+a step of its own after the GPU tests, with the file committed in benchmarks/peers/.
 
 Before timing, each portable_mx result (kernel and eager) is checked against the float64
 product of the dequantized operands on up to 256 evenly spaced rows: ``|C - C64| <= K *
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -72,7 +78,9 @@ from common import (
     add_timing_args,
     gpu_device,
     no_gpu,
+    out_folder,
     result_header,
+    slug,
     time_interleaved,
     write_result,
     write_unless_trial,
@@ -100,6 +108,17 @@ host time is shorter is hidden behind it."""
 PEER_COPIES = 16
 """At most this many gemlite layers of a weight are rotated (each is made by its own
 quantizer, which is slow; 16 MXFP4 8192 x 8192 weights are 0.5 GB, ten times an H100's L2)."""
+PEER_BUST_MIB = 128
+"""... and no more than make this many MiB (2.5 times the 50 MB L2 of an H100 or H200): 4
+layers of an 8192 x 8192 weight, 16 of a 4096 x 4096 one."""
+PEER_CACHE_FILE = "gemlite-{slug}.json"
+"""The file of gemlite's autotuned configs in ``--peer-cache DIR`` (``gemlite.cache_config``
+writes it, ``gemlite.load_config`` reads it): gemlite ships configs for the H100 and some
+other GPUs but none for MXFP4 weights, so without one it autotunes every (M bucket, N, K,
+dtype) at its first call, one Triton compile per candidate (about 22): minutes for the
+quick shapes, which twice cut the whole GEMM benchmark at its time limit (H200, 2026-11-26
+and 2026-11-27). With the file of an earlier run on the same device it compiles one config
+per key, as a gemlite user who cached their tuning does."""
 EAGER_OVER_KERNEL = 1.2
 """Goal: the eager call within this factor of the kernel alone."""
 
@@ -133,8 +152,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "prefill (M=N=K=4096, 8192), all (default; --quick: 1x8192x8192,16x8192x8192,4096x4096x4096)")
     p.add_argument("--variants", type=parse_variants, default=list(VARIANTS), help="comma-separated subset of w4a16,a4w4")
     p.add_argument("--quick", action="store_true",
-                   help="about 90 s on an H100: three shapes, fewer samples; writes JSON only to --out")
+                   help="three shapes, fewer samples, no peer unless --peer; writes JSON only to --out")
     p.add_argument("--no-peer", action="store_true", help="do not import or time gemlite")
+    p.add_argument("--peer", action="store_true",
+                   help="time gemlite in --quick runs too (without its configs for this device, its autotuning "
+                        "takes minutes: see --peer-cache)")
+    p.add_argument("--peer-cache", type=out_folder, default=None, metavar="DIR",
+                   help=f"gemlite's autotuned configs: read from DIR/{PEER_CACHE_FILE.format(slug='<device>')} "
+                        "when it exists, and the configs it holds then written back there after each "
+                        "variant's layers (a run cut short keeps what it tuned)")
     add_timing_args(p, defaults={k: None for k in TIMING_DEFAULTS})
     p.add_argument("--bench-ms", type=float, nargs=2, default=None, metavar=("WARMUP", "REP"),
                    help="do_bench warm-up and timed milliseconds per kernel-only measurement (default 25 100; "
@@ -146,6 +172,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--cpu-smoke", "--cpu", dest="cpu", action="store_true",
                    help="no GPU: tiny shapes on CPU tensors, host-clock timing (checks the script; not a benchmark)")
     args = p.parse_args(argv)
+    if args.peer and args.no_peer:
+        p.error("--peer and --no-peer contradict each other")
+    if args.quick and not args.peer:
+        args.no_peer = True  # gemlite's first calls autotune: a step of their own (gpu_check.sh: peer-gemm)
     timing = QUICK_TIMING if args.quick else TIMING_DEFAULTS
     for key, value in timing.items():
         if getattr(args, key) is None:
@@ -414,9 +444,12 @@ def host_us(fn: Callable[[], Any], calls: int = 20) -> float:
 # ----------------------------------------------------------------------------- the peer
 
 
-def load_peer(device: Any) -> tuple[Optional[dict[str, Any]], str]:
-    """gemlite's layer makers ({"w4a16": maker, "a4w4": maker}, with name and version),
-    or (None, why not). Imported only for a GPU device: gemlite probes the device at import."""
+def load_peer(device: Any, cache_dir: Optional[str] = None,
+              device_name: str = "") -> tuple[Optional[dict[str, Any]], str]:
+    """gemlite's layer makers ({"w4a16": maker, "a4w4": maker}, with name, version and
+    ``configs``: where its kernel configs come from; with ``cache_dir``, also ``save``:
+    :func:`peer_cache`), or (None, why not). Imported only for a GPU device: gemlite
+    probes the device at import."""
     if getattr(device, "type", "cpu") != "cuda":
         return None, "no GPU: gemlite is imported only on one"
     try:
@@ -426,9 +459,40 @@ def load_peer(device: Any) -> tuple[Optional[dict[str, Any]], str]:
         return None, f"gemlite not available: {type(err).__name__}: {err}"[:300]
     import torch
 
-    return {"name": "gemlite", "version": getattr(gemlite, "__version__", "?"),
+    peer = {"name": "gemlite", "version": getattr(gemlite, "__version__", "?"),
+            "configs": "autotuned in this run (no --peer-cache)",
             "w4a16": lambda: A16W4_MXFP(device=device, dtype=torch.bfloat16),
-            "a4w4": lambda: A4W4_MXFP_dynamic(device=device, dtype=torch.bfloat16)}, ""
+            "a4w4": lambda: A4W4_MXFP_dynamic(device=device, dtype=torch.bfloat16)}
+    if cache_dir is not None:
+        peer.update(peer_cache(gemlite, os.path.join(cache_dir, PEER_CACHE_FILE.format(slug=slug(device_name)))))
+    return peer, ""
+
+
+def peer_cache(lib: Any, path: str) -> dict[str, Any]:
+    """Start the peer from its configs of an earlier run on this device: ``lib.load_config
+    (path)`` when the file exists (``lib``: the gemlite module). Returns ``configs`` (what
+    the run starts from, for the result), ``cache_file`` and ``save``, a no-argument call
+    that writes the configs gemlite holds (loaded and tuned since) to ``path``."""
+    name = os.path.basename(path)
+    if not os.path.exists(path):
+        configs = f"autotuned in this run (no {name} yet: written for the next)"
+    elif not lib.load_config(path, print_error=False):
+        configs = f"autotuned in this run ({name} could not be read: written anew)"
+    else:
+        with open(path) as f:
+            held = sum(len(v) for v in json.load(f).values() if isinstance(v, dict))
+        configs = f"{held} tuned configs loaded from {name} (gemlite's autotuning in an earlier run on this device)"
+
+    def save() -> None:
+        lib.cache_config(path)
+
+    return {"configs": configs, "cache_file": path, "save": save}
+
+
+def peer_copies(n: int, k: int, cache_bust_mib: int) -> int:
+    """How many gemlite layers of a [K, N] weight are rotated: enough for PEER_BUST_MIB (or
+    ``--cache-bust-mib`` when smaller), at most PEER_COPIES."""
+    return min(PEER_COPIES, copies_for(mx_bytes(n, k), min(cache_bust_mib, PEER_BUST_MIB)))
 
 
 def peer_layers(peer: dict[str, Any], variant: str, w: Any, copies: int) -> list:
@@ -516,10 +580,12 @@ def measure_shape(
             t_peer = time.perf_counter()
             name = f"peer_{variant}"
             try:
-                layers = peer_layers(peer, variant, w, min(copies[variant], PEER_COPIES))
-                errors[name] = rel_err(layers[0](x), exact, rows)
+                layers = peer_layers(peer, variant, w, peer_copies(n, k, args.cache_bust_mib))
+                errors[name] = rel_err(layers[0](x), exact, rows)  # its first call: autotuned here
                 kernel_fns[name] = eager_fns[name] = _cycling(lambda layer: layer(x), layers, prime)
                 peer_info[variant] = {"name": peer["name"], "version": peer["version"], "rel_err": errors[name]}
+                if "save" in peer:  # what it tuned, kept for the next run (and for this one, if cut short)
+                    peer["save"]()
             except Exception as err:  # noqa: BLE001  (record and go on)
                 peer_info[variant] = {"name": peer["name"], "version": peer["version"],
                                       "error": f"{type(err).__name__}: {err}"[:300]}
@@ -619,20 +685,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = gpu_device(args.device)
         name = torch.cuda.get_device_name(device)
         eager_timer, kernel_timer = time_interleaved, bench_kernels
-    peer, peer_why = (None, "--no-peer") if args.no_peer else load_peer(device)
+    peer, peer_why = ((None, "--quick without --peer" if args.quick and not args.peer else "--no-peer")
+                      if args.no_peer else load_peer(device, args.peer_cache, name))
 
     header = result_header("gemm", name)
     v = header["versions"]
     print(f"{name}  torch {v['torch']}  triton {v['triton']}  portable_mx {v['portable_mx']}  "
-          f"peer {'gemlite ' + peer['version'] if peer else 'none (' + peer_why + ')'}  "
+          f"peer {'gemlite ' + peer['version'] + ' (' + peer['configs'] + ')' if peer else 'none (' + peer_why + ')'}  "
           f"eager: repeats {args.repeats} warmup {args.warmup} inner {args.inner}  kernel: do_bench "
           f"{args.bench_ms[0]:g}/{args.bench_ms[1]:g} ms  cache bust {args.cache_bust_mib} MiB", flush=True)
     result = {
         **header,
         "quick": args.quick,
         "baseline": f"torch.matmul bf16 x bf16 ({baseline_library() if device.type == 'cuda' else 'cpu'})",
-        "peer": {"name": "gemlite", "version": peer["version"]} if peer else {"name": "gemlite", "available": False,
-                                                                              "why": peer_why},
+        "peer": {"name": "gemlite", "version": peer["version"], "configs": peer["configs"]} if peer else
+                {"name": "gemlite", "available": False, "why": peer_why},
         "method": {"kernel": "triton.testing.do_bench median (L2 flushed per run), GEMM on prequantized rows-layout "
                              "operands, weight copies rotated",
                    "eager": "CUDA events around --inner back-to-back user calls, median of --repeats, interleaved",

@@ -7,7 +7,10 @@
 #   default   portable-mx info; the benchmarks, each in its quick mode (element-wise, GEMM,
 #             host overhead, MoE when benchmarks/moe.py exists); the GPU tests in what
 #             is left of the budget (`pytest -m gpu`: the compiled kernels against the
-#             reference, the small parity corpus against a CPU reference report).
+#             reference, the small parity corpus against a CPU reference report); then,
+#             in what is left, the peers beside portable_mx (torchao's to_mx, gemlite's
+#             GEMM: their first calls compile and autotune for minutes; gemlite's tuned
+#             configs come back in results/peers/, to commit in benchmarks/peers/).
 #             (The full corpus's parity,
 #             ci/gpu_parity.sh, needs a call of its own: it reached 216 of 728 cases in the
 #             75 s that were left here.)
@@ -96,14 +99,31 @@ committed_verdicts() {  # the study directory of the tuning sweep: a copy of the
 
 steps_default() {
   # limits from the H200 run of 2026-11-27: wheels 1 s, info 12 s, element-wise 22 s, GEMM
-  # past 165 s (137 s on 2026-11-26; it writes each shape as it goes), overhead ~35 s, MoE
-  # 35 s, the GPU tests past 175 s at 99% on 16 workers (they take what is left, at most 220 s)
+  # past 165 s with gemlite's autotuning in it (now a step of its own, peer-gemm; the GEMM
+  # writes each shape as it goes), overhead ~35 s, MoE 35 s, the GPU tests past 175 s at 99%
+  # on 16 workers (they take what is left, at most 220 s)
   bench bench-elementwise 35 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
   bench bench-gemm 185 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
   bench bench-overhead 45 benchmarks/overhead.py --gpu-checks --out "$out/results"
   bench bench-moe 45 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
   step_rest tests-gpu 220 "$PY" -m pytest -m gpu -v -ra --tb=short "${xdist[@]}" -p no:cacheprovider \
     --junitxml="$out/tests-gpu.xml" tests
+  # the peers last, in what is left: their first calls compile (torchao) and autotune
+  # (gemlite: minutes where it has no configs for the device; it starts from those an
+  # earlier run tuned, benchmarks/peers/, and writes back what it tunes after each variant)
+  step_rest peer-elementwise 90 "$PY" benchmarks/elementwise.py --quick --peer --shapes 8192x8192 --ops quantize \
+    --cases "quantize floor,quantize rceil" --out "$out/results/elementwise-peer-quick.json"
+  peer_configs
+  step_rest peer-gemm 240 "$PY" benchmarks/gemm.py --quick --peer --peer-cache "$out/results/peers" \
+    --out "$out/results/gemm-peer-quick.json"
+}
+
+peer_configs() {  # the peers' configs tuned by earlier runs (benchmarks/peers/), copied where the
+  # run writes them back: commit that folder's files there after the run
+  if [ $plan -eq 0 ]; then
+    mkdir -p "$out/results/peers" && cp benchmarks/peers/*.json "$out/results/peers/" 2>/dev/null
+  fi
+  return 0
 }
 
 steps_sweeps() {

@@ -3,6 +3,7 @@ rows and goals, the correctness spot check, gemm.py end to end on CPU tensors wi
 timer, and the no-GPU exit (status 2, nothing written). No timing is asserted."""
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -94,6 +95,60 @@ def test_gemm_quick_and_smoke_args():
     assert (args.repeats, args.warmup, args.shapes, args.bench_ms) == (7, 3, gemm.PRESETS["prefill"], [5.0, 20.0])
     assert gemm.parse_args(["--cpu-smoke"]).cpu and gemm.parse_args(["--cpu"]).cpu
     assert gemm.parse_args(["--cpu-smoke"]).shapes == gemm.SMOKE_SHAPES
+
+
+def test_gemm_quick_leaves_the_peer_out_unless_asked(tmp_path, capsys):
+    """gemlite's autotuning cut the quick GEMM benchmark at its limit: --quick times it only
+    with --peer (gpu_check.sh runs that as a step of its own)."""
+    assert gemm.parse_args(["--quick"]).no_peer is True
+    assert gemm.parse_args(["--quick", "--peer"]).no_peer is False
+    assert gemm.parse_args(["--peer"]).no_peer is False and gemm.parse_args([]).peer_cache is None
+    assert gemm.parse_args(["--peer-cache", str(tmp_path / "new")]).peer_cache == str(tmp_path / "new")
+    with pytest.raises(SystemExit):
+        gemm.parse_args(["--peer", "--no-peer"])
+    assert "contradict" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        gemm.parse_args(["--peer-cache", str(tmp_path / "file")])  # a file, not a folder
+
+
+class _FakeGemlite:
+    """gemlite's config cache as its load_config / cache_config keep it: {kernel type: {key: config}}."""
+
+    def __init__(self, held=None):
+        self.held, self.calls = dict(held or {}), []
+
+    def load_config(self, path, print_error=True):
+        self.calls.append("load")
+        try:
+            data = json.loads(Path(path).read_text())
+        except ValueError:
+            return False
+        for kind, configs in data.items():
+            self.held.setdefault(kind, {}).update(configs)
+        return True
+
+    def cache_config(self, path):
+        self.calls.append("save")
+        Path(path).write_text(json.dumps(self.held))
+
+
+def test_gemm_peer_starts_from_the_configs_an_earlier_run_tuned(tmp_path):
+    path = tmp_path / "gemlite-nvidia-h200.json"
+    first = _FakeGemlite()
+    cache = gemm.peer_cache(first, str(path))
+    assert first.calls == [] and "autotuned in this run" in cache["configs"] and "yet" in cache["configs"]
+    first.held = {"GEMM_SPLITK": {"(1, 8192, 8192, 32, 2, 7)": {"SPLIT_K": 4}}, "GEMM": {}}  # its first call tuned
+    cache["save"]()
+    second = _FakeGemlite()
+    cache = gemm.peer_cache(second, str(path))
+    assert second.calls == ["load"] and second.held == first.held
+    assert cache["configs"].startswith("1 tuned configs loaded from gemlite-nvidia-h200.json")
+    second.held["GEMM"]["(4096, 4096, 4096, 32, 2, 7)"] = {"BLOCK_SIZE_M": 128}
+    cache["save"]()  # what was loaded and what was tuned since, together
+    assert sum(map(len, json.loads(path.read_text()).values())) == 2
+    path.write_text("{cut short")
+    assert "could not be read" in gemm.peer_cache(_FakeGemlite(), str(path))["configs"]
 
 
 def test_gemm_shapes_and_variants():
@@ -349,6 +404,41 @@ def test_gemm_kernel_timing_starts_with_every_weight_copy_prepared(tmp_path, mon
                       "--out", str(out)]) == 0
     copies = json.loads(out.read_text())["rows"][0]["weight_copies"]["w4a16"]
     assert copies > 100 and prepared_at_timing == [copies]
+
+
+def test_gemm_peer_is_timed_beside_portable_mx_and_keeps_its_configs_after_each_variant(tmp_path, monkeypatch):
+    """A stand-in for gemlite's layers on the CPU (x @ w in bf16): its rows, its errors and
+    its configs written back after each variant's first calls, where it autotunes."""
+    saved = []
+
+    class Layer:
+        def __init__(self, lin):
+            self.weight = lin.weight.detach().clone()
+
+        def __call__(self, x):
+            return x @ self.weight.t()
+
+    class Maker:
+        def from_linear(self, lin):
+            return Layer(lin)
+
+    peer = {"name": "gemlite", "version": "0.0-fake", "configs": "12 tuned configs loaded from x.json",
+            "w4a16": Maker, "a4w4": Maker, "save": lambda: saved.append(len(saved))}
+    monkeypatch.setattr(gemm, "load_peer", lambda device, cache_dir, name: (peer, ""))
+    monkeypatch.setattr(gemm, "bench_host", lambda fns, *a: {name: 1.0 for name in fns})
+    monkeypatch.setattr(gemm, "time_interleaved", lambda fns, *a, **kw: {name: 2.0 for name in fns})
+    out = tmp_path / "g.json"
+    assert gemm.main(["--cpu-smoke", "--shapes", "1x64x96,3x32x64", "--peer", "--peer-cache", str(tmp_path),
+                      "--cache-bust-mib", "1", "--out", str(out)]) == 0
+    assert saved == [0, 1, 2, 3]  # two shapes, two variants
+    r = json.loads(out.read_text())
+    assert r["peer"] == {"name": "gemlite", "version": "0.0-fake", "configs": "12 tuned configs loaded from x.json"}
+    for row in r["rows"]:
+        assert row["peer"]["kernel_ms"] == 1.0 and row["peer"]["pmx_vs_peer"] == 1.0
+        assert 0 <= row["peer"]["rel_err"] < 0.01  # bf16 x bf16 against the float64 product
+        assert row["shape_seconds"]["peer_setup"] >= 0
+    assert gemm.peer_copies(8192, 8192, 1024) == 4 and gemm.peer_copies(4096, 4096, 1024) == 16  # ceil(128 / 8.5 MiB)
+    assert gemm.peer_copies(64, 96, 1024) == gemm.PEER_COPIES and gemm.peer_copies(8192, 8192, 0) == 1
 
 
 def test_gemm_cpu_smoke_runs_for_real_without_out(tmp_path, monkeypatch, capsys):

@@ -67,15 +67,33 @@ def test_each_mode_fits_the_budget(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_benchmarks_come_first_then_the_gpu_tests_then_parity(mode):
-    names = [name for name, _, _ in _declared(mode)]
+def test_the_benchmarks_come_first_then_the_gpu_tests_then_parity_and_the_peers(mode):
+    """portable_mx's own figures first, then its correctness on the GPU; the peers (whose
+    first calls compile and autotune for minutes) only in what is left, each step_rest."""
+    declared = _declared(mode)
+    names = [name for name, _, _ in declared]
     assert names[:len(SETUP)] == list(SETUP)
     rest = names[len(SETUP):]
     benches = [n for n in rest if n.startswith(("bench-", "sweep-"))]
     assert benches and rest[:len(benches)] == benches, rest
     after = rest[len(benches):]
     assert after[0] == "tests-gpu", rest
-    assert all(n.startswith("parity") for n in after[1:]), rest
+    assert all(n.startswith(("parity", "peer-")) for n in after[1:]), rest
+    assert all(rest_step for name, _, rest_step in declared if name.startswith("peer-")), declared
+
+
+def test_the_default_check_runs_both_peers_and_keeps_gemlites_configs():
+    """gemlite's autotuning (no MXFP4 configs of its own for an H200) twice cut the GEMM
+    benchmark at its limit with no timing written: the peer runs apart, last, and its
+    tuned configs come back (results/peers) to be committed (benchmarks/peers)."""
+    text = SCRIPT.read_text()
+    body = _function_body(text, "steps_default")
+    gemm_line = re.search(r"^\s*bench bench-gemm .*$", body, re.M).group(0)
+    assert "--quick" in gemm_line and "--peer" not in gemm_line  # --quick leaves the peer out
+    assert re.search(r"peer-elementwise .*elementwise\.py --quick --peer\b", body)
+    assert re.search(r"peer-gemm .*gemm\.py --quick --peer --peer-cache \"\$out/results/peers\"", body)
+    assert re.search(r"^\s*peer_configs\n\s*step_rest peer-gemm ", body, re.M)  # copied just before
+    assert "cp benchmarks/peers/*.json" in _function_body(text, "peer_configs")
 
 
 def test_nothing_runs_outside_a_step_with_a_limit():

@@ -480,7 +480,8 @@ def peer_cache(lib: Any, path: str) -> dict[str, Any]:
         configs = f"autotuned in this run ({name} could not be read: written anew)"
     else:
         with open(path) as f:
-            held = sum(len(v) for v in json.load(f).values() if isinstance(v, dict))
+            data = json.load(f)
+        held = sum(len(v) for v in data.values() if isinstance(v, dict)) if isinstance(data, dict) else 0
         configs = f"{held} tuned configs loaded from {name} (gemlite's autotuning in an earlier run on this device)"
 
     def save() -> None:
@@ -584,12 +585,15 @@ def measure_shape(
                 errors[name] = rel_err(layers[0](x), exact, rows)  # its first call: autotuned here
                 kernel_fns[name] = eager_fns[name] = _cycling(lambda layer: layer(x), layers, prime)
                 peer_info[variant] = {"name": peer["name"], "version": peer["version"], "rel_err": errors[name]}
-                if "save" in peer:  # what it tuned, kept for the next run (and for this one, if cut short)
-                    peer["save"]()
             except Exception as err:  # noqa: BLE001  (record and go on)
                 peer_info[variant] = {"name": peer["name"], "version": peer["version"],
                                       "error": f"{type(err).__name__}: {err}"[:300]}
                 log(f"peer {peer['name']} {label}: failed: {peer_info[variant]['error']}")
+            if "save" in peer:  # what it tuned, kept for the next run (and for this one, if cut short)
+                try:
+                    peer["save"]()
+                except Exception as err:  # noqa: BLE001  (its timing stands; the next run tunes again)
+                    log(f"peer {peer['name']} {label}: its configs were not written: {type(err).__name__}: {err}")
             if device.type == "cuda":
                 torch.cuda.synchronize()  # its layers' first calls in its share
             peer_s += time.perf_counter() - t_peer

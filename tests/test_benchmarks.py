@@ -437,6 +437,14 @@ def test_gemm_peer_is_timed_beside_portable_mx_and_keeps_its_configs_after_each_
         assert row["peer"]["kernel_ms"] == 1.0 and row["peer"]["pmx_vs_peer"] == 1.0
         assert 0 <= row["peer"]["rel_err"] < 0.01  # bf16 x bf16 against the float64 product
         assert row["shape_seconds"]["peer_setup"] >= 0
+
+    def unwritable():
+        raise OSError("read-only file system")
+
+    peer["save"] = unwritable  # the configs not written: the peer's figures stand, the run goes on
+    assert gemm.main(["--cpu-smoke", "--shapes", "1x64x96", "--peer", "--peer-cache", str(tmp_path),
+                      "--cache-bust-mib", "1", "--out", str(out)]) == 0
+    assert all(row["peer"]["kernel_ms"] == 1.0 for row in json.loads(out.read_text())["rows"])
     assert gemm.peer_copies(8192, 8192, 1024) == 4 and gemm.peer_copies(4096, 4096, 1024) == 16  # ceil(128 / 8.5 MiB)
     assert gemm.peer_copies(64, 96, 1024) == gemm.PEER_COPIES and gemm.peer_copies(8192, 8192, 0) == 1
 

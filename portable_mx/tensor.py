@@ -329,6 +329,10 @@ class MXTensor:
 
 # ----------------------------------------------------------------------------- consistency
 
+_SymInt = torch.SymInt
+"""A symbolic size (torch.export's default, non-strict tracing passes them through Python
+code as they are; dynamo turns them into ints): a size by construction, never negative."""
+
 
 def part_layout(shape: torch.Size, axis: int, recipe: QuantRecipe) -> dict[str, Optional[tuple[torch.dtype, tuple]]]:
     """(dtype, shape) of each part of the MXTensor of a tensor of ``shape`` quantized along
@@ -347,7 +351,10 @@ def _check_consistent(mx: MXTensor) -> None:
     torch.Size and ``recipe`` to its validated form."""
     shape = mx.shape
     if not isinstance(shape, (tuple, list, torch.Size)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            _SymInt is d.__class__ or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in shape):
+        if torch.jit.is_tracing() and any(isinstance(d, torch.Tensor) for d in shape):
+            raise TypeError("portable_mx does not support torch.jit.trace of quantized tensors (it traces their "
+                            "sizes as tensors): use torch.export.export or torch.compile")
         raise TypeError(f"MXTensor: shape must be a tuple of non-negative ints; got {shape!r}")
     if not isinstance(mx.axis, int) or isinstance(mx.axis, bool) or not 0 <= mx.axis < len(shape):
         raise ValueError(f"MXTensor: axis must be an int in [0, {len(shape)}) for shape {tuple(shape)}; got {mx.axis!r}")

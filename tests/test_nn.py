@@ -264,6 +264,8 @@ def test_mxlinear_rejects_bad_input():
         MXLinear(64, 8, recipe="floor")
     with pytest.raises(TypeError, match="nn.Linear"):
         MXLinear.from_linear(nn.Conv1d(3, 3, 1))
+    with pytest.raises(TypeError, match="an MXLinear already"):  # was: "an attribute '_recipe'"
+        MXLinear.from_linear(layer)
 
 
 def test_weight_cache_block(monkeypatch):

@@ -37,10 +37,21 @@ def max_tiles(rows: int, num_experts: int, tile_m: int) -> int:
     return (rows + min(num_experts, rows) * (tile_m - 1)) // tile_m
 
 
+EXPORT_TILE_M = 64
+"""The tile height of a routing whose row count is symbolic under ``torch.export`` (a
+dynamic token count): the choice below would guard the exported program to one band of
+token counts (it failed, "Guard failed", outside it). Any tile height gives the same
+results; 64 is the middle of the choices."""
+
+
 def default_tile_m(rows: int, num_experts: int) -> int:
     """The tile height for ``rows`` rows over ``num_experts`` experts: the mean rows per
     expert rounded up to a power of two, clamped to 16..128 (as triton_kernels'
-    matmul_ogs chooses its block M)."""
+    matmul_ogs chooses its block M); :data:`EXPORT_TILE_M` for a symbolic ``rows`` under
+    ``torch.export`` (torch.compile with dynamic shapes keeps the choice, and compiles a
+    graph per band of token counts)."""
+    if rows.__class__ is torch.SymInt and torch.compiler.is_exporting():
+        return EXPORT_TILE_M
     mean = -(-rows // max(num_experts, 1))
     tile = 16
     while tile < mean and tile < 128:

@@ -126,9 +126,13 @@ def left_recipe(recipe: QuantRecipe) -> QuantRecipe:
     left = _LEFT.get(recipe)
     if left is None:
         left = recipe.model_copy(update={"seed": recipe.seed ^ LEFT_STREAM})
-        if len(_LEFT) < 256:  # recipes made per step (a seed each) stay bounded
-            _LEFT[recipe] = left
+        if len(_LEFT) >= _LEFT_MAX:  # recipes made per step (a seed each) stay bounded; cleared, not
+            _LEFT.clear()  # closed: once full it kept the first 256 and copied every later one per call
+        _LEFT[recipe] = left
     return left
+
+
+_LEFT_MAX = 256
 
 
 def left_operand(a: Operand, recipe: QuantRecipe) -> Operand:

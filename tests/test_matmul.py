@@ -201,3 +201,17 @@ def test_stochastic_weight_gradient_of_a_gram_matrix_is_unbiased():
     pmx.matmul(x, w, SR).backward(x)
     mean, se = _diagonal_bias(w.grad, x.double().T @ x.double())
     assert abs(mean) < 4 * se, f"diagonal biased by {mean:.2%} (standard error {se:.2%})"
+
+
+def test_the_left_streams_recipe_is_kept_after_many_seeds():
+    """A recipe made per step (a seed each, stochastic rounding): the left operand's recipe
+    (the seed on the left stream) was kept for the first 256 recipes only, and every later
+    one made a copy on every GEMM (+36% host time a call). The table is now emptied when
+    full: a recipe's left recipe is the same object call after call, and it stays bounded."""
+    from portable_mx import _dispatch
+
+    recipes = [pmx.QuantRecipe(rounding="stochastic", seed=s) for s in range(3 * _dispatch._LEFT_MAX)]
+    for r in recipes:
+        left = _dispatch.left_recipe(r)
+        assert _dispatch.left_recipe(r) is left and left.seed == r.seed ^ pmx.format.LEFT_STREAM
+    assert len(_dispatch._LEFT) <= _dispatch._LEFT_MAX

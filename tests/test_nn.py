@@ -446,6 +446,23 @@ def test_convert_shared_and_root_linear():
     assert convert(root, skip=lambda name, m: True) is root
 
 
+def test_a_converted_model_is_freed_as_soon_as_it_is_dropped():
+    """convert's walk over the model's names was a nested function that referred to itself:
+    a reference cycle holding every module of the model, so a converted model that was
+    dropped stayed alive (its GPU memory held) until the cyclic collector ran."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = convert(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32))))
+        weight = weakref.ref(model[2][0].weight)
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
 def test_convert_keeps_what_a_user_added_to_a_linear():
     """Parameters, buffers (persistent or not), child modules and attributes added to a
     plain nn.Linear go to its MXLinear as the same objects (they were dropped: the state

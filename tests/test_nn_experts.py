@@ -485,3 +485,31 @@ def test_a_distributed_checkpoint_of_another_macro_block_is_refused_at_the_forwa
         wrong.gate_up_proj_macro_block = torch.tensor(96)
         with pytest.raises(RuntimeError, match="holds 96 but this module applies macro blocks of 128"):
             wrong(x, ids, wts)
+
+
+def test_frozen_experts_let_their_old_buffers_go_when_moved_or_reloaded():
+    """The forward keeps the MXTensors it makes of the buffers (and the backends keep their
+    swizzled copies on them); ``.to()`` / ``.cpu()`` (here ``_apply`` of a clone, a move's
+    stand-in on a CPU) and ``load_state_dict(assign=True)`` put new buffers in, and the
+    old ones stayed alive until the next forward: a frozen rollout model offloaded between
+    RL phases gave none of its GPU memory back. Refcounting alone frees them now."""
+    import gc
+    import weakref
+
+    experts = frozen_experts("swiglu")
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    ids, wts = routing()
+    before = experts(x, ids, wts)
+    old = weakref.ref(experts.gate_up_proj_blocks)
+    gc.disable()
+    try:
+        experts._apply(lambda t: t.clone())
+        assert old() is None
+        assert torch.equal(experts(x, ids, wts), before)  # and the new buffers are used
+        old = weakref.ref(experts.down_proj_blocks)
+        state = {k: v.clone() for k, v in experts.state_dict().items()}
+        experts.load_state_dict(state, assign=True)
+        assert old() is None
+    finally:
+        gc.enable()
+    assert torch.equal(experts(x, ids, wts), before)

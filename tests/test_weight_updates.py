@@ -380,3 +380,29 @@ def test_a_block_in_one_thread_does_not_cache_for_another():
         release.set()
         t.join(10)
     assert not errors
+
+
+def test_weight_cache_keeps_its_weights_under_inference_mode(monkeypatch):
+    """torch.inference_mode, the usual serving context: the value built there was made of
+    inference tensors, which have no version counters, so the entry was dropped and every
+    forward quantized the weight again (MXLinear: once a forward; float MXExperts: twice).
+    Built outside inference mode it is kept, and an in-place write made inside inference
+    mode is still seen (the next forward equals a fresh layer's)."""
+    builds = []
+    real = pmx.ops.quantize
+    monkeypatch.setattr(pmx.ops, "quantize", lambda *a, **kw: builds.append(1) or real(*a, **kw))
+    torch.manual_seed(0)
+    layer = MXLinear(IN, OUT)
+    experts = pmx.nn.MXExperts(4, IN, 32, recipe=pmx.QuantRecipe(activations="bf16"))
+    x, ids = rand(8, IN, seed=4), torch.randint(0, 4, (8, 2), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), pmx.nn.weight_cache(layer), pmx.nn.weight_cache(experts):
+        first, first_experts = layer(x), experts(x, ids)
+        builds.clear()
+        assert torch.equal(layer(x), first) and torch.equal(experts(x, ids), first_experts)
+        assert builds == []  # nothing quantized again
+        layer.weight.mul_(0.5)  # allowed in inference mode on a normal tensor; its version moves
+        fresh = copy.deepcopy(layer)
+        assert torch.equal(layer(x), fresh(x)) and not torch.equal(layer(x), first)
+        builds.clear()
+        layer(x)
+        assert builds == []

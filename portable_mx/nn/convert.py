@@ -145,18 +145,21 @@ def _every_name(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     registered within its own subtree is not walked again (``named_modules(remove_duplicate
     =False)`` recursed without end there)."""
     out: list[tuple[str, torch.nn.Module]] = []
-    path: set[int] = set()
-
-    def walk(name: str, module: torch.nn.Module) -> None:
-        out.append((name, module))
-        path.add(id(module))
-        for child_name, child in module._modules.items():
-            if child is not None and id(child) not in path:
-                walk(f"{name}.{child_name}" if name else child_name, child)
-        path.discard(id(module))
-
-    walk("", model)
+    _walk("", model, out, set())
     return out
+
+
+def _walk(name: str, module: torch.nn.Module, out: list, path: set[int]) -> None:
+    """:func:`_every_name`'s walk, a module-level function: as a nested one it referred to
+    itself through its closure, a reference cycle that kept ``out`` (every module of the
+    model) alive after convert returned, until the cyclic garbage collector ran (a model
+    converted and dropped was not freed, and its GPU memory not returned, before then)."""
+    out.append((name, module))
+    path.add(id(module))
+    for child_name, child in module._modules.items():
+        if child is not None and id(child) not in path:
+            _walk(f"{name}.{child_name}" if name else child_name, child, out, path)
+    path.discard(id(module))
 
 
 def _pattern_skips(name: str, pattern: str) -> bool:

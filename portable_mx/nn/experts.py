@@ -212,6 +212,7 @@ class MXExperts(torch.nn.Module):
         missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        self._forget_buffers()  # (assign=True put other tensors in: the old ones are not held)
         # a state dict saved before the size was kept (it holds this projection's factors, not
         # its size): loaded as before, the size unchecked, with a warning; a load that leaves
         # the projection out altogether (strict=False) reports the key missing as any other
@@ -227,6 +228,21 @@ class MXExperts(torch.nn.Module):
             warnings.warn(f"MXExperts: the state dict has no {', '.join(old)} (saved by an older portable_mx): the "
                           "macro-block factors are applied with this module's block size, which the state dict "
                           "cannot confirm", UserWarning, stacklevel=level)
+
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.cpu()``, ``.half()`` ...: the MXTensors made of the old buffers (and
+        the backends' swizzled copies they keep) are let go with them. They were held until
+        the next forward: a frozen rollout model offloaded to the CPU between phases of
+        an RL step gave none of its GPU memory back (found by the long-run audit)."""
+        self._forget_buffers()
+        return super()._apply(fn, *args, **kwargs)
+
+    def _forget_buffers(self) -> None:
+        """Drop what the forwards kept of the weight buffers (rebuilt at the next one)."""
+        for name in ("_mx_memo", "_mx_checked"):
+            kept = self.__dict__.get(name)
+            if kept:
+                kept.clear()
 
     # ------------------------------------------------------------------ state
 

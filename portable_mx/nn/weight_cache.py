@@ -120,7 +120,14 @@ class WeightCache:
         hit = self.entries.get(name)
         if key is not None and hit is not None and hit[0] == key and hit[1] is w and _versions(hit[2]) == hit[4]:
             return hit[2]
-        value = build(w)
+        if torch.is_inference_mode_enabled() and not w.is_inference():
+            # (the usual serving context) a value built here would be inference tensors, which
+            # have no version counters, so the entry was dropped and every forward quantized
+            # the weight again; built outside it (and without grad, as inside) it is kept
+            with torch.inference_mode(False), torch.no_grad():
+                value = build(w)
+        else:
+            value = build(w)
         versions = _versions(value)
         if key is None or (versions is not None and None in versions):
             self.entries.pop(name, None)

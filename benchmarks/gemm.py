@@ -113,11 +113,11 @@ PEER_BUST_MIB = 128
 layers of an 8192 x 8192 weight, 16 of a 4096 x 4096 one."""
 PEER_CACHE_FILE = "gemlite-{slug}.json"
 """The file of gemlite's autotuned configs in ``--peer-cache DIR`` (``gemlite.cache_config``
-writes it, ``gemlite.load_config`` reads it): gemlite ships configs for the H100 and some
-other GPUs but none for MXFP4 weights, so without one it autotunes every (M bucket, N, K,
-dtype) at its first call, one Triton compile per candidate (about 22): minutes for the
-quick shapes, which twice cut the whole GEMM benchmark at its time limit (H200, 2026-11-26
-and 2026-11-27). With the file of an earlier run on the same device it compiles one config
+writes it, ``gemlite.load_config`` reads it): gemlite 0.6 ships configs for eleven GPUs,
+none for the H200 and, but for three MI300X keys, none for MXFP4 weights (group size 32),
+so without one it autotunes every (M bucket, N, K, dtype) at its first call, one Triton
+compile per candidate (about 22): minutes for the quick shapes, which cut the whole GEMM
+benchmark at its time limit three times (H200, 2026-11-26 and 2026-11-27). With the file of an earlier run on the same device it compiles one config
 per key, as a gemlite user who cached their tuning does."""
 EAGER_OVER_KERNEL = 1.2
 """Goal: the eager call within this factor of the kernel alone."""

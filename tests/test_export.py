@@ -58,17 +58,19 @@ def _tokens(t: int, hidden: int, num_experts: int, k: int):
     return torch.randn(t, hidden, generator=g), ids, torch.rand(t, k, generator=g)
 
 
-def test_frozen_experts_export_with_a_dynamic_token_count():
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_frozen_experts_export_with_a_dynamic_token_count(strict):
     """route's tile height depended on the token count (a band per power of two): the
     exported program was guarded to one band (Dim(1..4096) refused, with a suggestion of
     Dim(max=32); Dim.AUTO exported a program that failed at 33 tokens). Under export a
-    symbolic count now takes routing.EXPORT_TILE_M, and every count gives eager's bits."""
+    routing built under export takes routing.EXPORT_TILE_M (strict export shows the count
+    to Python as an int), and every count gives eager's bits."""
     torch.manual_seed(0)
     num_experts, hidden, inter, k = 4, 64, 32, 2
     model = Experts(pmx.nn.MXExperts(num_experts, hidden, inter).requires_grad_(False))
     t = Dim("t", min=1, max=4096)
     ep = export(model, _tokens(16, hidden, num_experts, k), dynamic_shapes={"x": {0: t}, "ids": {0: t},
-                                                                          "weights": {0: t}})
+                                                                          "weights": {0: t}}, strict=strict)
     for tokens in (1, 16, 33, 300):
         args = _tokens(tokens, hidden, num_experts, k)
         assert torch.equal(ep.module()(*args), model(*args)), tokens

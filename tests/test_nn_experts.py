@@ -513,3 +513,17 @@ def test_frozen_experts_let_their_old_buffers_go_when_moved_or_reloaded():
     finally:
         gc.enable()
     assert torch.equal(experts(x, ids, wts), before)
+
+
+def test_a_move_to_where_the_buffers_are_keeps_the_prepared_weight():
+    """.to() to the buffers' own device and dtype leaves them in place: the kept MXTensor
+    (and the prepared copies a backend keeps on it, which a captured CUDA graph reads)
+    stays; only buffers moved away are let go."""
+    experts = frozen_experts("swiglu")
+    kept = experts.quantized_weight("gate_up_proj")
+    experts.to("cpu")
+    experts.float()
+    assert experts.quantized_weight("gate_up_proj") is kept
+    experts._apply(lambda t: t.clone())
+    assert experts.quantized_weight("gate_up_proj") is not kept
+

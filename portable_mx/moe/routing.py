@@ -38,19 +38,20 @@ def max_tiles(rows: int, num_experts: int, tile_m: int) -> int:
 
 
 EXPORT_TILE_M = 64
-"""The tile height of a routing whose row count is symbolic under ``torch.export`` (a
-dynamic token count): the choice below would guard the exported program to one band of
-token counts (it failed, "Guard failed", outside it). Any tile height gives the same
-results; 64 is the middle of the choices."""
+"""The tile height of a routing built under ``torch.export``: the choice by row count
+would guard an exported program with a dynamic token count to one band of counts (it
+failed, "Guard failed", outside it), and under strict export a symbolic count cannot be
+told from a static one. Any tile height gives the same results; 64 is the middle of the
+choices."""
 
 
 def default_tile_m(rows: int, num_experts: int) -> int:
     """The tile height for ``rows`` rows over ``num_experts`` experts: the mean rows per
     expert rounded up to a power of two, clamped to 16..128 (as triton_kernels'
-    matmul_ogs chooses its block M); :data:`EXPORT_TILE_M` for a symbolic ``rows`` under
-    ``torch.export`` (torch.compile with dynamic shapes keeps the choice, and compiles a
-    graph per band of token counts)."""
-    if rows.__class__ is torch.SymInt and torch.compiler.is_exporting():
+    matmul_ogs chooses its block M); :data:`EXPORT_TILE_M` under ``torch.export``
+    (torch.compile with dynamic shapes keeps the choice, and compiles a graph per band of
+    token counts)."""
+    if torch.compiler.is_exporting():  # (strict export shows a symbolic size to Python as an int)
         return EXPORT_TILE_M
     mean = -(-rows // max(num_experts, 1))
     tile = 16

@@ -230,19 +230,29 @@ class MXExperts(torch.nn.Module):
                           "cannot confirm", UserWarning, stacklevel=level)
 
     def _apply(self, fn, *args, **kwargs):
-        """``.to()``, ``.cpu()``, ``.half()`` ...: the MXTensors made of the old buffers (and
-        the backends' swizzled copies they keep) are let go with them. They were held until
-        the next forward: a frozen rollout model offloaded to the CPU between phases of
-        an RL step gave none of its GPU memory back (found by the long-run audit)."""
+        """``.to()``, ``.cpu()``, ``.half()`` ...: the MXTensors made of buffers this moved
+        away from (and the backends' prepared copies they keep) are let go with them. They
+        were held until the next forward: a frozen rollout model offloaded to the CPU
+        between phases of an RL step gave none of its GPU memory back (found by the
+        long-run audit). Buffers an ``_apply`` left in place (a move to where they are)
+        keep theirs: a CUDA graph captured before reads the prepared copy still."""
+        out = super()._apply(fn, *args, **kwargs)
         self._forget_buffers()
-        return super()._apply(fn, *args, **kwargs)
+        return out
 
     def _forget_buffers(self) -> None:
-        """Drop what the forwards kept of the weight buffers (rebuilt at the next one)."""
-        for name in ("_mx_memo", "_mx_checked"):
-            kept = self.__dict__.get(name)
-            if kept:
-                kept.clear()
+        """Drop what the forwards kept of weight buffers the module no longer holds (the
+        kept MXTensor is rebuilt at the next forward)."""
+        table = self._buffers
+        memo = self.__dict__.get("_mx_memo")
+        for proj in list(memo or ()):
+            kept = memo[proj][0]
+            if not all(a is _member(self, table, name) for a, name in zip(kept, _BUFFERS[proj])):
+                del memo[proj]
+        checked = self.__dict__.get("_mx_checked")
+        for proj in list(checked or ()):
+            if checked[proj][0] is not table.get(f"{proj}_macro_block"):
+                del checked[proj]
 
     # ------------------------------------------------------------------ state
 

@@ -159,7 +159,7 @@ class MXLinear(torch.nn.Linear):
         modules, attributes) goes to the new layer as the same objects."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear expects a torch.nn.Linear; got {type(linear).__name__}")
-        if isinstance(linear, cls):
+        if isinstance(linear, MXLinear):
             raise TypeError("from_linear: this layer is an MXLinear already (to change its recipe, set "
                             "layer.recipe = ...)")
         if torch.nn.utils.parametrize.is_parametrized(linear):

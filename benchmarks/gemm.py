@@ -174,8 +174,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.peer and args.no_peer:
         p.error("--peer and --no-peer contradict each other")
-    if args.quick and not args.peer:
+    args.peer_why = "--no-peer"
+    if args.quick and not args.peer and not args.no_peer:
         args.no_peer = True  # gemlite's first calls autotune: a step of their own (gpu_check.sh: peer-gemm)
+        args.peer_why = "--quick without --peer"
+    if args.peer_cache is not None and args.no_peer:
+        p.error(f"--peer-cache is for the peer, which this run leaves out ({args.peer_why})")
     timing = QUICK_TIMING if args.quick else TIMING_DEFAULTS
     for key, value in timing.items():
         if getattr(args, key) is None:
@@ -476,18 +480,27 @@ def peer_cache(lib: Any, path: str) -> dict[str, Any]:
     name = os.path.basename(path)
     if not os.path.exists(path):
         configs = f"autotuned in this run (no {name} yet: written for the next)"
-    elif not lib.load_config(path, print_error=False):
+    elif not _config_file_ok(path) or not lib.load_config(path, print_error=False):
         configs = f"autotuned in this run ({name} could not be read: written anew)"
-    else:
-        with open(path) as f:
-            data = json.load(f)
-        held = sum(len(v) for v in data.values() if isinstance(v, dict)) if isinstance(data, dict) else 0
-        configs = f"{held} tuned configs loaded from {name} (gemlite's autotuning in an earlier run on this device)"
+    else:  # (no count: on a device gemlite has a file for, the file holds those too)
+        configs = f"loaded from {name}, tuned by gemlite in earlier runs on this device"
 
     def save() -> None:
+        if os.path.exists(path) and not _config_file_ok(path):
+            os.replace(path, path + ".unreadable")  # cache_config merges into the file: it must be a mapping
         lib.cache_config(path)
 
     return {"configs": configs, "cache_file": path, "save": save}
+
+
+def _config_file_ok(path: str) -> bool:
+    """Whether ``path`` holds what gemlite's cache_config writes: {kernel type: {key: config}}."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(isinstance(v, dict) for v in data.values())
 
 
 def peer_copies(n: int, k: int, cache_bust_mib: int) -> int:
@@ -689,8 +702,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = gpu_device(args.device)
         name = torch.cuda.get_device_name(device)
         eager_timer, kernel_timer = time_interleaved, bench_kernels
-    peer, peer_why = ((None, "--quick without --peer" if args.quick and not args.peer else "--no-peer")
-                      if args.no_peer else load_peer(device, args.peer_cache, name))
+    peer, peer_why = (None, args.peer_why) if args.no_peer else load_peer(device, args.peer_cache, name)
 
     header = result_header("gemm", name)
     v = header["versions"]

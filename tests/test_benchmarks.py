@@ -107,6 +107,11 @@ def test_gemm_quick_leaves_the_peer_out_unless_asked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gemm.parse_args(["--peer", "--no-peer"])
     assert "contradict" in capsys.readouterr().err
+    assert gemm.parse_args(["--quick", "--no-peer"]).peer_why == "--no-peer"
+    assert gemm.parse_args(["--quick"]).peer_why == "--quick without --peer"
+    with pytest.raises(SystemExit):  # given without the peer: said, not ignored
+        gemm.parse_args(["--quick", "--peer-cache", str(tmp_path)])
+    assert "leaves out (--quick without --peer)" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit):
         gemm.parse_args(["--peer-cache", str(tmp_path / "file")])  # a file, not a folder
@@ -143,12 +148,18 @@ def test_gemm_peer_starts_from_the_configs_an_earlier_run_tuned(tmp_path):
     second = _FakeGemlite()
     cache = gemm.peer_cache(second, str(path))
     assert second.calls == ["load"] and second.held == first.held
-    assert cache["configs"].startswith("1 tuned configs loaded from gemlite-nvidia-h200.json")
+    assert cache["configs"].startswith("loaded from gemlite-nvidia-h200.json")
     second.held["GEMM"]["(4096, 4096, 4096, 32, 2, 7)"] = {"BLOCK_SIZE_M": 128}
     cache["save"]()  # what was loaded and what was tuned since, together
     assert sum(map(len, json.loads(path.read_text()).values())) == 2
-    path.write_text("{cut short")
-    assert "could not be read" in gemm.peer_cache(_FakeGemlite(), str(path))["configs"]
+    for bad in ("{cut short", "[]", '{"GEMM": 5}'):  # unreadable, or not gemlite's mapping: not loaded,
+        path.write_text(bad)  # and moved aside when the configs are written (cache_config merges into it)
+        third = _FakeGemlite({"GEMM": {"(1, 2)": {}}})
+        cache = gemm.peer_cache(third, str(path))
+        assert "could not be read" in cache["configs"] and third.calls == []
+        cache["save"]()
+        assert json.loads(path.read_text()) == {"GEMM": {"(1, 2)": {}}}
+        assert Path(str(path) + ".unreadable").read_text() == bad
 
 
 def test_gemm_shapes_and_variants():

@@ -15,7 +15,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 BUDGET_S = 540
 MODES = {"default": [], "sweeps": ["--sweeps"], "tune": ["--tune"]}
 SETUP = ("wheels", "preflight", "info")
-CALL = re.compile(r"^\s*(step|bench|step_rest)\s+([\w-]+)\s+(\d+)\s", re.M)
+CALL = re.compile(r"^\s*(step|bench|step_rest|peer_rest)\s+([\w-]+)\s+(\d+)\s", re.M)
 
 
 def _function_body(text: str, name: str) -> str:
@@ -34,7 +34,7 @@ def _declared(mode: str) -> list[tuple[str, int, bool]]:
     for fn in ("steps_setup", f"steps_{mode}"):
         for line in _function_body(text, fn).splitlines():
             if m := CALL.match(line + " "):
-                calls.append((m.group(2), int(m.group(3)), m.group(1) == "step_rest"))
+                calls.append((m.group(2), int(m.group(3)), m.group(1) in ("step_rest", "peer_rest")))
             elif m := re.match(r"^\s*gpu_tests\s+(\d+)\b", line):
                 calls.append(("tests-gpu", int(m.group(1)), False))
     return calls
@@ -90,9 +90,14 @@ def test_the_default_check_runs_both_peers_and_keeps_gemlites_configs():
     body = _function_body(text, "steps_default")
     gemm_line = re.search(r"^\s*bench bench-gemm .*$", body, re.M).group(0)
     assert "--quick" in gemm_line and "--peer" not in gemm_line  # --quick leaves the peer out
-    assert re.search(r"peer-elementwise .*elementwise\.py --quick --peer\b", body)
-    assert re.search(r"peer-gemm .*gemm\.py --quick --peer --peer-cache \"\$out/results/peers\"", body)
-    assert re.search(r"^\s*peer_configs\n\s*step_rest peer-gemm ", body, re.M)  # copied just before
+    assert re.search(r"^\s*peer_rest peer-elementwise .*elementwise\.py --quick --peer\b", body, re.M)
+    assert re.search(r"^\s*peer_rest peer-gemm .*gemm\.py --quick --peer --peer-cache \"\$out/results/peers\"",
+                     body, re.M)
+    assert re.search(r"^\s*peer_configs\n\s*peer_rest peer-gemm ", body, re.M)  # copied just before
+    assert body.index("peer_rest peer-gemm") < body.index("peer_rest peer-elementwise")  # its runs build up
+    # a peer cut at its limit is recorded as such, not counted as a failed step
+    assert "peer_step=1" in _function_body(text, "peer_rest")
+    assert re.search(r'-n "\$\{peer_step:-\}" \]; then\n\s*verdict="cut at', _function_body(text, "step"))
     assert "cp benchmarks/peers/*.json" in _function_body(text, "peer_configs")
 
 

@@ -29,14 +29,15 @@ def _check_offsets(offsets: torch.Tensor, rows: int) -> None:
         return
     ends = offsets.to(torch.int64)
     bad = (ends[-1] != rows) | (ends < 0).any() | (ends[1:] < ends[:-1]).any()
-    if offsets.device.type == "cpu" and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if offsets.device.type == "cpu" and not compiling:
         if bad:
             _fail(f"offsets must be non-decreasing cumulative ends of the {rows} rows (offsets[-1] == {rows}); "
                   f"got {offsets.tolist()}")
         return
     # traced, no row count in the message: formatting it made the compiled graph's row count a
     # constant (one graph per count; mark_dynamic refused)
-    ends_of = "x's rows (offsets[-1] == the number of rows)" if torch.compiler.is_compiling() else \
+    ends_of = "x's rows (offsets[-1] == the number of rows)" if compiling else \
         f"the {rows} rows (offsets[-1] == {rows})"
     torch._assert_async(~bad, f"grouped_matmul: offsets must be non-decreasing cumulative ends of {ends_of}")
 

@@ -11,10 +11,9 @@ from typing import Any, Union
 import torch
 
 from .. import ops
-from .._sharding import is_fsdp_module
+from .._sharding import has_dtensor_parameters as sharded, is_fsdp_module
 from .hf_experts import experts_from_module, known_family
 from .linear import MXLinear
-from .weight_cache import sharded
 
 SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
 

@@ -243,16 +243,20 @@ class MXExperts(torch.nn.Module):
     def _forget_buffers(self) -> None:
         """Drop what the forwards kept of weight buffers the module no longer holds (the
         kept MXTensor is rebuilt at the next forward)."""
-        table = self._buffers
         memo = self.__dict__.get("_mx_memo")
         for proj in list(memo or ()):
-            kept = memo[proj][0]
-            if not all(a is _member(self, table, name) for a, name in zip(kept, _BUFFERS[proj])):
+            if not all(a is b for a, b in zip(memo[proj][0], self._weight_buffers(proj))):
                 del memo[proj]
         checked = self.__dict__.get("_mx_checked")
         for proj in list(checked or ()):
-            if checked[proj][0] is not table.get(f"{proj}_macro_block"):
+            if checked[proj][0] is not self._buffers.get(f"{proj}_macro_block"):
                 del checked[proj]
+
+    def _weight_buffers(self, proj: str) -> tuple:
+        """The buffers ``proj``'s MXTensor is made of (blocks, scales, macro factors,
+        outliers; None where absent), read from the module's dict."""
+        table = self._buffers
+        return tuple(_member(self, table, name) for name in _BUFFERS[proj])
 
     # ------------------------------------------------------------------ state
 
@@ -295,10 +299,9 @@ class MXExperts(torch.nn.Module):
         # tensor object on other bytes). The memo's parts are views of the storage they were
         # made from and keep it alive, so a replaced storage is at another address: the
         # addresses tell, and in-place writes to the same storage need no rebuild.
-        table, names = self._buffers, _BUFFERS[proj]
-        bufs = tuple(_member(self, table, name) for name in names)
+        bufs = self._weight_buffers(proj)
         compiling = torch.compiler.is_compiling()
-        block = table.get(f"{proj}_macro_block")
+        block = self._buffers.get(f"{proj}_macro_block")
         if block is not None:
             self._check_macro_block(proj, block, compiling)
         hit = None if compiling else self._mx_memo.get(proj)

@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._sharding import has_dtensor_parameters
+from .._sharding import has_dtensor_parameters as sharded
 from ..tensor import version_of
 
 __all__ = ["WeightCache", "weight_cache"]
@@ -215,12 +215,6 @@ def _fsdp2_managed() -> set[int]:
                     if module is not None:
                         out.add(id(module))
     return out
-
-
-def sharded(module: torch.nn.Module) -> bool:
-    """Whether a parameter of ``module`` itself is a DTensor (FSDP2 manages it: sharded
-    between forwards)."""
-    return has_dtensor_parameters(module)
 
 
 def layer_caches(model: torch.nn.Module) -> list[tuple[str, WeightCache]]:

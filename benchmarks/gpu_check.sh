@@ -100,15 +100,15 @@ committed_verdicts() {  # the study directory of the tuning sweep: a copy of the
 }
 
 steps_default() {
-  # limits from the H200 run of 2026-11-27: wheels 1 s, info 12 s, element-wise 22 s, GEMM
-  # past 165 s with gemlite's autotuning in it (now a step of its own, peer-gemm; the GEMM
-  # writes each shape as it goes), overhead ~35 s, MoE 35 s, the GPU tests past 175 s at 99%
-  # on 16 workers (they take what is left, at most 220 s)
+  # limits from the H200 runs of 2026-11-27: wheels 1 s, info 9-12 s, element-wise 19-22 s,
+  # GEMM 26 s without the peer (past 165 s with gemlite's autotuning in it: now peer-gemm),
+  # overhead 23-35 s, MoE 26-35 s, the GPU tests cut at 99% twice (175 s, then 220 s on 16
+  # workers: they take what is left, at most 280 s), peer-gemm 148 s with no tuned configs
   bench bench-elementwise 35 benchmarks/elementwise.py --quick --out "$out/results/elementwise-quick.json"
   bench bench-gemm 185 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
   bench bench-overhead 45 benchmarks/overhead.py --gpu-checks --out "$out/results"
   bench bench-moe 45 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
-  step_rest tests-gpu 220 "$PY" -m pytest -m gpu -v -ra --tb=short "${xdist[@]}" -p no:cacheprovider \
+  step_rest tests-gpu 280 "$PY" -m pytest -m gpu -v -ra --tb=short "${xdist[@]}" -p no:cacheprovider \
     --junitxml="$out/tests-gpu.xml" tests
   # the peers last, in what is left: their first calls autotune (gemlite: minutes where it
   # has no configs for the device; it starts from those earlier runs tuned, benchmarks/peers/,

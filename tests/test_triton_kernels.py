@@ -817,28 +817,31 @@ VALUE_RECIPES = [QR(), QR(scale_rule="rceil"), QR(scale_rule="even"), QR(scale_r
                  QR(rounding="stochastic", seed=7), QR(rounding="stochastic", seed=2**40 + 3, scale_rule="even")]
 
 
-@pytest.mark.parametrize("tile", ["default", "shared-blocks"])
+@pytest.mark.parametrize("tile", ["whole-blocks", "shared-blocks", "shared-small"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("recipe", VALUE_RECIPES, ids=lambda r: r.describe())
 def test_quantized_values_equal_the_reference(kernel, recipe, dtype, tile, monkeypatch):
     """The quantize kernel's VALUES output (backend.quantized_values: the bf16 values of
     the codes, one launch) against the reference's dequantize(quantize(x)) in bf16, bit
-    for bit: ragged and whole tiles, NaN/Inf blocks, subnormal scales, saturation; with
-    the default tile (a block for every thread: each thread loads and stores its block's
-    pieces, VALUES = 2) and with a tile whose blocks threads share (VALUES = 1, as AMD's
-    64-wide waves run it)."""
+    for bit: ragged and whole tiles, NaN/Inf blocks, subnormal scales, saturation; in
+    both of the kernel's forms whatever values_mode would choose: on the default tile
+    (a block for every thread) each thread loading and storing its block's pieces
+    (VALUES = 2) and a [BR, BW] word tile whose blocks threads share (VALUES = 1), and a
+    tile with fewer blocks than threads (VALUES = 1, as AMD's 64-wide waves run it)."""
     from portable_mx.backends.triton import quantize as qk
     from portable_mx.backends.triton.launch import TileConfig
 
     backend, device = kernel
-    if tile == "shared-blocks":
+    monkeypatch.setattr(backend, "_devices", {})  # (plans made under the forced form are dropped after)
+    if tile == "shared-small":
         config = TileConfig(4, 256, num_warps=4)
         assert qk.values_mode(qk.Plan.make(recipe, config), config, 32) == 1
-        monkeypatch.setattr(backend, "_devices", {})
         monkeypatch.setattr(type(backend), "tile_config", lambda self, kernel, target, recipe, masked=False: config)
     else:
         config = backend.tile_config("quantize", None, recipe)
-        assert qk.values_mode(qk.Plan.make(recipe, config), config, 32) == 2
+        assert config.block_r * config.block_k // 32 >= 32 * config.num_warps  # a block for every thread
+        mode = 2 if tile == "whole-blocks" else 1
+        monkeypatch.setattr(qk, "values_mode", lambda plan, config, warp_size: mode)
     for i, shape in enumerate([(1, 1), (3, 31), (33, 300), (64, 512)]):
         x = sample(shape, seed=90 + i).to(dtype)
         got = backend.quantized_values(x.to(device), recipe)
@@ -846,12 +849,36 @@ def test_quantized_values_equal_the_reference(kernel, recipe, dtype, tile, monke
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         assert torch.equal(got.isnan().cpu(), want.isnan())
         assert torch.equal(got.cpu().nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+    forms = {plan.launch.constexprs["VALUES"] for st in backend._devices.values()
+             for _, plan in st.quantize_plans.values()}
+    assert forms == {2 if tile == "whole-blocks" else 1}  # the form asked for is the one launched
     # the largest finite inputs: scale 2**125 or 2**126 with the top codes (the even and
     # ceil rules round up to 2**128: inf, in fp32 as in bf16)
     big = torch.tensor([[torch.finfo(torch.float32).max, 1.5 * 2.0**127] + [1.0] * 30])
     got, want = backend.quantized_values(big.to(device), recipe).cpu(), REF.dequantize(REF.quantize(big, recipe),
                                                                                        torch.bfloat16)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_values_mode_stores_nearest_values_along_rows():
+    """quantized_values' form per recipe and tile (its choice measured on an H200,
+    NOTES-elementwise section 14): nearest rounding takes the shared [BR, BW] form (a
+    warp's stores along a row), stochastic rounding whole blocks a thread where the tile
+    has a block for every thread, and any tile with fewer blocks than threads the shared
+    form."""
+    from portable_mx.backends.triton import quantize as qk
+    from portable_mx.backends.triton.launch import TileConfig
+
+    whole, small = TileConfig(32, 256, num_warps=4), TileConfig(4, 256, num_warps=4)
+    for recipe in (QR(), QR(scale_rule="rceil"), QR(scale_rule="even")):
+        assert qk.values_mode(qk.Plan.make(recipe, whole), whole, 32) == 1
+        assert qk.values_mode(qk.Plan.make(recipe, small), small, 32) == 1
+    stochastic = QR(rounding="stochastic", seed=3)
+    assert qk.values_mode(qk.Plan.make(stochastic, whole), whole, 32) == 2
+    assert qk.values_mode(qk.Plan.make(stochastic, small), small, 32) == 1
+    half = TileConfig(16, 256, num_warps=4)  # 128 blocks: one for every thread of 32-wide warps, not of 64-wide waves
+    assert qk.values_mode(qk.Plan.make(stochastic, half), half, 32) == 2
+    assert qk.values_mode(qk.Plan.make(stochastic, half), half, 64) == 1
 
 
 def test_quantized_values_refuse_macro_blocks_and_outliers(kernel):

@@ -70,10 +70,10 @@ def quantize_kernel(
     tile from encode.program_tile (K_FIRST: their order). VALUES (no macro factors, no
     outliers): instead of the codes and scales, q is int32 words [R, KW], the bf16 values
     of the quantized elements (code * 2**e, exact; NaN in NaN/Inf blocks), two a word in
-    the input's order; VALUES = 2 where the tile has a block for every thread
-    (:func:`values_mode`): each thread loads and stores its whole block (encode's
-    ``load_block_words`` / ``store_block_words``), else (1) a [BR, BW] word tile whose
-    blocks threads share."""
+    the input's order; VALUES = 2 (stochastic rounding where the tile has a block for
+    every thread, :func:`values_mode`): each thread loads and stores its whole block
+    (encode's ``load_block_words`` / ``store_block_words``), else (1) a [BR, BW] word tile
+    whose blocks threads share."""
     w_ptr = word_pointer(w_ptr, IN_KIND)
     BW: tl.constexpr = BLOCK_K // 2
     NBK: tl.constexpr = BLOCK_K // 32
@@ -205,11 +205,17 @@ def value_words(w, IN_KIND: tl.constexpr, RULE: tl.constexpr):
 
 
 def values_mode(plan: "Plan", config: TileConfig, warp_size: int) -> int:
-    """quantize_kernel's VALUES constexpr for a ``quantized_values`` launch: 2 (whole
-    blocks a thread, no shuffles) where the tile has a block for every thread, else 1
-    (AMD's 64-wide waves on the tiles of rocm.py: blocks shared by threads, as the codes
-    path lays them out there)."""
-    return 2 if plan.block_r * plan.block_k // 32 >= warp_size * config.num_warps else 1
+    """quantize_kernel's VALUES constexpr for a ``quantized_values`` launch: 1 (a [BR, BW]
+    word tile whose blocks threads share: a warp's 16-byte stores contiguous along a row)
+    for nearest rounding and wherever the tile has fewer blocks than threads (AMD's 64-wide
+    waves on rocm.py's tiles); 2 (whole blocks a thread, no shuffles) for stochastic
+    rounding where the tile has a block for every thread. Measured on an H200
+    (benchmarks/NOTES-elementwise.md section 14): nearest bf16 values at 8192^2 ran at 0.41
+    of a device copy with 2 (a warp's stores 32 rows apart) and 0.95 with 1; stochastic
+    rounding in form 1 took 238 registers and 176 shuffles a thread under triton 3.6 (2:
+    124 and none), and was not timed in form 1."""
+    whole = plan.block_r * plan.block_k // 32 >= warp_size * config.num_warps
+    return 2 if whole and plan.constexprs["STOCHASTIC"] else 1
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from common import (EXIT_NO_GPU, default_out, gpu_device, int_at_least, names_in, no_gpu, out_file,  # noqa: E402
-                    result_header, time_interleaved, write_result)
+from common import (EXIT_NO_GPU, default_out, gpu_device, int_at_least, interpret_for_smoke, names_in,  # noqa: E402
+                    no_gpu, out_file, result_header, time_interleaved, write_result)
 
 SHAPES = [(1024, 1024), (4096, 4096), (8192, 8192), (16384, 8192)]
 QUICK_SHAPES = [(4096, 4096), (8192, 8192)]
@@ -405,6 +405,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    interpret_for_smoke(argv)
     args = parse_args(argv)
     if args.cpu_smoke:
         import os

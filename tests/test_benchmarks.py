@@ -1119,3 +1119,42 @@ def test_tune_sweep_warms_only_the_problems_its_budget_reaches():
     assert sweep.reached([50, 96, 10], 50 * per + 10 * per + 1) == {0, 2}  # the 96 skipped, the 10 reached
     assert sweep.reached([50], 50 * per - 0.01) == set()
     assert sweep.reached([], 100.0) == set()
+
+
+INTERPRETED_SMOKES = ("elementwise.py", "sweeps/elementwise_sweep.py", "sweeps/gemm_sweep.py",
+                      "sweeps/grouped_sweep.py", "sweeps/tune_sweep.py")
+"""The scripts whose --cpu-smoke runs the Triton kernels in the interpreter."""
+
+
+@pytest.mark.triton
+def test_a_cpu_smoke_run_from_a_shell_interprets_the_kernels(tmp_path):
+    """`python benchmarks/elementwise.py --cpu-smoke --out F` with no TRITON_INTERPRET in
+    the environment (benchmarks/README's command): its --out check imports portable_mx,
+    hence triton, while the arguments are parsed, so the interpreter must be chosen
+    before that (every kernel row failed at tl.max, "Cannot call @triton.jit'd outside of
+    the scope of a kernel", before). Every script whose smoke interprets the kernels
+    does so first thing in main()."""
+    import ast
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PORTABLE_MX_BACKEND")}
+    out = tmp_path / "e.json"
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "elementwise.py"), "--cpu-smoke", "--shapes", "32x64",
+                          "--dtypes", "bf16", "--cases", "quantize floor,dequantize bf16", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"copy", "quantize floor", "dequantize bf16"}
+    assert all("error" not in r for r in rows.values()), rows
+    for script in INTERPRETED_SMOKES:
+        tree = ast.parse(Path(BENCH, script).read_text())
+        main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
+        first = main.body[0].value if isinstance(main.body[0], ast.Expr) else None
+        assert isinstance(first, ast.Call) and getattr(first.func, "id", None) == "interpret_for_smoke", script
+
+
+def test_interpret_for_smoke_sets_the_interpreter_only_when_asked(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    common.interpret_for_smoke(["--quick", "--out", "x.json"])
+    assert "TRITON_INTERPRET" not in os.environ
+    common.interpret_for_smoke(["--out", "x.json", "--cpu-smoke"])
+    assert os.environ["TRITON_INTERPRET"] == "1"

@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py, elementwise.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: portable_mx
 
-from common import int_at_least, names_in, out_folder, result_header, slug, write_result  # noqa: E402
+from common import int_at_least, interpret_for_smoke, names_in, out_folder, result_header, slug, write_result  # noqa: E402
 from elementwise import Timer, buffers  # noqa: E402
 
 # (case, recipe kwargs) -> candidate tiles as (block_r, block_k, num_warps); one 32-block
@@ -142,6 +142,7 @@ def case_bytes(case: str, r: int, k: int, mx_bytes: int) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    interpret_for_smoke(argv)
     args = parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

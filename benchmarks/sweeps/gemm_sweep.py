@@ -51,7 +51,7 @@ for _p in (ROOT, ROOT / "benchmarks"):  # portable_mx; benchmarks/common.py
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from common import out_folder  # noqa: E402
+from common import interpret_for_smoke, out_folder  # noqa: E402
 
 SCHEMA = "portable_mx.gemm_sweep/1"
 SHAPES = {"m1": (1, 8192, 8192), "m16": (16, 8192, 8192), "m128": (128, 8192, 8192),
@@ -512,6 +512,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    interpret_for_smoke(argv)
     args = parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")

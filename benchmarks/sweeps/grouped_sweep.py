@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: common.py, moe.py
 sys.path.insert(0, str(HERE.parents[1]))  # the repository: portable_mx
 
-from common import out_folder  # noqa: E402
+from common import interpret_for_smoke, out_folder  # noqa: E402
 
 SCHEMA = "portable_mx.grouped_sweep/1"
 PROBLEMS = ("qwen3-30b-a3b:64", "qwen3-30b-a3b:1", "gpt-oss-20b:64", "gpt-oss-20b:1", "qwen3-30b-a3b:4096")
@@ -335,6 +335,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    interpret_for_smoke(argv)
     args = parse_args(argv)
     if args.cpu_smoke:  # before portable_mx's kernels are imported
         os.environ["TRITON_INTERPRET"] = "1"

@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: portable_mx
 
-from common import int_at_least, out_folder  # noqa: E402
+from common import int_at_least, interpret_for_smoke, out_folder  # noqa: E402
 
 PROBLEMS = (("w4a16", (16, 8192, 8192)), ("w4a16", (4096, 4096, 4096)), ("a4w4", (4096, 4096, 4096)),
             ("a4w4", (16, 8192, 8192)))
@@ -163,6 +163,7 @@ def static_only(args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    interpret_for_smoke(argv)
     args = parse_args(argv)
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported

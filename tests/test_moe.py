@@ -79,6 +79,22 @@ def test_route_matches_python_construction(t, k, e, skew, tile_m):
     assert torch.equal(tile_schedule(r.offsets, t * k, tile_m), r.tile_schedule)
 
 
+def test_routing_fast_constructor_builds_the_dataclass():
+    """Routing._make (route()'s hot path) gives the object Routing(...) gives: the same
+    fields, frozen, and equal-valued derived properties."""
+    import dataclasses
+
+    from portable_mx.moe.routing import Routing
+
+    r = pmx.route(torch.tensor([[0, 2], [1, 2], [2, 0]]), torch.rand(3, 2), 4)
+    fields = {f.name: getattr(r, f.name) for f in dataclasses.fields(Routing)}
+    made, built = Routing._make(**fields), Routing(**fields)
+    assert type(made) is Routing and made.__dict__ == built.__dict__
+    assert (made.rows, made.num_tokens, made.device) == (6, 3, torch.device("cpu"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.k = 1
+
+
 def test_route_defaults_and_errors():
     ids = torch.tensor([[0, 3], [3, 3]])
     r = pmx.route(ids, None, 4)

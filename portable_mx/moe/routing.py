@@ -20,7 +20,7 @@ kernel's grid without reading the counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -118,6 +118,17 @@ class Routing:
     scatter_index: torch.Tensor
     tile_m: int
     tile_schedule: torch.Tensor
+
+    @classmethod
+    def _make(cls, **fields: Any) -> "Routing":
+        """The constructor of :func:`route`'s hot path: the same object as ``Routing(**fields)``
+        without the frozen dataclass's per-field ``object.__setattr__`` (0.35 us against
+        1.1 on a CPU; as ``MXTensor._make``), for fields that route() made itself."""
+        if torch.compiler.is_compiling():
+            return cls(**fields)
+        obj = object.__new__(cls)
+        obj.__dict__.update(fields)
+        return obj
 
     @property
     def num_tokens(self) -> int:
@@ -232,9 +243,9 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     made = _backend_route(topk_ids, num_experts, tile_m)
     if made is not None:
         counts, offsets, gather, scatter, schedule, ok = made
-        return Routing(num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts,
-                       offsets=offsets, gather_index=gather, scatter_index=scatter, tile_m=tile_m,
-                       tile_schedule=schedule)
+        return Routing._make(num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts,
+                             offsets=offsets, gather_index=gather, scatter_index=scatter, tile_m=tile_m,
+                             tile_schedule=schedule)
     if not on_cpu:
         _check_ids(topk_ids, num_experts)
     device = topk_ids.device

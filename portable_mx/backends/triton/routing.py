@@ -164,13 +164,16 @@ def _int_parts(num_experts: int, rows: int, slots: int) -> tuple[int, tuple, tup
     schedule, ok), each part at a multiple of 16 bytes: (its length, the sizes that
     ``split_with_sizes`` cuts it into, the positions of the six parts among them). The
     parts and their non-empty pads split off in one op (six slices cost twice as much, and
-    every empty pad a view more: 12 parts 3.9 us, 6 parts 2.1 us on a CPU)."""
+    every empty pad a view more: 12 parts 3.9 us, 6 parts 2.1 us on a CPU); the last part
+    (ok) needs no pad after it (one view fewer: 0.35 us on a CPU, ~0.6 on an H200's host)."""
     sizes, picks = [], []
-    for n in (num_experts, num_experts, rows, rows, 2 * slots, 1):
+    for n in (num_experts, num_experts, rows, rows, 2 * slots):
         picks.append(len(sizes))
         sizes.append(n)
         if n % 4:
             sizes.append(-n % 4)
+    picks.append(len(sizes))
+    sizes.append(1)  # ok
     return sum(sizes), tuple(sizes), tuple(picks)
 
 

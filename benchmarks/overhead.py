@@ -626,7 +626,8 @@ def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int 
     themselves (Triton's launcher then makes a ``data_ptr()`` call and a
     ``cuPointerGetAttribute`` per pointer; direct launches only);
     one ``torch.empty`` of the output's size; the stream lookup; a bare direct launch of a
-    one-pointer kernel. Issue 12: the calls cost ~2x a bare launch on the H200's host and
+    one-pointer kernel, through the launcher and (where launch._raw_launcher takes it)
+    through its compiled launch function. Issue 12: the calls cost ~2x a bare launch on the H200's host and
     the CPU mode cannot say why."""
     import torch
 
@@ -645,6 +646,11 @@ def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int 
         out["bare direct launch (tensor)"] = timed(lambda: run(1, 1, 1, stream(), fn_, packed, None, None, None, buf))
         ptr = buf.data_ptr()
         out["bare direct launch (int)"] = timed(lambda: run(1, 1, 1, stream(), fn_, packed, None, None, None, ptr))
+        raw = L._raw_launcher(run)
+        if raw is not None:  # the launcher's compiled launch function, called as its __call__ would
+            c_launch, meta = raw
+            out["bare raw launch (int)"] = timed(lambda: c_launch(1, 1, 1, stream(), fn_, *meta, packed, None, None,
+                                                                  None, ptr))
         out["stream lookup"] = timed(stream)
     out["torch.empty [16, 8192] bf16"] = timed(lambda: torch.empty(16, 8192, dtype=torch.bfloat16, device=device))
     out["allocations and small ops"] = allocation_anatomy(device, loops, repeats, torch.cuda.synchronize)
@@ -672,14 +678,14 @@ def launch_anatomy(calls: dict[str, Callable[[], Any]], device: Any, loops: int 
             def replay(as_address: bool):
                 forms = []
                 for plan, args in seen:
-                    run, function, packed, gx, gy, gz, tail = plan.direct[:7]
+                    run, function, meta, gx, gy, gz, tail = plan.direct[:7]
                     if as_address:
                         args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-                    forms.append((run, function, packed, gx, gy, gz, tuple(args) + tuple(tail)))
+                    forms.append((run, function, meta, gx, gy, gz, tuple(args) + tuple(tail)))
 
                 def go():
-                    for run, function, packed, gx, gy, gz, rest in forms:
-                        run(gx, gy, gz, stream(), function, packed, None, None, None, *rest)
+                    for run, function, meta, gx, gy, gz, rest in forms:
+                        run(gx, gy, gz, stream(), function, *meta, None, None, None, *rest)
                 return go
 
             # launch.launch passes addresses (its data_ptr() calls counted); these two

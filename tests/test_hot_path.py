@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -481,6 +482,109 @@ def test_direct_launch_passes_what_the_jit_passes(monkeypatch):
     want = (second[0].data_ptr(), second[1].data_ptr(), *args[2:])
     assert launched == [(3, 2, 1, "STREAM", "FN", "META", None, None, None, *want, *tail)]
     assert second[0].data_ptr() == second[0].untyped_storage().data_ptr() + 8  # the view's own address
+
+
+def _fake_cuda_launcher(recorded, *, global_scratch=0, profile_scratch=0):
+    """An object shaped as Triton 3.6's CudaLauncher (class name, attributes) whose
+    ``launch`` records its arguments (no GPU here)."""
+
+    class CudaLauncher:
+        launch_cooperative_grid, launch_pdl = "COOP", "PDL"
+
+        def __init__(self):
+            self.launch = lambda *a: recorded.append(("launch", a))
+            self.global_scratch_size, self.profile_scratch_size = global_scratch, profile_scratch
+
+        def __call__(self, *a):
+            recorded.append(("__call__", a))
+
+    return CudaLauncher()
+
+
+@pytest.mark.triton
+def test_direct_launch_calls_the_cuda_launchers_launch_function(monkeypatch):
+    """With Triton 3.6's CudaLauncher and a kernel without scratch memory, the direct form
+    calls the launcher's compiled ``launch`` with what its ``__call__`` adds (cooperative
+    grid, PDL, no global or profile scratch) before the metadata, hooks and arguments;
+    a kernel with scratch, another launcher class or a Python ``launch`` (Triton's
+    tensor-descriptor wrapper) keep the ``__call__``."""
+    import triton
+
+    from portable_mx.backends.triton import launch as L
+    from portable_mx.backends.triton import quantize as kernels
+
+    class JitStandIn:
+        arg_names = kernels.quantize_kernel.arg_names
+
+        def __init__(self, compiled):
+            self.compiled = compiled
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.compiled
+
+    monkeypatch.setattr(L, "DIRECT_LAUNCH_TRITON", (triton.__version__,))
+    monkeypatch.setattr(L, "_current_stream", lambda: "STREAM")
+    monkeypatch.setattr(L, "_hooks_idle", lambda: True)
+    monkeypatch.setattr(L, "RAW_LAUNCH_TYPES", (type(lambda: None),))  # the fake's launch is a Python function
+    from portable_mx.backends.cuda import TILES
+
+    plan = kernels.Plan.make(QR(), TILES["quantize"])
+    every = {**plan.constexprs, "IN_KIND": 0, "EVEN": True, "FMA_DIV": True, "VALUES": False}
+    n_args = len(kernels.quantize_kernel.arg_names) - len(every)
+    args = tuple(range(n_args))
+    tail = tuple(every[name] for name in kernels.quantize_kernel.arg_names[n_args:])
+
+    def launched_with(launcher):
+        recorded: list = []
+        compiled = _fake_compiled_kernel([])
+        compiled._run = launcher(recorded)
+        launch = L.Launch("quantize", JitStandIn(compiled), (3, 2), dict(every), {"num_warps": 4})
+        L.launch(launch, args)  # the JIT's (records nothing here)
+        L.launch(launch, args)
+        return recorded
+
+    assert launched_with(_fake_cuda_launcher) == [
+        ("launch", (3, 2, 1, "STREAM", "FN", "COOP", "PDL", None, None, "META", None, None, None, *args, *tail))]
+    call = ("__call__", (3, 2, 1, "STREAM", "FN", "META", None, None, None, *args, *tail))
+    assert launched_with(lambda r: _fake_cuda_launcher(r, global_scratch=64)) == [call]
+    assert launched_with(lambda r: _fake_cuda_launcher(r, profile_scratch=8)) == [call]
+    monkeypatch.setattr(L, "RAW_LAUNCH_TYPES", (types.BuiltinFunctionType,))
+    assert launched_with(_fake_cuda_launcher) == [call]  # a Python launch function: not the compiled one
+
+    def other_launcher(recorded):
+        launcher = _fake_cuda_launcher(recorded)
+        type(launcher).__name__ = "HIPLauncher"
+        return launcher
+
+    assert launched_with(other_launcher) == [call]
+
+
+def test_the_raw_launch_equals_triton_36s_cuda_launcher_call():
+    """Where the installed Triton is a release whose launches go direct (3.6), its own
+    CudaLauncher.__call__, run on an instance with a recording ``launch`` and no scratch,
+    passes exactly what launch._raw_launcher's call passes."""
+    import triton
+
+    from portable_mx.backends.triton import launch as L
+
+    if not triton.__version__.startswith(L.DIRECT_LAUNCH_TRITON):
+        pytest.skip(f"triton {triton.__version__}: launches go through the JIT (direct: {L.DIRECT_LAUNCH_TRITON})")
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    recorded: list = []
+    launcher = object.__new__(driver.CudaLauncher)
+    launcher.launch = lambda *a: recorded.append(a)
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, True
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    launcher(3, 2, 1, "STREAM", "FN", "META", None, None, None, 7, 8)
+    orig = L.RAW_LAUNCH_TYPES
+    try:
+        L.RAW_LAUNCH_TYPES = (type(lambda: None),)
+        fn, meta = L._raw_launcher(launcher)
+    finally:
+        L.RAW_LAUNCH_TYPES = orig
+    fn(3, 2, 1, "STREAM", "FN", *meta, "META", None, None, None, 7, 8)
+    assert recorded[0] == recorded[1] and len(recorded) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

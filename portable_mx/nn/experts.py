@@ -114,7 +114,7 @@ class MXExperts(torch.nn.Module):
         self.activation = activation
         self.transposed = bool(transposed)
         self._mx_meta: dict[str, tuple[torch.Size, torch.dtype, QuantRecipe]] = {}
-        self._mx_memo: dict[str, tuple[tuple, MXTensor, tuple]] = {}
+        self._mx_memo: dict[str, tuple[tuple, MXTensor, tuple, tuple]] = {}  # (buffers, their MXTensor, addresses, ids)
         self._mx_checked: dict[str, tuple[Tensor, Optional[int]]] = {}  # (_check_macro_block)
         self.recipe = recipe
         kw = dict(device=device, dtype=dtype)
@@ -256,7 +256,7 @@ class MXExperts(torch.nn.Module):
         """The buffers ``proj``'s MXTensor is made of (blocks, scales, macro factors,
         outliers; None where absent), read from the module's dict."""
         table = self._buffers
-        return tuple(_member(self, table, name) for name in _BUFFERS[proj])
+        return tuple([_member(self, table, name) for name in _BUFFERS[proj]])  # (a list: no generator frames)
 
     # ------------------------------------------------------------------ state
 
@@ -305,8 +305,8 @@ class MXExperts(torch.nn.Module):
         if block is not None:
             self._check_macro_block(proj, block, compiling)
         hit = None if compiling else self._mx_memo.get(proj)
-        if hit is not None and all(a is b for a, b in zip(hit[0], bufs)) and hit[2] == _addresses(bufs):
-            return hit[1]
+        if hit is not None and hit[3] == tuple(map(id, bufs)) and hit[2] == _addresses(bufs):
+            return hit[1]  # (the ids of buffers the memo holds cannot be reused while it does)
         shape, dtype, recipe = self._mx_meta[proj]
         blocks, scales, macro, ov, oi = bufs
         e, n, g, _ = blocks.shape
@@ -316,7 +316,7 @@ class MXExperts(torch.nn.Module):
         if not torch.compiler.is_compiling() and mx.qdata.data_ptr() == blocks.data_ptr():
             # (a non-contiguous blocks buffer is reshaped into a copy, which in-place
             # writes to the buffer would not reach: such a weight is rebuilt every call)
-            self._mx_memo[proj] = (bufs, mx, _addresses(bufs))
+            self._mx_memo[proj] = (bufs, mx, _addresses(bufs), tuple(map(id, bufs)))
         return mx
 
     def _check_macro_block(self, proj: str, block: Tensor, compiling: bool) -> None:
@@ -441,7 +441,7 @@ class MXExperts(torch.nn.Module):
 
 def _addresses(bufs: tuple) -> tuple:
     """Where each buffer's bytes start (None for an absent one)."""
-    return tuple(None if b is None else b.data_ptr() for b in bufs)
+    return tuple([None if b is None else b.data_ptr() for b in bufs])
 
 
 def _as_out_in(w: MXTensor, name: str) -> MXTensor:

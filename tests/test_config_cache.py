@@ -328,7 +328,7 @@ def test_matmul_with_an_invalid_tuned_config_is_right_and_warns_once(monkeypatch
     ({"block_k": 1024}, "block_k 1024 is more than 512"), ({"num_stages": 9}, "num_stages 9 is not in 1 .. 8"),
     ({"num_stages": 64}, "num_stages 64"), ({"num_stages": 10**30}, "num_stages 1000000000000000000000000000000"),
     ({"extra": [["waves_per_eu", 2]]}, "AMD's"), ({"extra": [["foo", 1]]}, "'foo'"), ({"extra": "kpack"}, "extra"),
-    ({"persistent": 1}, "no field persistent"),
+    ({"extra": [["maxnreg", 128]]}, "NVIDIA's"), ({"persistent": 1}, "no field persistent"),
 ])
 def test_the_rules_name_what_the_kernels_cannot_launch(change, why):
     found = config_rules.problems(_fields(**change), "interpret", kp=128)  # block_k 32: 4 K tiles
@@ -345,6 +345,12 @@ def test_the_rules_follow_the_target():
     assert any("kpack = 3" in p for p in config_rules.problems({**amd, "extra": [["kpack", 3]]}, "gfx942"))
     assert config_rules.problems(_fields(split_k=0), "sm_100", kp=32) == []  # 0: per shape
     assert config_rules.problems(_fields(split_k=4), "sm_100") == []  # no shape: no bound
+    held = _fields(extra=[["maxnreg", 128]])  # ptxas' register cap: NVIDIA's (sm_90's held decode tile)
+    assert config_rules.problems(held, "sm_90") == config_rules.problems(held, "sm_120") == []
+    assert any("maxnreg is NVIDIA's; this config is for gfx942" in p for p in config_rules.problems(held, "gfx942"))
+    for bad in (8, 256, "128", 128.0, True):
+        assert any("is not an int in 16 .. 255" in p
+                   for p in config_rules.problems(_fields(extra=[["maxnreg", bad]]), "sm_90")), bad
 
 
 def test_the_rules_refuse_what_no_gpu_can_run():

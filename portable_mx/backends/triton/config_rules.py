@@ -84,7 +84,11 @@ MAX_GROUP_M = 64
 GEMM has (64 x 2**24 tiles), and a larger group orders no program differently in
 practice (it exceeds the row tiles of any but the largest M)."""
 AMD_OPTIONS = ("kpack", "matrix_instr_nonkdim", "waves_per_eu")
-"""The vendor launch options a GemmConfig's ``extra`` may carry (on AMD targets)."""
+"""The vendor launch options a GemmConfig's ``extra`` may carry on AMD targets."""
+NVIDIA_OPTIONS = ("maxnreg",)
+"""... and on NVIDIA targets: ptxas' register cap per thread (sm_90's held decode tile,
+backends/cuda.py), an int in MAXNREG_RANGE."""
+MAXNREG_RANGE = (16, 255)
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
 _DEFAULT_STAGES = next(f.default for f in dataclasses.fields(GemmConfig) if f.name == "num_stages")
@@ -194,8 +198,16 @@ def _extra_problems(extra: Any, target) -> list[str]:
         if name in seen:
             out.append(f"extra option {name} given twice")
         seen.add(name)
-        if name not in AMD_OPTIONS:
-            out.append(f"extra option {name!r} is not a launch option of the GEMM ({', '.join(AMD_OPTIONS)})")
+        if name in NVIDIA_OPTIONS:
+            low, high = MAXNREG_RANGE
+            if target is None or target.vendor != "nvidia":
+                out.append(f"extra option {name} is NVIDIA's; this config is for "
+                           f"{target.name if target else 'a non-NVIDIA target'}")
+            elif not _is_int(value) or not low <= value <= high:
+                out.append(f"extra option {name} = {value!r} is not an int in {low} .. {high}")
+        elif name not in AMD_OPTIONS:
+            out.append(f"extra option {name!r} is not a launch option of the GEMM "
+                       f"({', '.join(AMD_OPTIONS + NVIDIA_OPTIONS)})")
         elif not amd:
             where = target.name if target else "a non-AMD target"
             out.append(f"extra option {name} is AMD's; this config is for {where}")

@@ -62,13 +62,14 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 def interpret_for_smoke(argv: Optional[Sequence[str]] = None, flag: str = "--cpu-smoke") -> None:
     """Set TRITON_INTERPRET=1 when the command line (``argv``, else sys.argv) asks for
-    ``flag``: before the arguments are parsed, since parsing them imports portable_mx
-    (the --out checks), hence torch and triton, and triton makes its own jit functions
-    (tl.max, ...) interpreted or compiled when triton.language is first imported. Set
-    later, the kernels ran interpreted and failed at their first tl.max ("Cannot call
-    @triton.jit'd outside of the scope of a kernel")."""
+    ``flag`` (a smoke run interprets, whatever the environment said): before the
+    arguments are parsed, since parsing them imports portable_mx (the --out checks), hence
+    torch and triton, and triton makes its own jit functions (tl.max, ...) interpreted or
+    compiled when triton.language is first imported. Set later, the kernels ran
+    interpreted and failed at their first tl.max ("Cannot call @triton.jit'd outside of
+    the scope of a kernel")."""
     if flag in (sys.argv[1:] if argv is None else argv):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def out_file(text: str) -> str:

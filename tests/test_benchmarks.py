@@ -1089,9 +1089,6 @@ def test_the_committed_static_verdicts_cover_the_tune_sweeps_launches(tmp_path, 
 
     shutil.copy(os.path.join(BENCH, "sweeps", "studies", "static-verdicts.json"), tmp_path)
     monkeypatch.setattr(cache, "triton_version", lambda: "3.6.0")
-    from portable_mx.backends import cuda
-
-    monkeypatch.setattr(cuda, "holds_registers", lambda: True)  # 3.6's default tiles (cuda.HELD_TRITON)
     wanted: list[str] = []
 
     def refuse(items, jobs=None, on_result=None):
@@ -1160,4 +1157,7 @@ def test_interpret_for_smoke_sets_the_interpreter_only_when_asked(monkeypatch):
     common.interpret_for_smoke(["--quick", "--out", "x.json"])
     assert "TRITON_INTERPRET" not in os.environ
     common.interpret_for_smoke(["--out", "x.json", "--cpu-smoke"])
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a smoke run interprets whatever the environment says
+    common.interpret_for_smoke(["--cpu-smoke"])
     assert os.environ["TRITON_INTERPRET"] == "1"

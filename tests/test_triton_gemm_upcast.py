@@ -982,25 +982,3 @@ def test_public_matmul_sees_an_in_place_write_of_the_weight(gemm_kernel, monkeyp
     w_mx.scales.copy_(new.scales)
     out = pmx.matmul(x.to(device), w_mx, recipe)
     assert_accumulation_close(out, x.to(torch.bfloat16), ops._mx_rows(new.to("cpu")), 128)
-
-
-def test_sm90_decode_tile_is_held_only_under_the_tritons_that_hold_it_without_a_spill(monkeypatch):
-    """sm_90's W4A16 decode default carries ptxas' register cap (maxnreg=128: 8.5% faster
-    at M = 1 on an H200, NOTES-gemm) only under cuda.HELD_TRITON (3.6: no spill; 3.9's
-    ptxas spilled it), every other option of the tile kept; the grouped GEMM's decode tile
-    stays unheld (not measured held), and prefill tiles carry no cap."""
-    from portable_mx.backends import cuda
-
-    backend, sm90 = cuda.CudaBackend(), TARGETS["sm_90"]
-    for held in (True, False):
-        monkeypatch.setattr(cuda, "holds_registers", lambda held=held: held)
-        decode = backend.default_gemm_config(sm90, 1, torch.bfloat16, False)
-        assert (decode.block_m, decode.block_n, decode.block_k, decode.num_warps, decode.num_stages) == (16, 128, 128, 4, 4)
-        assert decode.options().get("maxnreg") == (128 if held else None)
-        grouped = backend.grouped_config(sm90, 8, 128, torch.bfloat16, False)
-        assert grouped.block_m == 16 and "maxnreg" not in grouped.options()
-        assert "maxnreg" not in backend.default_gemm_config(sm90, 4096, torch.bfloat16, False).options()
-    monkeypatch.undo()
-    from portable_mx.backends.triton import triton_version
-
-    assert cuda.holds_registers() == (triton_version() in cuda.HELD_TRITON)

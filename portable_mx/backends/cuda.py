@@ -4,9 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 from .triton.backend import CompiledTritonBackend
 from .triton.launch import GemmConfig, TileConfig
 
@@ -102,11 +99,7 @@ GEMM_TILES = {
         "w4a16": GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
         "w4a16-mid": GemmConfig(128, 128, 128, num_warps=8, num_stages=3, split_k=0),
         "w4a16-heavy": GemmConfig(128, 64, 128, num_warps=8, num_stages=3),
-        # held at 128 registers (triton 3.6's ptxas: 148 -> 128, no spill): 15.4 us against
-        # 16.8-16.9 at M = 1 x 8192^2 on an H200 in two sweeps of one lease, 16.4 against
-        # 16.6 at M = 16 (benchmarks/results/nvidia-h200-2026-11-27b/, NOTES-gemm); unheld
-        # under other Tritons (HELD_TRITON)
-        "w4a16-small": GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=0, extra=(("maxnreg", 128),)),
+        "w4a16-small": GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=0),
         "w4a16-small-heavy": GemmConfig(16, 64, 128, num_warps=4, num_stages=3, split_k=0),
     },
 }
@@ -130,36 +123,10 @@ class CudaBackend(CompiledTritonBackend):
     # store) takes K steps of 64 and the heavy decode 16 x 64 x 128 (8 bytes) too
     grouped_tiles = {
         "sm_90": {"a4w4": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
-                  "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
-                  # the decode tile unheld: the dense one's register cap is measured on the
-                  # dense GEMM only (the grouped sweep times both)
-                  "w4a16-small": GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=0)},
+                  "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3)},
         "sm_120": {"w4a16": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
                    # (the dense decode's K 128 spills with the grouped GEMM's index vectors under 3.6)
                    "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3, split_k=0),
                    "w4a16-small-heavy": GemmConfig(16, 64, 64, num_warps=4, num_stages=2)},
     }
     targets = ("sm_90", "sm_100", "sm_120")
-
-    def default_gemm_config(self, target, m, a_format, heavy, tiles=None) -> GemmConfig:
-        """The base class's choice, without a default tile's register cap (``maxnreg``)
-        under a Triton release outside :data:`HELD_TRITON`."""
-        config = super().default_gemm_config(target, m, a_format, heavy, tiles)
-        if config.extra and not holds_registers():
-            config = dataclasses.replace(config, extra=tuple(o for o in config.extra if o[0] != "maxnreg"))
-        return config
-
-
-HELD_TRITON = ((3, 6),)
-"""Triton releases (major, minor) under which the default tiles' register caps apply: the
-compile matrix showed sm_90's held W4A16 decode tile without a spill under 3.6 (ptxas of
-CUDA 12.8: 128 registers, 0 bytes) and spilling 28-36 bytes under 3.9 (ptxas 13.x), where
-it runs unheld (149 registers) until a GPU measures another cap there."""
-
-
-@functools.lru_cache(maxsize=1)
-def holds_registers() -> bool:
-    """Whether the installed Triton is one of :data:`HELD_TRITON`."""
-    from .triton import triton_version
-
-    return triton_version() in HELD_TRITON

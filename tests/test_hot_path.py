@@ -526,6 +526,7 @@ def test_direct_launch_calls_the_cuda_launchers_launch_function(monkeypatch):
     monkeypatch.setattr(L, "_current_stream", lambda: "STREAM")
     monkeypatch.setattr(L, "_hooks_idle", lambda: True)
     monkeypatch.setattr(L, "RAW_LAUNCH_TYPES", (type(lambda: None),))  # the fake's launch is a Python function
+    monkeypatch.setattr(L, "RAW_LAUNCH_TRITON", (triton.__version__,))
     from portable_mx.backends.cuda import TILES
 
     plan = kernels.Plan.make(QR(), TILES["quantize"])
@@ -557,18 +558,21 @@ def test_direct_launch_calls_the_cuda_launchers_launch_function(monkeypatch):
         return launcher
 
     assert launched_with(other_launcher) == [call]
+    monkeypatch.setattr(L, "RAW_LAUNCH_TYPES", (type(lambda: None),))
+    monkeypatch.setattr(L, "RAW_LAUNCH_TRITON", ("0.0.",))  # a release whose __call__ it does not replay
+    assert launched_with(_fake_cuda_launcher) == [call]
 
 
-def test_the_raw_launch_equals_triton_36s_cuda_launcher_call():
-    """Where the installed Triton is a release whose launches go direct (3.6), its own
-    CudaLauncher.__call__, run on an instance with a recording ``launch`` and no scratch,
-    passes exactly what launch._raw_launcher's call passes."""
+def test_the_raw_launch_equals_the_installed_tritons_cuda_launcher_call(monkeypatch):
+    """Where the installed Triton is one whose CudaLauncher.__call__ the direct launch
+    replays (launch.RAW_LAUNCH_TRITON: 3.6), that __call__, run on an instance with a
+    recording ``launch`` and no scratch, passes exactly what launch._raw_launcher's call
+    passes; under any other release (3.9's C launch takes other arguments) _raw_launcher
+    declines the launcher."""
     import triton
 
     from portable_mx.backends.triton import launch as L
 
-    if not triton.__version__.startswith(L.DIRECT_LAUNCH_TRITON):
-        pytest.skip(f"triton {triton.__version__}: launches go through the JIT (direct: {L.DIRECT_LAUNCH_TRITON})")
     driver = pytest.importorskip("triton.backends.nvidia.driver")
     recorded: list = []
     launcher = object.__new__(driver.CudaLauncher)
@@ -576,13 +580,13 @@ def test_the_raw_launch_equals_triton_36s_cuda_launcher_call():
     launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, True
     launcher.global_scratch_size = launcher.profile_scratch_size = 0
     launcher.global_scratch_align = launcher.profile_scratch_align = 1
+    monkeypatch.setattr(L, "RAW_LAUNCH_TYPES", (type(lambda: None),))
+    raw = L._raw_launcher(launcher)
+    if not triton.__version__.startswith(L.RAW_LAUNCH_TRITON):
+        assert raw is None
+        return
     launcher(3, 2, 1, "STREAM", "FN", "META", None, None, None, 7, 8)
-    orig = L.RAW_LAUNCH_TYPES
-    try:
-        L.RAW_LAUNCH_TYPES = (type(lambda: None),)
-        fn, meta = L._raw_launcher(launcher)
-    finally:
-        L.RAW_LAUNCH_TYPES = orig
+    fn, meta = raw
     fn(3, 2, 1, "STREAM", "FN", *meta, "META", None, None, None, 7, 8)
     assert recorded[0] == recorded[1] and len(recorded) == 2
 

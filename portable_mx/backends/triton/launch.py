@@ -103,8 +103,8 @@ class GemmConfig(_LaunchOptions):
     ``group_m`` row tiles at a time for L2 reuse, ``split_k`` programs per output tile
     each summing a contiguous share of its K tiles (combined on the device in the same
     launch, splitk.py; 0: chosen per shape from the GPU's SM count, backend.py), and
-    vendor options (``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu`` on AMD) passed
-    through to the launch."""
+    vendor options (``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu`` on AMD,
+    ``maxnreg`` on NVIDIA) passed through to the launch."""
 
     block_m: int
     block_n: int
@@ -244,6 +244,10 @@ def _direct_form(plan: Launch, compiled: Any, args: tuple) -> Any:
     return (run, compiled.function, meta, *grid, tail, pointers)
 
 
+RAW_LAUNCH_TRITON = ("3.6.",)
+"""Triton releases whose ``CudaLauncher.__call__`` :func:`_raw_launcher` replays (3.9's
+C launch takes other arguments: its own metadata, hooks, annotations and signature)."""
+
 RAW_LAUNCH_TYPES: tuple = (types.BuiltinFunctionType,)
 """What a launcher's ``launch`` must be for :func:`_raw_launcher` to call it: the
 function of the C module Triton compiles (a Python wrapper, e.g. the one Triton puts
@@ -256,8 +260,13 @@ def _raw_launcher(run: Any) -> Any:
     stream, function, *rest)`` is then exactly ``launch(gx, gy, gz, stream, function,
     cooperative, pdl, None, None, *rest)`` (its ``__call__`` allocates no scratch when the
     sizes are 0), at ~1 us less host time a launch (a closure and two calls in Python).
-    None for any other launcher (AMD's, another release's) or a kernel with scratch."""
+    None for any other launcher (AMD's, a release outside :data:`RAW_LAUNCH_TRITON`) or a
+    kernel with scratch."""
     if type(run).__name__ != "CudaLauncher":
+        return None
+    import triton
+
+    if not triton.__version__.startswith(RAW_LAUNCH_TRITON):
         return None
     try:
         fn, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl

@@ -211,9 +211,9 @@ def values_mode(plan: "Plan", config: TileConfig, warp_size: int) -> int:
     waves on rocm.py's tiles); 2 (whole blocks a thread, no shuffles) for stochastic
     rounding where the tile has a block for every thread. Measured on an H200
     (benchmarks/NOTES-elementwise.md section 14): nearest bf16 values at 8192^2 ran at 0.41
-    of a device copy with 2 (a warp's stores 32 rows apart) and 0.95 with 1; stochastic
-    rounding in form 1 took 238 registers and 176 shuffles a thread under triton 3.6 (2:
-    124 and none), and was not timed in form 1."""
+    of a device copy with 2 (a warp's stores 32 rows apart) and 0.95-0.96 with 1; stochastic
+    rounding the other way, 0.38 with 2 and 0.27 with 1 (form 1: 238 registers and 176
+    shuffles a thread under triton 3.6; 2: 124 and none)."""
     whole = plan.block_r * plan.block_k // 32 >= warp_size * config.num_warps
     return 2 if whole and plan.constexprs["STOCHASTIC"] else 1
 

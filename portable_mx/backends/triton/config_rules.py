@@ -89,6 +89,7 @@ NVIDIA_OPTIONS = ("maxnreg",)
 """... and on NVIDIA targets: ptxas' register cap per thread (sm_90's held decode tile,
 backends/cuda.py), an int in MAXNREG_RANGE."""
 MAXNREG_RANGE = (16, 255)
+"""The register caps ``maxnreg`` may ask ptxas for (its per-thread range)."""
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
 _DEFAULT_STAGES = next(f.default for f in dataclasses.fields(GemmConfig) if f.name == "num_stages")

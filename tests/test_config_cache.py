@@ -345,7 +345,7 @@ def test_the_rules_follow_the_target():
     assert any("kpack = 3" in p for p in config_rules.problems({**amd, "extra": [["kpack", 3]]}, "gfx942"))
     assert config_rules.problems(_fields(split_k=0), "sm_100", kp=32) == []  # 0: per shape
     assert config_rules.problems(_fields(split_k=4), "sm_100") == []  # no shape: no bound
-    held = _fields(extra=[["maxnreg", 128]])  # ptxas' register cap: NVIDIA's (sm_90's held decode tile)
+    held = _fields(extra=[["maxnreg", 128]])  # ptxas' register cap: NVIDIA's
     assert config_rules.problems(held, "sm_90") == config_rules.problems(held, "sm_120") == []
     assert any("maxnreg is NVIDIA's; this config is for gfx942" in p for p in config_rules.problems(held, "gfx942"))
     for bad in (8, 256, "128", 128.0, True):

@@ -86,8 +86,9 @@ practice (it exceeds the row tiles of any but the largest M)."""
 AMD_OPTIONS = ("kpack", "matrix_instr_nonkdim", "waves_per_eu")
 """The vendor launch options a GemmConfig's ``extra`` may carry on AMD targets."""
 NVIDIA_OPTIONS = ("maxnreg",)
-"""... and on NVIDIA targets: ptxas' register cap per thread (sm_90's held decode tile,
-backends/cuda.py), an int in MAXNREG_RANGE."""
+"""... and on NVIDIA targets: ptxas' register cap per thread, an int in MAXNREG_RANGE (a
+tuned config may carry it: sm_90's decode tile ran 8.5% faster held at 128 on an H200,
+benchmarks/NOTES-gemm.md)."""
 MAXNREG_RANGE = (16, 255)
 """The register caps ``maxnreg`` may ask ptxas for (its per-thread range)."""
 

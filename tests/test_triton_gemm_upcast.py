@@ -982,3 +982,74 @@ def test_public_matmul_sees_an_in_place_write_of_the_weight(gemm_kernel, monkeyp
     w_mx.scales.copy_(new.scales)
     out = pmx.matmul(x.to(device), w_mx, recipe)
     assert_accumulation_close(out, x.to(torch.bfloat16), ops._mx_rows(new.to("cpu")), 128)
+
+
+def test_sm90_decode_is_held_only_where_it_was_measured_and_compiles_clean(monkeypatch):
+    """The dense W4A16 decode on sm_90 launches held at 128 registers (8.5% faster at
+    1 x 8192^2 on an H200, NOTES-gemm) exactly where cuda.HELD_DECODE says: its tile, a
+    bf16 left operand (W4A16 or tokens quantized in the kernel), a bf16 output, split-K up
+    to 4, a Triton of HELD_DECODE["triton"]; not at split 8 or 16, with an fp32 output,
+    under another Triton (the compile matrix: spills there), on another target, for an
+    MXFP4 left operand or a config that carries its own options. The plan and the launch
+    the compile matrix and the tuner compile (gemm_launch_spec) agree."""
+    from portable_mx.backends import cuda
+    from portable_mx.backends.triton.gemm import Operand
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    backend, sm90, w = cuda.CudaBackend(), TARGETS["sm_90"], Operand(None, None, 0)
+    bf16, tokens = Operand(torch.bfloat16, None, 0), Operand(torch.bfloat16, None, 0, 0)
+    decode = backend.default_gemm_config(sm90, 1, torch.bfloat16, False)
+    assert "maxnreg" not in decode.options()  # the tile table holds nothing: the launch does
+
+    def held(a, n=8192, kp=8192, out=torch.bfloat16, target=sm90, config=decode):
+        return backend.gemm_launch_spec(target, a, w, config, m=1, n=n, kp=kp, out_dtype=out).options.get("maxnreg")
+
+    monkeypatch.setattr(cuda, "holds_registers", lambda: True)
+    assert held(bf16) == 128 and held(tokens) == 128  # split 4
+    assert held(bf16, n=8192, kp=1024) == 128  # 8 K tiles: split 2
+    assert held(bf16, n=4096, kp=4096) is None and held(bf16, n=2048) is None  # split 8, 16
+    assert held(bf16, out=torch.float32) is None and held(Operand(torch.float16, None, 0), out=torch.float16) is None
+    assert held(Operand(None, None, 0)) is None  # MXFP4 tokens: the A4W4 kernel
+    assert held(bf16, target=TARGETS["sm_100"], config=GemmConfig(16, 128, 128, num_warps=4, num_stages=4)) is None
+    own = GemmConfig(16, 128, 128, num_warps=4, num_stages=4, split_k=4, extra=(("maxnreg", 160),))
+    assert held(bf16, config=own) == 160  # a tuned config's own cap stands
+    assert held(bf16, config=GemmConfig(16, 128, 256, num_warps=4, num_stages=3, split_k=4)) is None
+    monkeypatch.setattr(cuda, "holds_registers", lambda: False)
+    assert held(bf16) is None
+    monkeypatch.undo()
+    # the grouped GEMM's decode tile is not held
+    assert "maxnreg" not in backend.grouped_config(sm90, 8, 128, torch.bfloat16, False).options()
+
+
+@pytest.mark.triton
+def test_the_sm90_decode_plan_launches_held(monkeypatch):
+    """The plan run_gemm makes asks the same rule as gemm_launch_spec: a W4A16 decode with
+    bf16 tokens and output on a (simulated) sm_90 launches with maxnreg=128 where
+    cuda.HELD_DECODE holds, without it for an fp32 output or where it does not. (The
+    launch itself is replaced by a recorder: no GPU here; the weight is quantized by the
+    reference.)"""
+    from portable_mx.backends import cuda
+    from portable_mx.backends.triton import launch as L
+
+    class Simulated(cuda.CudaBackend):
+        def unavailable_reason(self, device):
+            return None
+
+        def target(self, device):
+            return TARGETS["sm_90"]
+
+        def _identity(self, device, target):
+            return "sm_90", "simulated sm_90"
+
+    seen = []
+    monkeypatch.setattr(L, "launch", lambda plan, args: seen.append(plan))
+    w_mx = ReferenceBackend().quantize(randn(8192, 1024, seed=5).to(torch.bfloat16), QR())  # rows (N, K)
+    x = randn(1, 1024, seed=6).to(torch.bfloat16)
+    for holds, out, want in ((True, torch.bfloat16, 128), (True, torch.float32, None), (False, torch.bfloat16, None)):
+        monkeypatch.setattr(cuda, "holds_registers", lambda holds=holds: holds)
+        backend = Simulated()
+        seen.clear()
+        backend.matmul(x, w_mx, out)
+        (plan,) = [p for p in seen if p.kernel == "gemm-upcast"]
+        assert plan.options.get("maxnreg") == want, (holds, out, plan.config)
+        assert plan.config.split_k <= 4 and (plan.config.block_m, plan.config.block_n) == (16, 128)

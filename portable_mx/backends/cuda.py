@@ -4,6 +4,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import torch
+
 from .triton.backend import CompiledTritonBackend
 from .triton.launch import GemmConfig, TileConfig
 
@@ -130,3 +135,44 @@ class CudaBackend(CompiledTritonBackend):
                    "w4a16-small-heavy": GemmConfig(16, 64, 64, num_warps=4, num_stages=2)},
     }
     targets = ("sm_90", "sm_100", "sm_120")
+
+    def launch_config(self, target, a, config: GemmConfig, store: torch.dtype) -> GemmConfig:
+        """:meth:`TritonBackend.launch_config`: sm_90's W4A16 decode tile held at
+        :data:`HELD_DECODE`'s register cap where it was measured and compiles clean."""
+        return held_decode(config) if held_decode_applies(target, a, config, store) else config
+
+
+HELD_DECODE = {"tile": (16, 128, 128, 4, 4), "max_split_k": 4, "maxnreg": 128, "triton": ((3, 6),)}
+"""Where the dense W4A16 decode launches held at ``maxnreg`` registers on sm_90: the tile
+(block_m, block_n, block_k, num_warps, num_stages) of "w4a16-small", a 16-bit left operand
+of bf16 (W4A16, or tokens the kernel quantizes: A4W4's one-launch decode), a bf16 output,
+a resolved split-K of 1 .. ``max_split_k``, and a Triton release of ``triton``. Measured on
+an H200 (benchmarks/results/nvidia-h200-2026-11-27b/): 15.4 us against 16.8-16.9 unheld at
+1 x 8192^2 (split 4; -8.5%, two calls), 1-2% at M = 16. The bounds are the compile matrix's
+(triton 3.6's ptxas, NOTES-gemm "decode tile held"): no spill at splits 1, 2, 4 with a bf16
+output, 4 bytes at split 8 and 16, 12 with an fp32 output, and 28-36 bytes under 3.9's
+ptxas at split 4; the grouped GEMM's decode tile is not held (not timed held)."""
+
+
+@functools.lru_cache(maxsize=1)
+def holds_registers() -> bool:
+    """Whether the installed Triton is one of ``HELD_DECODE["triton"]``."""
+    from .triton import triton_version
+
+    return triton_version() in HELD_DECODE["triton"]
+
+
+def held_decode_applies(target, a, config: GemmConfig, store: torch.dtype) -> bool:
+    """Whether a dense GEMM launch of ``config`` (split resolved) on ``target`` with a left
+    operand like ``a`` (``gemm.Operand``) storing ``store`` is one :data:`HELD_DECODE` holds."""
+    return (target is not None and target.name == "sm_90" and a.format is torch.bfloat16
+            and store is torch.bfloat16 and not config.extra
+            and 1 <= config.split_k <= HELD_DECODE["max_split_k"]
+            and (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
+            == HELD_DECODE["tile"]
+            and holds_registers())
+
+
+def held_decode(config: GemmConfig) -> GemmConfig:
+    """``config`` with ptxas' register cap of :data:`HELD_DECODE`."""
+    return dataclasses.replace(config, extra=(("maxnreg", HELD_DECODE["maxnreg"]),))

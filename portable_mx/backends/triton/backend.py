@@ -356,6 +356,15 @@ class TritonBackend(Backend):
                 return tiles[key]
         raise KeyError(f"no GEMM config for {base} at M={m} in gemm_tiles")
 
+    def launch_config(self, target: Optional[Target], a, config: GemmConfig, store: torch.dtype) -> GemmConfig:
+        """The config a dense GEMM launches with on ``target`` once its split is resolved:
+        ``config`` with the launch options this backend adds for a left operand like ``a``
+        (``gemm.Operand``) and an output stored as ``store`` (a register cap where one was
+        measured faster, backends/cuda.py), or ``config`` itself (here: always). The plan
+        (:meth:`run_gemm`) and :meth:`gemm_launch_spec` (the compile matrix, the tuner's
+        static stage, the sweeps) both ask here."""
+        return config
+
     def gemm_route(self, target: Optional[Target], a, b) -> GemmRoute:
         """The GEMM kernel and weight layouts of operands like ``a``, ``b``
         (``gemm.Operand``) on ``target`` (None: the interpreter, which runs the
@@ -765,6 +774,8 @@ class TritonBackend(Backend):
                              f"even); got {a.dtype} {tuple(a.shape)} stride {a.stride()}")
         config = self._gemm_config(st.device, st.target, oa, ob, m, n, kp)
         config = self.resolve_split_k(config, m, n, kp, self.sm_count(st.device, st.target))
+        store = out_dtype if not st.cast_output and out_dtype in STORE_DTYPES else torch.float32
+        config = self.launch_config(st.target, oa, config, store)
         route = self.gemm_route(st.target, oa, ob)
         if oa.quant is not None and route.kernel != "upcast":  # only the upcast kernel quantizes its tokens
             raise RuntimeError(f"{self.name}: tokens quantized in the GEMM need the upcast route; "
@@ -797,7 +808,6 @@ class TritonBackend(Backend):
         part = counts = None
         if split > 1:
             part, counts = splitk.buffers(st.device, tiles * split * config.block_m * config.block_n, tiles)
-        store = out_dtype if not st.cast_output and out_dtype in STORE_DTYPES else torch.float32
         launch = Launch(name, fn, (tiles * split,), dict(consts), self.options(config), config)
         out = _GemmPlan(launch, store, ints, weight, part, counts)
         if len(st.gemm_plans) >= _MAX_PLANS:
@@ -861,6 +871,7 @@ class TritonBackend(Backend):
 
         route = self.gemm_route(target, a, b)
         config = self.resolve_split_k(config, m, n, kp, self.gemm_sms.get(target.name, 132))
+        config = self.launch_config(target, a, config, out_dtype)
         if route.kernel == "upcast":
             return gemm_upcast.launch_spec(a, b, config, self.options(config), route.upcast, kp=kp, out_dtype=out_dtype,
                                            m=m, bias=bias)

@@ -138,8 +138,15 @@ class CudaBackend(CompiledTritonBackend):
 
     def launch_config(self, target, a, config: GemmConfig, store: torch.dtype) -> GemmConfig:
         """:meth:`TritonBackend.launch_config`: sm_90's W4A16 decode tile held at
-        :data:`HELD_DECODE`'s register cap where it was measured and compiles clean."""
-        return held_decode(config) if held_decode_applies(target, a, config, store) else config
+        :data:`HELD_DECODE`'s register cap where it was measured and compiles clean (its
+        tile, bf16 tokens and output, a resolved split up to its ``max_split_k``, its
+        Triton); a config with options of its own (a tuned one) is left as it is."""
+        held = (target is not None and target.name == "sm_90" and a.format is torch.bfloat16
+                and store is torch.bfloat16 and not config.extra
+                and 1 <= config.split_k <= HELD_DECODE["max_split_k"]
+                and (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
+                == HELD_DECODE["tile"] and holds_registers())
+        return dataclasses.replace(config, extra=(("maxnreg", HELD_DECODE["maxnreg"]),)) if held else config
 
 
 HELD_DECODE = {"tile": (16, 128, 128, 4, 4), "max_split_k": 4, "maxnreg": 128, "triton": ((3, 6),)}
@@ -161,18 +168,3 @@ def holds_registers() -> bool:
 
     return triton_version() in HELD_DECODE["triton"]
 
-
-def held_decode_applies(target, a, config: GemmConfig, store: torch.dtype) -> bool:
-    """Whether a dense GEMM launch of ``config`` (split resolved) on ``target`` with a left
-    operand like ``a`` (``gemm.Operand``) storing ``store`` is one :data:`HELD_DECODE` holds."""
-    return (target is not None and target.name == "sm_90" and a.format is torch.bfloat16
-            and store is torch.bfloat16 and not config.extra
-            and 1 <= config.split_k <= HELD_DECODE["max_split_k"]
-            and (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
-            == HELD_DECODE["tile"]
-            and holds_registers())
-
-
-def held_decode(config: GemmConfig) -> GemmConfig:
-    """``config`` with ptxas' register cap of :data:`HELD_DECODE`."""
-    return dataclasses.replace(config, extra=(("maxnreg", HELD_DECODE["maxnreg"]),))

@@ -245,7 +245,7 @@ class MXExperts(torch.nn.Module):
         kept MXTensor is rebuilt at the next forward)."""
         memo = self.__dict__.get("_mx_memo")
         for proj in list(memo or ()):
-            if not all(a is b for a, b in zip(memo[proj][0], self._weight_buffers(proj))):
+            if memo[proj][3] != tuple(map(id, self._weight_buffers(proj))):  # (as _frozen_mx compares them)
                 del memo[proj]
         checked = self.__dict__.get("_mx_checked")
         for proj in list(checked or ()):

@@ -168,7 +168,7 @@ def gemm(a: Operand, b: Operand, recipe: QuantRecipe, out_dtype: torch.dtype,
     if m == 0 or k == 0 or n == 0:
         out = torch.zeros(m, n, dtype=out_dtype, device=b.device)
         return out if bias is None or m == 0 or n == 0 else out.copy_(bias.to(torch.float32).expand(m, n))
-    b_rows = right_operand(b, recipe)
+    b_rows = right_operand(b, recipe) if isinstance(b, _Tensor) else b.rows()  # (right_operand's, inline)
     backend = _select("matmul", b_rows.device)
     if recipe.activations == "mxfp4" and isinstance(a, _Tensor) and backend.left_values(m, n, recipe, a.device):
         # (the W4A16 GEMM on a's values)
@@ -199,6 +199,8 @@ def flatten_batch(a: Operand) -> Operand:
 
 def matmul(a: Operand, b: Operand, recipe: QuantRecipe) -> torch.Tensor:
     """``a @ b`` without autograd: a [..., M, K], b [K, N] -> [..., M, N] in a's dtype."""
+    if a.__class__ is _Tensor and len(a.shape) == 2:  # (flatten_batch's first case, inline: the hot path)
+        return gemm(a, b, recipe, a.dtype)
     a2 = flatten_batch(a)
     out = gemm(a2, b, recipe, a.dtype)
     return out if a2 is a else out.reshape(*a.shape[:-1], b.shape[1])

@@ -237,8 +237,8 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     elif id(recipe) not in VALIDATED:  # a recipe checked before costs one lookup
         recipe = _recipe(recipe)
     a_mx, b_mx = isinstance(a, MXTensor), isinstance(b, MXTensor)
-    if not a_mx:
-        _check_float_tensor(a, "a")
+    if not a_mx and (a.__class__ is not _Tensor or a.layout is not _STRIDED or a.dtype not in FLOAT_DTYPES):
+        _check_float_tensor(a, "a")  # (a plain dense float tensor, the hot path's, passes without the call)
     if not b_mx:
         _check_float_tensor(b, "b")
     a_dtype, a_dev, a_shape = a.dtype, a.device, a.shape

@@ -63,6 +63,23 @@ def version_of(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+def part_versions(mx: "MXTensor") -> Optional[tuple]:
+    """The version counters of ``mx``'s parts, None where they are inference tensors
+    (no counter): what a value computed from the parts (a backend's swizzled weight, a
+    copy) is kept under, and built again when it changes (:meth:`MXTensor.memo`'s
+    ``copies``; the GEMM's weight storage). Inline: it runs on every GEMM of a weight on
+    the GPU targets."""
+    d = mx.__dict__
+    ms, ov = d["macro_scales"], d["outlier_values"]
+    try:
+        if ms is None and ov is None:
+            return d["qdata"]._version, d["scales"]._version
+        return (d["qdata"]._version, d["scales"]._version, None if ms is None else ms._version,
+                None if ov is None else ov._version, d["outlier_indices"]._version if ov is not None else None)
+    except RuntimeError:
+        return None
+
+
 def _rows_fresh(kept: tuple) -> bool:
     """Whether a kept :meth:`MXTensor.rows` value still holds its parts' values: no part
     it copied was written in place since (a copied inference tensor: never known, so no)."""
@@ -200,6 +217,11 @@ class MXTensor:
         part (its version counter)."""
         if self.axis == 1 and len(self.shape) == 2:
             return self
+        kept = self.__dict__.get("_memo")  # (memo's lookup inlined for the GEMM's weight: a kept view
+        if kept is not None and not _is_compiling():  # that copied nothing is valid while it lives)
+            kept = kept.get("rows")
+            if kept is not None and kept[1] is None:
+                return kept[0]
         return self.memo("rows", MXTensor._rows, valid=_rows_fresh)[0]
 
     def _rows(self) -> tuple["MXTensor", Optional[tuple]]:
@@ -284,13 +306,8 @@ class MXTensor:
             memo = self.__dict__["_memo"] = {}
         value = memo.get(key)
         if copies:
-            d = self.__dict__
-            ms, ov = d["macro_scales"], d["outlier_values"]
-            try:  # (inline: this runs on every GEMM of a weight on the GPU targets)
-                versions = (d["qdata"]._version, d["scales"]._version) if ms is None and ov is None else (
-                    d["qdata"]._version, d["scales"]._version, None if ms is None else ms._version,
-                    None if ov is None else ov._version, d["outlier_indices"]._version if ov is not None else None)
-            except RuntimeError:  # inference tensors: no version counter, nothing kept
+            versions = part_versions(self)
+            if versions is None:  # inference tensors: no version counter, nothing kept
                 memo.pop(key, None)
                 return build(self)
             if value is None or value[0] != versions:

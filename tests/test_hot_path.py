@@ -483,6 +483,103 @@ def test_direct_launch_passes_what_the_jit_passes(monkeypatch):
     assert launched == [(3, 2, 1, "STREAM", "FN", "META", None, None, None, *want, *tail)]
     assert second[0].data_ptr() == second[0].untyped_storage().data_ptr() + 8  # the view's own address
 
+    # a tensor passed again (in a row or not) gets its own address at every position
+    launched.clear()
+    a, b = torch.zeros(5), torch.zeros(6)
+    repeated = L.Launch("quantize", JitStandIn(), (3, 2), constexprs, {"num_warps": 4})
+    L.launch(repeated, (a, a, b, b, a, *args[5:]))
+    L.launch(repeated, (b, b, a, b, b, *args[5:]))
+    pa, pb = a.data_ptr(), b.data_ptr()
+    assert pa != pb
+    assert launched == [(3, 2, 1, "STREAM", "FN", "META", None, None, None, pb, pb, pa, pb, pb, *args[5:], *tail)]
+
+
+class _DeviceGuardStandIn:
+    """``torch.cuda.device`` on a machine without two GPUs: makes its index the current
+    device of ``state`` while entered."""
+
+    def __init__(self, state: dict, index: int) -> None:
+        self.state, self.index = state, index
+
+    def __enter__(self):
+        self.state["entered"].append(self.index)
+        self.prev, self.state["current"] = self.state["current"], self.index
+
+    def __exit__(self, *exc):
+        self.state["current"] = self.prev
+
+
+def test_a_launch_for_another_gpu_runs_with_that_gpu_current(monkeypatch):
+    """Triton launches on the current device: a planned launch whose operands live on
+    another GPU (a model spread over GPUs in one process, the current device left at 0)
+    runs under a device guard of its device, and only then (simulated: an sm_90 backend
+    for cuda:1, the current device and ``torch.cuda.device`` stand-ins); the unplanned
+    launches (decompose, the tuner's run_gemm) take the same guard. A CPU device or the
+    interpreter has no index, so no guard."""
+    from portable_mx.backends.cuda import CudaBackend
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton import backend as B
+    from portable_mx.backends.triton import launch as L
+
+    class Sm90(CudaBackend):
+        def target(self, device):
+            return TARGETS["sm_90"]
+
+    backend = Sm90()
+    gpu1, cpu = torch.device("cuda", 1), torch.device("cpu")
+    st = backend._device(gpu1)
+    assert st.index == 1 and backend._device(cpu).index is None
+    assert registry.get("triton-interpret")._device(cpu).index is None
+
+    state = {"current": 0, "entered": []}
+    monkeypatch.setattr(B, "_current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "device", lambda index: _DeviceGuardStandIn(state, index))
+    seen = []
+    monkeypatch.setattr(L, "launch", lambda plan, args: seen.append((plan, state["current"])))
+    backend._launch(st, "P1", ())
+    assert seen == [("P1", 1)] and state == {"current": 0, "entered": [1]}
+    state["current"] = 1
+    backend._launch(st, "P2", ())  # its device is current: no guard
+    assert seen[-1] == ("P2", 1) and state["entered"] == [1]
+    backend._launch(backend._device(cpu), "P3", ())
+    assert seen[-1] == ("P3", 1) and state["entered"] == [1]
+
+    state["current"] = 0
+    with backend.device_guard(gpu1):
+        assert state["current"] == 1
+    with backend._context(st):
+        assert state["current"] == 1
+    assert state == {"current": 0, "entered": [1, 1, 1]}
+    with backend.device_guard(cpu):
+        assert state["current"] == 0
+    state["current"] = 1
+    with backend.device_guard(gpu1), backend._context(st):
+        pass
+    assert state["entered"] == [1, 1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_ops_on_a_gpu_that_is_not_the_current_device():
+    """quantize, dequantize and both GEMMs on cuda:1 with cuda:0 current equal the same
+    calls with cuda:1 current, bit for bit (the launches run on the operands' GPU)."""
+    x = randn(16, 256, seed=71, dtype=torch.bfloat16)
+    w = randn(256, 128, seed=72, dtype=torch.bfloat16)
+    r16 = QR(activations="bf16")
+
+    def calls():
+        xd, wd = x.to("cuda:1"), w.to("cuda:1")
+        mx = pmx.quantize(xd)
+        return [mx.qdata, mx.scales, pmx.dequantize(mx), pmx.matmul(xd, pmx.quantize(wd, axis=0)),
+                pmx.matmul(xd, pmx.quantize(wd, r16, axis=0), r16)]
+
+    with torch.cuda.device(0):
+        away = [t.cpu() for t in calls()]
+    with torch.cuda.device(1):
+        here = [t.cpu() for t in calls()]
+    for a, b in zip(away, here):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
 
 def _fake_cuda_launcher(recorded, *, global_scratch=0, profile_scratch=0):
     """An object shaped as Triton 3.6's CudaLauncher (class name, attributes) whose

@@ -620,19 +620,17 @@ def clear() -> None:
 
 
 _ENV_KEY = getattr(os.environ, "encodekey", lambda key: key)(ENV_CACHE_DIR)
-
-
-def _dir_key() -> Any:
-    """``PORTABLE_MX_CACHE_DIR`` as ``os.environ`` holds it (bytes on POSIX; None when
-    unset), read without decoding it: a dict lookup, ~50 ns, where ``os.environ.get``
-    takes ~500 ns on every GEMM (:func:`generation`). It changes exactly when the text
-    the index is keyed by changes."""
-    data = getattr(os.environ, "_data", None)
-    return data.get(_ENV_KEY) if isinstance(data, dict) else os.environ.get(ENV_CACHE_DIR)
-
+_ENV_DATA = getattr(os.environ, "_data", None)
+if not isinstance(_ENV_DATA, dict):  # not CPython's os.environ: read it through its mapping
+    _ENV_DATA, _ENV_KEY = os.environ, ENV_CACHE_DIR
+"""``PORTABLE_MX_CACHE_DIR`` as ``os.environ`` holds it: ``_ENV_DATA.get(_ENV_KEY)`` (bytes
+on POSIX; None when unset), read without decoding it: a dict lookup, ~50 ns, where
+``os.environ.get`` takes ~500 ns on every GEMM (:func:`generation`). CPython keeps
+``os.environ._data`` in step with every set and unset; it changes exactly when the text
+the index is keyed by changes."""
 
 _generation = 0
-_generation_dir = _dir_key()
+_generation_dir = _ENV_DATA.get(_ENV_KEY)
 """``PORTABLE_MX_CACHE_DIR`` as :func:`generation` last saw it."""
 
 
@@ -642,7 +640,7 @@ def generation() -> int:
     changed since the call before: whoever memoises a lookup (the GEMM launch plans)
     keeps the generation it read and looks up again when it has moved."""
     global _generation, _generation_dir
-    directory = _dir_key()
+    directory = _ENV_DATA.get(_ENV_KEY)
     if directory != _generation_dir:
         with _lock:
             if directory != _generation_dir:

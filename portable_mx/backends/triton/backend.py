@@ -34,7 +34,7 @@ import torch
 from ...decompose import Decomposition
 from ...recipe import QuantRecipe
 from ...registry import Backend
-from ...tensor import MXTensor, materialized, version_of
+from ...tensor import MXTensor, materialized, part_versions, version_of
 from ...tuning import cache as config_cache
 from ..targets import Target, probe
 from . import launch as _launch
@@ -93,6 +93,12 @@ STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_PLANS = 4096  # per device and op: past it the plans are dropped and rebuilt on demand
 
 
+_is_compiling = torch.compiler.is_compiling
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+"""The current CUDA (or HIP) device's index: ``torch.cuda.current_device()`` without its
+lazy-init check (asked only for a GPU the kernels are compiled for: CUDA is initialised)."""
+
+
 class _Device:
     """What a Triton backend decided for one device, once: its target, the weight's
     scale layout, whether the GEMM stores fp32 and casts afterwards (the interpreter,
@@ -100,12 +106,16 @@ class _Device:
     plans (quantize per recipe and shapes, dequantize and the GEMM per operand kinds and
     shapes)."""
 
-    __slots__ = ("device", "target", "layout", "cast_output", "running", "quantize_plans", "quantize_by_value",
-                 "dequantize_plans", "gemm_plans", "grouped_plans", "cache_generation", "upcasts", "token_quant")
+    __slots__ = ("device", "index", "target", "layout", "cast_output", "running", "quantize_plans",
+                 "quantize_by_value", "dequantize_plans", "gemm_plans", "grouped_plans", "cache_generation", "upcasts",
+                 "token_quant")
 
     def __init__(self, backend: "TritonBackend", device: torch.device) -> None:
         self.device = device
         self.target = backend.target(device)
+        # the GPU's index where kernels are compiled for it (None: the CPU, the interpreter):
+        # Triton launches on the *current* device, so a launch for another one is guarded
+        self.index = device.index if device.type == "cuda" and self.target is not None else None
         self.layout = backend.scale_layout(self.target)
         self.cast_output = self.target is None
         overridden = type(backend).running is not TritonBackend.running
@@ -193,9 +203,10 @@ class _Operand:
     outliers per block), and ``key``: the kind, K, padded K, rows and the alignment.
     A part that is not contiguous is copied; ``copied`` keeps each such source with its
     version counter, so that a kept operand is made again after an in-place write to
-    one (:meth:`fresh`, the weight memo's check)."""
+    one (:meth:`fresh`, the weight memo's check). ``stored``: the parts in the storage
+    layouts GEMM plans asked for (:meth:`storage`)."""
 
-    __slots__ = ("parts", "kind", "key", "copied")
+    __slots__ = ("parts", "kind", "key", "copied", "stored")
 
     def __init__(self, mx: MXTensor) -> None:
         s = mx.scales.contiguous()
@@ -211,6 +222,21 @@ class _Operand:
         sources = (mx.qdata, mx.scales, mx.macro_scales, ov, mx.outlier_indices)
         self.copied = tuple((t, version_of(t)) for t, p in zip(sources, self.parts)
                             if t is not None and not t.is_contiguous()) or None
+        self.stored: dict[str, tuple] = {}
+
+    def storage(self, mx: MXTensor, key: str, build) -> tuple:
+        """``build(mx)``: the weight's parts in the storage layouts named ``key`` (swizzled
+        copies: :func:`_weight_parts`), made once and again after an in-place write of any
+        part of ``mx``, this operand's MXTensor (:func:`~portable_mx.tensor.part_versions`,
+        as :meth:`MXTensor.memo` keeps copies; inference tensors: made on every call).
+        One lookup with the operand's own: the dense and grouped GEMMs' hot path."""
+        versions = part_versions(mx)
+        if versions is None:
+            return build(mx)
+        kept = self.stored.get(key)
+        if kept is None or kept[0] != versions:
+            kept = self.stored[key] = (versions, build(mx))
+        return kept[1]
 
     def fresh(self) -> bool:
         """Whether no part it copied was written in place since (an inference tensor has
@@ -220,6 +246,11 @@ class _Operand:
 
 def _weight_operand(mx: MXTensor) -> _Operand:
     """The weight's kept GEMM operand (made again when a copied part was written)."""
+    kept = mx.__dict__.get("_memo")  # (memo's lookup inlined for one that copied nothing: valid while it lives)
+    if kept is not None:
+        kept = kept.get("gemm-operand")
+        if kept is not None and kept.copied is None and not _is_compiling():
+            return kept
     return mx.memo("gemm-operand", _Operand, valid=_Operand.fresh)
 
 
@@ -427,11 +458,35 @@ class TritonBackend(Backend):
         return found
 
     def _launch(self, st: _Device, plan: Launch, args: tuple) -> None:
-        if st.running is None:
-            _launch.launch(plan, args)
+        """Run ``plan`` on ``st``'s device. Triton launches on the *current* device (its
+        stream, its context): where that is another GPU (a model spread over GPUs in one
+        process, ``device_map``-style, with the current device left at cuda:0) the
+        launch runs under a device guard. Unguarded, the kernel ran on the current GPU's
+        stream with addresses on another GPU, which fails or, with peer access on, races
+        the operands' stream (silently wrong)."""
+        if st.running is None and (st.index is None or _current_device() == st.index):
+            _launch.launch(plan, args)  # (the hot path)
         else:
-            with st.running():
+            with self._context(st):
                 _launch.launch(plan, args)
+
+    def _context(self, st: _Device) -> contextlib.AbstractContextManager:
+        """:meth:`running` and, for a GPU other than the current device, a device guard."""
+        if st.index is None or _current_device() == st.index:
+            return self.running()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(st.index))
+        stack.enter_context(self.running())
+        return stack
+
+    def device_guard(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """A device guard for ``device`` where it is a GPU the kernels are compiled for and
+        not the current device, else nothing: for launches that are not planned (the
+        tuner's :meth:`run_gemm`; :meth:`_launch` guards planned ones)."""
+        st = self._devices.get(device) or self._device(device)
+        if st.index is None or _current_device() == st.index:
+            return contextlib.nullcontext()
+        return torch.cuda.device(st.index)
 
     # ------------------------------------------------------------------- the ops
 
@@ -440,10 +495,12 @@ class TritonBackend(Backend):
         st = self._devices.get(x.device) or self._device(x.device)
         if x.is_neg():  # materialized(x), inlined on the hot path
             x = x.resolve_neg()
-        if x.stride(-1) != 1:
+        strides = x.stride()
+        if strides[1] != 1:
             x = x.contiguous()
+            strides = x.stride()
         r, k = x.shape
-        key = (id(recipe), x.dtype, r, k, x.stride()[0], x.storage_offset() & 1, x.data_ptr() % 16 == 0)
+        key = (id(recipe), x.dtype, r, k, strides[0], x.storage_offset() & 1, x.data_ptr() % 16 == 0)
         hit = st.quantize_plans.get(key)  # (a recipe's hash and == cost more than its id)
         plan = hit[1] if hit is not None and hit[0] is recipe else self._plan_quantize(st, key, x, recipe)
         dev = x.device
@@ -653,7 +710,7 @@ class TritonBackend(Backend):
         target = self._device(x.device).target
         config = self.tile_config("decompose-full" if full else "decompose", target, recipe)
         x = _rows_contiguous(materialized(x))
-        with self.running():
+        with self._context(self._devices.get(x.device) or self._device(x.device)):
             return decompose(x, recipe, definition, full, config, self.options(config),
                              warp_size=target.warp_size if target is not None else 32)
 
@@ -674,9 +731,11 @@ class TritonBackend(Backend):
         if isinstance(a, torch.Tensor):
             if a.is_neg():  # materialized(a), inlined on the hot path
                 a = a.resolve_neg()
-            if not a.is_contiguous() and a.stride(-1) != 1:
+            strides = a.stride()  # (stride(0) costs twice as much)
+            if strides[1] != 1:
                 a = a.contiguous()
-            m, stride_am = a.shape[0], a.stride()[0]  # (stride(0) costs twice as much)
+                strides = a.stride()
+            m, stride_am = a.shape[0], strides[0]
             s = w.parts[1]
             a_parts = (a, s, s, s, s)
             # tokens the kernel quantizes: their offset's parity in the key too (the plan checks
@@ -697,7 +756,7 @@ class TritonBackend(Backend):
         if plan is None:
             plan = self._plan_gemm(st, key, a, w, m, stride_am, out_dtype, bias is not None)
         c = torch.empty(m, w.key[3], dtype=plan.store, device=dev)
-        b_parts = w.parts if plan.weight is None else b.memo(plan.weight[0], plan.weight[1], True)
+        b_parts = w.parts if plan.weight is None else w.storage(b, plan.weight[0], plan.weight[1])
         part = c if plan.part is None else plan.part
         counts = c if plan.counts is None else plan.counts
         self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, c if bias is None else bias, *plan.ints))
@@ -853,11 +912,12 @@ class TritonBackend(Backend):
         if quant is not None and route.kernel != "upcast":
             raise ValueError(f"{self.name}: tokens quantized in the GEMM need the upcast route; {target} runs "
                              f"{route.kernel}")
-        if route.kernel == "upcast":
-            c = gemm_upcast.matmul(a, b, config, self.options(config), route.upcast, kernel_dtype,
-                                   interpreted=target is None, quant=quant)
-        else:
-            c = gemm.matmul(a, b, config, self.options(config), route.scales, kernel_dtype)
+        with self.device_guard(b.qdata.device):
+            if route.kernel == "upcast":
+                c = gemm_upcast.matmul(a, b, config, self.options(config), route.upcast, kernel_dtype,
+                                       interpreted=target is None, quant=quant)
+            else:
+                c = gemm.matmul(a, b, config, self.options(config), route.scales, kernel_dtype)
         return c if c.dtype == out_dtype else c.to(out_dtype)
 
     def gemm_launch_spec(self, target: Target, a, b, config: GemmConfig, m: int = SMALL_M, n: int = 8192,

@@ -495,7 +495,7 @@ def run(backend, st, a, a_parts: tuple, a_key: tuple, xr: int, stride_am: int, w
         b_parts = wop.parts
     else:
         name, values, scales, bsmax = found.weight
-        b_parts = w.memo(name, lambda _: _weight_storage(wop.parts, values, scales, bsmax), True)
+        b_parts = wop.storage(w, name, lambda _: _weight_storage(wop.parts, values, scales, bsmax))
     sched = schedule(found.tile_m)
     part = c if found.part is None else found.part
     counts = c if found.counts is None else found.counts

@@ -165,8 +165,10 @@ def launch(plan: Launch, args: tuple) -> None:
     as its address (``data_ptr()``, an int): Triton's launcher then skips its own
     ``data_ptr()`` call and the ``cuPointerGetAttribute`` driver query per pointer, whose
     only job is to refuse a pointer the device cannot read; the public layer has already
-    refused operands on another device (H200: a one-pointer launch 9.9 us with a tensor,
-    6.1 us with its address; benchmarks/NOTES-overhead.md). The backend guarantees that
+    refused operands on different devices, and the backend launches with their device
+    current (``TritonBackend._launch``'s guard), as the direct form assumes: it launches
+    on the current device's stream (H200: a one-pointer launch 9.9 us with a tensor, 6.1
+    us with its address; benchmarks/NOTES-overhead.md). The backend guarantees that
     a plan is only run with arguments that specialise like the first ones (same dtypes,
     tensors where tensors were, same integer values, every pointer 16-byte aligned or not
     as then), so the kept kernel is the one the JIT would pick. Where the kernel's
@@ -178,8 +180,12 @@ def launch(plan: Launch, args: tuple) -> None:
         run, function, meta, gx, gy, gz, tail, pointers = direct
         if pointers:
             args = list(args)
+            last = None  # a tensor passed again in a row (the stand-in for absent parts): one data_ptr()
             for i in pointers:
-                args[i] = args[i].data_ptr()
+                t = args[i]
+                if t is not last:
+                    last, address = t, t.data_ptr()
+                args[i] = address
         run(gx, gy, gz, _current_stream(), function, *meta, None, None, None, *args, *tail)
         return
     compiled = plan.fn[plan.grid](*args, **plan.constexprs, **plan.options)
@@ -232,6 +238,8 @@ def _direct_form(plan: Launch, compiled: Any, args: tuple) -> Any:
     if _current_stream is None:
         active = driver.active
         get_device, get_stream = active.get_current_device, active.get_current_stream
+        if get_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+            get_device = torch._C._cuda_getDevice  # (without its lazy-init check: CUDA runs by now)
         _current_stream = lambda: get_stream(get_device())  # noqa: E731
         _hooks_idle = _make_hooks_idle()
     grid = plan.grid + (1,) * (3 - len(plan.grid))

@@ -127,6 +127,58 @@ def test_space_caps_block_k_at_the_macro_period():
 # ----------------------------------------------------------------------------- search
 
 
+def test_the_tuner_stores_what_models_store():
+    """The tuner times and compiles the GEMM storing the dtype the dispatch stores for the
+    calls its problem stands for (pmx.matmul stores a's dtype): W4A16 the activations'
+    format, A4W4 a bf16 model's bf16; the compiled launch's output pointer is that
+    dtype, and the cost model counts its bytes."""
+    import portable_mx as pmx
+    from portable_mx.tuning import cost
+
+    assert search.Problem(16, 64, 128).out_dtype is torch.bfloat16
+    assert search.Problem(16, 64, 128, pmx.QuantRecipe(activations="bf16")).out_dtype is torch.bfloat16
+    assert search.Problem(16, 64, 128, pmx.QuantRecipe(activations="fp16")).out_dtype is torch.float16
+    cuda = registry.get("cuda")
+    for problem in (search.Problem(16, 4096, 4096, pmx.QuantRecipe(activations="fp16")),
+                    search.Problem(4096, 4096, 4096)):
+        a, b = problem.operands()
+        config = cuda.default_gemm_config(TARGETS["sm_90"], problem.m, a.format, False)
+        launch = static.static_launch(cuda, TARGETS["sm_90"], a, b, config, problem.kp, problem.m, problem.out_dtype)
+        pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[problem.out_dtype]
+        assert launch.signature["c_ptr"] == pointer
+        assert static.static_launch(cuda, TARGETS["sm_90"], a, b, config, problem.kp, problem.m).signature[
+            "c_ptr"] == "*fp32"  # (no dtype asked: fp32, the compile matrix's default)
+        assert cost.Workload.of(problem, cost.device_props(TARGETS["sm_90"])).out_bytes == 2
+
+
+@interpreted
+def test_the_tuners_launcher_stores_the_problems_dtype_and_its_check_allows_that_rounding():
+    """kernel_launcher runs the backend's GEMM storing the problem's dtype; the check
+    takes a bf16 or fp16 result rounded once from the fp32 sum and refuses one off by
+    more than that rounding, and refuses a dtype it has no bound for."""
+    import portable_mx as pmx
+
+    for recipe, dtype in ((pmx.QuantRecipe(activations="bf16"), torch.bfloat16),
+                          (pmx.QuantRecipe(activations="fp16"), torch.float16)):
+        problem = search.Problem(8, 64, 96, recipe)
+        a, b = search.make_operands(problem, CPU, seed=3)
+        got = search.kernel_launcher(INTERPRET, None, None, problem.out_dtype)(a, b, INTERPRET.default_gemm_config(
+            None, 8, a.dtype, False))()
+        assert got.dtype is dtype
+        reference = search.Reference(a, b)
+        assert reference.check(got)["max_err_over_bound"] <= 1.0
+        exact = reference.ref.float()  # (every row checked: M = 8)
+        assert reference.check(exact.to(dtype))["max_err_over_bound"] <= 1.0
+        # four units of the 16-bit format's roundoff off, on the largest output: beyond its rounding
+        i = exact.abs().argmax()
+        wrong = exact.to(dtype).flatten()
+        wrong[i] = wrong[i] * (1 + 4 * search.STORE_ROUNDING[dtype][0])
+        with pytest.raises(search.WrongResult):
+            reference.check(wrong.view_as(got))
+    with pytest.raises(search.WrongResult, match="float64"):
+        reference.check(exact.double())
+
+
 @interpreted
 def test_search_finds_the_fake_optimum_and_caches_it(tmp_path):
     timer = CountingTimer()

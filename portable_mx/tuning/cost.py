@@ -218,8 +218,9 @@ class Workload:
         native = props.mx_mma_flops is not None and a_mx and b_mx
         a_bits = 4.25 if a_mx else 16.0
         passes = 1 + bool(a.outliers) + bool(b.outliers) + bool(a.outliers and b.outliers)
+        out = getattr(problem, "out_dtype", None)
         return cls(problem.m, problem.n, kp, a_bits, 4.25 if b_mx else 16.0, a_mx and not native,
-                   b_mx and not native, native, passes)
+                   b_mx and not native, native, passes, 4 if out is None else out.itemsize)
 
 
 # ----------------------------------------------------------------------------- the estimate

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 Launcher = Callable[[Any, Any, GemmConfig], Callable[[], torch.Tensor]]
 """``launcher(a, b, config) -> fn``: ``fn()`` runs the GEMM of rows-layout operands
-``a``, ``b`` with ``config`` and returns fp32 [M, N]."""
+``a``, ``b`` with ``config`` and returns [M, N] (in :attr:`Problem.out_dtype` for
+:func:`kernel_launcher`'s)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,15 @@ class Problem:
         return cache.entry_key(self.op, a.tag(), b.tag(), self.m, self.n, self.kp)
 
     @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype the tuner's GEMM stores, as the dispatch's does for the calls this
+        problem stands for (``pmx.matmul`` stores a's dtype): W4A16 the activations'
+        16-bit format; A4W4 bf16, a bf16 model's call (an fp32 caller stores twice the
+        output bytes with the same config). Not part of the cache key: a config serves
+        every output dtype, so it is timed and compiled with the one models use."""
+        return torch.float16 if self.recipe.activations == "fp16" else torch.bfloat16
+
+    @property
     def shape(self) -> str:
         return f"{self.m}x{self.n}x{self.k}"
 
@@ -104,9 +114,11 @@ def make_operands(problem: Problem, device: torch.device, seed: int = 0):
 
 
 
-def kernel_launcher(backend: Any, target: Optional["Target"], token_quant: Optional[int] = None) -> Launcher:
-    """The backend's GEMM kernel with a given config (what ``backend.matmul`` launches);
-    ``token_quant``: the kernel quantizes 16-bit tokens with that rule (``Problem.token_quant``)."""
+def kernel_launcher(backend: Any, target: Optional["Target"], token_quant: Optional[int] = None,
+                    out_dtype: torch.dtype = torch.float32) -> Launcher:
+    """The backend's GEMM kernel with a given config (what ``backend.matmul`` launches),
+    storing ``out_dtype`` (the search passes :attr:`Problem.out_dtype`); ``token_quant``:
+    the kernel quantizes 16-bit tokens with that rule (``Problem.token_quant``)."""
 
     def launcher(a, b, config: GemmConfig) -> Callable[[], torch.Tensor]:
         if hasattr(backend, "run_gemm"):  # the kernel the backend routes to (gemm_route)
@@ -114,7 +126,7 @@ def kernel_launcher(backend: Any, target: Optional["Target"], token_quant: Optio
 
             def fn() -> torch.Tensor:
                 with backend.running():
-                    return backend.run_gemm(a, b, config, target, **quant)
+                    return backend.run_gemm(a, b, config, target, out_dtype, **quant)
 
             return fn
         if token_quant is not None:
@@ -125,7 +137,7 @@ def kernel_launcher(backend: Any, target: Optional["Target"], token_quant: Optio
 
         def fn() -> torch.Tensor:
             with backend.running():
-                return gemm.matmul(a, b, config, options, layout)
+                return gemm.matmul(a, b, config, options, layout, out_dtype)
 
         return fn
 

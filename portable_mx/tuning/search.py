@@ -122,6 +122,12 @@ def _rows(t, idx: torch.Tensor):
                                shape=torch.Size((idx.numel(), t.shape[1])))
 
 
+STORE_ROUNDING = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 2.0**-134), torch.float16: (2.0**-11, 2.0**-25)}
+"""The rounding of the GEMM's store beyond the fp32 sum the bound covers, (relative: the
+unit roundoff, absolute: half the subnormal spacing) by output dtype (fp32: none, the
+sum is what is stored)."""
+
+
 class Reference:
     """The reference backend's GEMM of ``a``, ``b`` on up to CHECK_ROWS evenly spaced rows
     and the elementwise bound ``2 K 2^-24 (|A| @ |B|)``, computed once per study and
@@ -143,7 +149,9 @@ class Reference:
 
     def check(self, got: torch.Tensor) -> dict[str, float]:
         """Raise :class:`WrongResult` unless ``got`` is within the bound; returns the worst
-        error as a fraction of its bound."""
+        error as a fraction of its bound. A 16-bit ``got`` (the store rounds the fp32 sum
+        once, to nearest) may also differ by that rounding: ``u (|C_ref| + bound) + t``, u
+        its unit roundoff (bf16 2^-8, fp16 2^-11), t half its subnormal spacing."""
         if tuple(got.shape) != self.shape:
             raise WrongResult(f"result shape {tuple(got.shape)}, expected {self.shape}")
         ref = self.ref
@@ -153,6 +161,11 @@ class Reference:
         if not bool((torch.isfinite(sub) == finite_ref).all()):
             raise WrongResult("non-finite values where the reference has finite ones (or the reverse)")
         err, bound = err[finite_ref], self.bound[finite_ref]
+        rounding = STORE_ROUNDING.get(got.dtype)
+        if rounding is None:
+            raise WrongResult(f"the GEMM returned {got.dtype}; the tuner checks fp32, bf16 or fp16 results")
+        if rounding[0]:
+            bound = bound + rounding[0] * (ref[finite_ref].abs() + bound) + rounding[1]
         worst = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
         if not bool((err <= bound).all()):
             raise WrongResult(f"max |C - C_ref| is {worst:.3g}x the fp32-accumulation bound")
@@ -162,7 +175,8 @@ class Reference:
 def check_result(got: torch.Tensor, a, b, reference: Optional[Reference] = None) -> dict[str, float]:
     """Raise :class:`WrongResult` unless ``got`` [M, N] equals the reference backend's GEMM
     of ``a``, ``b`` within twice the fp32-accumulation bound, ``2 K 2^-24 (|A| @ |B|)``
-    elementwise (both are within ``K 2^-24 (|A| @ |B|)`` of the exact product), on up to
+    elementwise (both are within ``K 2^-24 (|A| @ |B|)`` of the exact product), and a
+    16-bit result within that and its store's rounding (:meth:`Reference.check`), on up to
     CHECK_ROWS evenly spaced rows. Returns the worst error as a fraction of its bound.
     ``reference``: the :class:`Reference` of ``a``, ``b`` when already computed."""
     return (reference or Reference(a, b)).check(got)
@@ -467,7 +481,7 @@ def plan(
     if static_target is not None:
         report = prune(candidates, a_op, b_op, static_target, backend, problem.kp,
                        store=VerdictStore(study_dir(directory) / STORE_NAME), compile_fn=compile_fn, jobs=jobs,
-                       on_result=on_result, violation=space.violation, m=problem.m)
+                       on_result=on_result, violation=space.violation, m=problem.m, out_dtype=problem.out_dtype)
         verdicts: dict[GemmConfig, Optional[Verdict]] = dict(report.verdicts)
         counts = (report.compiled, report.reused)
     else:
@@ -774,7 +788,7 @@ def tune(
     name = study_name(p, arch, device_name)
     timer = timer or default_timer(device)
     custom_launcher = launcher is not None
-    launcher = launcher or kernel_launcher(backend, target, problem.token_quant)
+    launcher = launcher or kernel_launcher(backend, target, problem.token_quant, problem.out_dtype)
     operands: list = []
 
     def measure(config: GemmConfig) -> float:

@@ -176,17 +176,23 @@ class VerdictStore:
 
 
 def static_launch(backend: Any, target: "Target", a: "Operand", b: "Operand", config: GemmConfig,
-                  kp: int = DEFAULT_KP, m: Optional[int] = None) -> "KernelLaunch":
-    """The launch ``backend`` would make for ``config`` on ``target`` (GROUP_M canonical).
-    ``m`` is passed on when ``gemm.launch_spec`` takes it (a kernel chosen by M)."""
+                  kp: int = DEFAULT_KP, m: Optional[int] = None,
+                  out_dtype: "torch.dtype | None" = None) -> "KernelLaunch":
+    """The launch ``backend`` would make for ``config`` on ``target`` (GROUP_M canonical),
+    storing ``out_dtype`` (None: fp32; the search passes ``Problem.out_dtype``, the
+    dtype models store). ``m`` is passed on when ``gemm.launch_spec`` takes it (a kernel
+    chosen by M)."""
+    import torch
+
     import inspect
 
     from ..backends.triton import gemm
 
     config = dataclasses.replace(config, group_m=CANONICAL_GROUP_M)
     if hasattr(backend, "gemm_launch_spec"):  # the kernel the backend routes to (gemm_route)
-        return backend.gemm_launch_spec(target, a, b, config, m=m if m is not None else 16, kp=kp)
-    kwargs: dict[str, Any] = {"kp": kp}
+        return backend.gemm_launch_spec(target, a, b, config, m=m if m is not None else 16, kp=kp,
+                                        out_dtype=out_dtype or torch.float32)
+    kwargs: dict[str, Any] = {"kp": kp, "out_dtype": out_dtype or torch.float32}
     if m is not None and "m" in inspect.signature(gemm.launch_spec).parameters:
         kwargs["m"] = m
     return gemm.launch_spec(a, b, config, backend.options(config), backend.scale_layout(target), **kwargs)
@@ -269,13 +275,15 @@ def prune(
     on_result: Optional[Callable[[Any], None]] = None,
     violation: Optional[Callable[[GemmConfig], str]] = None,
     m: Optional[int] = None,
+    out_dtype: "torch.dtype | None" = None,
 ) -> StaticReport:
     """Compile the candidates not yet in ``store`` for ``target`` (one parallel batch of
     ``compile_fn``, default :func:`portable_mx.aot.compile_all`), record their verdicts in
     ``store``, and return the verdict of every candidate. ``on_result`` is called with
     each new CompileResult (progress). ``violation(config)``: a rule a candidate breaks
     ("" for none; ``GemmSpace.violation``): such a candidate fails without a compile.
-    ``m``: the problem's M, for a kernel chosen by M (:func:`static_launch`)."""
+    ``m``: the problem's M, for a kernel chosen by M, and ``out_dtype`` the dtype stored
+    (None: fp32) (:func:`static_launch`)."""
     from . import cache
 
     if compile_fn is None:
@@ -291,7 +299,7 @@ def prune(
             ruled[config] = Verdict(False, (broken,), config.label())
             keys[config] = f"{broken}|{config.label()}"
             continue
-        launch = static_launch(backend, target, a, b, config, kp, m)
+        launch = static_launch(backend, target, a, b, config, kp, m, out_dtype)
         key = verdict_key(target, launch, a, b, tv, kh)
         keys[config] = key
         launches.setdefault(key, launch)

@@ -50,7 +50,7 @@ def _run(task: tuple) -> tuple[str, str]:
             _operands.clear()  # one problem's operands at a time per worker
             _operands[key] = search.make_operands(problem, dev, seed)
         a, b = _operands[key]
-        search.kernel_launcher(backend, backend.target(dev), problem.token_quant)(a, b, config)()
+        search.kernel_launcher(backend, backend.target(dev), problem.token_quant, problem.out_dtype)(a, b, config)()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return config.label(), ""

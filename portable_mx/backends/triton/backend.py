@@ -707,10 +707,11 @@ class TritonBackend(Backend):
     def decompose(self, x: torch.Tensor, recipe: QuantRecipe, definition: str, full: bool) -> Decomposition:
         from .decompose import decompose
 
-        target = self._device(x.device).target
+        st = self._device(x.device)
+        target = st.target
         config = self.tile_config("decompose-full" if full else "decompose", target, recipe)
         x = _rows_contiguous(materialized(x))
-        with self._context(self._devices.get(x.device) or self._device(x.device)):
+        with self._context(st):
             return decompose(x, recipe, definition, full, config, self.options(config),
                              warp_size=target.warp_size if target is not None else 32)
 

@@ -115,7 +115,8 @@ class _Device:
         self.target = backend.target(device)
         # the GPU's index where kernels are compiled for it (None: the CPU, the interpreter):
         # Triton launches on the *current* device, so a launch for another one is guarded
-        self.index = device.index if device.type == "cuda" and self.target is not None else None
+        gpu = torch.device(device)  # (callers may name it by a string)
+        self.index = gpu.index if gpu.type == "cuda" and self.target is not None else None
         self.layout = backend.scale_layout(self.target)
         self.cast_output = self.target is None
         overridden = type(backend).running is not TritonBackend.running

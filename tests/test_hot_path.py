@@ -557,6 +557,64 @@ def test_a_launch_for_another_gpu_runs_with_that_gpu_current(monkeypatch):
         pass
     assert state["entered"] == [1, 1, 1]
 
+    # the unplanned launches run inside the guard: the tuner's run_gemm and decompose
+    # (CPU tensors here: the wiring, their kernels replaced by recorders)
+    from portable_mx.backends.triton import decompose as dec
+    from portable_mx.backends.triton import gemm_upcast
+
+    order = []
+    real_guard, real_context = backend.device_guard, backend._context
+
+    def guard(device):
+        order.append(("guard", device))
+        return real_guard(device)
+
+    def context(s):
+        order.append(("context", s.device))
+        return real_context(s)
+
+    monkeypatch.setattr(backend, "device_guard", guard)
+    monkeypatch.setattr(backend, "_context", context)
+    monkeypatch.setattr(gemm_upcast, "matmul", lambda a, b, *args, **kw: order.append("gemm") or torch.zeros(
+        a.shape[0], b.shape[0]))
+    monkeypatch.setattr(dec, "decompose", lambda *args, **kw: order.append("decompose"))
+    x = randn(4, 64, seed=73)
+    w = REF.quantize(randn(8, 64, seed=74), QR())
+    backend.run_gemm(x.to(torch.bfloat16), w, backend.default_gemm_config(TARGETS["sm_90"], 4, torch.bfloat16, False),
+                     TARGETS["sm_90"])
+    backend.decompose(x, QR(), "gain", True)
+    assert order == [("guard", w.qdata.device), "gemm", ("context", cpu), "decompose"]
+
+
+def test_the_tuners_run_gemm_launches_what_the_plan_launches(monkeypatch):
+    """run_gemm (what the tuner times) applies the backend's launch_config as the plan and
+    gemm_launch_spec (what the tuner compiles) do: on a simulated sm_90 under the release
+    that holds the decode tile, its bf16-storing decode launch is held at the same cap,
+    and an fp32-storing one is not (the kernel replaced by a recorder)."""
+    from portable_mx.backends import cuda
+    from portable_mx.backends.targets import TARGETS
+    from portable_mx.backends.triton import gemm_upcast
+    from portable_mx.backends.triton.gemm import Operand
+
+    class Sm90(cuda.CudaBackend):
+        def target(self, device):
+            return TARGETS["sm_90"]
+
+    monkeypatch.setattr(cuda, "holds_registers", lambda: True)
+    backend, sm90 = Sm90(), TARGETS["sm_90"]
+    seen = []
+    monkeypatch.setattr(gemm_upcast, "matmul", lambda a, b, config, options, *args, **kw: seen.append(options) or
+                        torch.zeros(a.shape[0], b.shape[0]))
+    x = randn(1, 1024, seed=75, dtype=torch.bfloat16)
+    w = REF.quantize(randn(8192, 1024, seed=76), QR())
+    config = backend.default_gemm_config(sm90, 1, torch.bfloat16, False)
+    spec = backend.gemm_launch_spec(sm90, Operand(torch.bfloat16, None, 0), Operand(None, None, 0), config, m=1,
+                                    n=8192, kp=1024, out_dtype=torch.bfloat16)
+    assert spec.options.get("maxnreg") == cuda.HELD_DECODE["maxnreg"]
+    backend.run_gemm(x, w, config, sm90, torch.bfloat16)
+    backend.run_gemm(x, w, config, sm90, torch.float32)
+    assert seen[0].get("maxnreg") == spec.options["maxnreg"] and "maxnreg" not in seen[1]
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

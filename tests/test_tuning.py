@@ -151,6 +151,33 @@ def test_the_tuner_stores_what_models_store():
         assert cost.Workload.of(problem, cost.device_props(TARGETS["sm_90"])).out_bytes == 2
 
 
+def test_the_tuners_static_stage_compiles_the_problems_store(tmp_path):
+    """search.plan hands the problem's output dtype to the static stage: every launch it
+    asks compiled stores bf16 for a bf16 W4A16 problem (nothing compiled here)."""
+    import portable_mx as pmx
+
+    asked = []
+
+    def refuse(items, jobs=None, on_result=None):
+        asked.extend(launch.signature["c_ptr"] for launch, _ in items)
+        raise RuntimeError("a compile was asked for")
+
+    problem = search.Problem(16, 1024, 1024, pmx.QuantRecipe(activations="bf16"))
+    with pytest.raises(RuntimeError, match="compile was asked"):
+        search.plan(problem, registry.get("cuda"), TARGETS["sm_90"], compile_fn=refuse, directory=tmp_path)
+    assert asked and set(asked) == {"*bf16"}
+
+
+@interpreted
+def test_tune_launches_with_the_problems_store(tmp_path, monkeypatch):
+    """search.tune's default launcher stores the problem's dtype (bf16 here)."""
+    seen = []
+    real = search.kernel_launcher
+    monkeypatch.setattr(search, "kernel_launcher", lambda *args: seen.append(args) or real(*args))
+    _tune(tmp_path, trials=1)
+    assert seen and seen[0][3] is PROBLEM.out_dtype is torch.bfloat16
+
+
 @interpreted
 def test_the_tuners_launcher_stores_the_problems_dtype_and_its_check_allows_that_rounding():
     """kernel_launcher runs the backend's GEMM storing the problem's dtype; the check
@@ -175,8 +202,9 @@ def test_the_tuners_launcher_stores_the_problems_dtype_and_its_check_allows_that
         wrong[i] = wrong[i] * (1 + 4 * search.STORE_ROUNDING[dtype][0])
         with pytest.raises(search.WrongResult):
             reference.check(wrong.view_as(got))
-    with pytest.raises(search.WrongResult, match="float64"):
-        reference.check(exact.double())
+    assert reference.check(exact.double())["max_err_over_bound"] <= 1.0  # (a custom launcher's fp64: the sum itself)
+    with pytest.raises(search.WrongResult, match="int32"):
+        reference.check(exact.to(torch.int32))
 
 
 @interpreted

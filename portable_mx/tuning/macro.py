@@ -206,8 +206,8 @@ def tune_macro(
         a = ops._mx_rows(a) if not isinstance(a, torch.Tensor) else a
         b = ops._mx_rows(ops.quantize(w, recipe, axis=0))
 
-        def fn():
-            return backend.matmul(a, b)
+        def fn():  # (storing what a model's call stores: Problem.out_dtype)
+            return backend.matmul(a, b, problem.out_dtype)
 
         return err, shares, float(timer(fn, recipe))
 

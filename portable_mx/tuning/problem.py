@@ -134,10 +134,12 @@ def kernel_launcher(backend: Any, target: Optional["Target"], token_quant: Optio
         from ..backends.triton import gemm
 
         options, layout = backend.options(config), backend.scale_layout(target)
+        store = out_dtype if target is not None else torch.float32  # (the interpreter's casts truncate)
 
         def fn() -> torch.Tensor:
             with backend.running():
-                return gemm.matmul(a, b, config, options, layout, out_dtype)
+                c = gemm.matmul(a, b, config, options, layout, store)
+            return c if c.dtype == out_dtype else c.to(out_dtype)
 
         return fn
 

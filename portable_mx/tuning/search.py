@@ -122,10 +122,11 @@ def _rows(t, idx: torch.Tensor):
                                shape=torch.Size((idx.numel(), t.shape[1])))
 
 
-STORE_ROUNDING = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 2.0**-134), torch.float16: (2.0**-11, 2.0**-25)}
+STORE_ROUNDING = {torch.float32: (0.0, 0.0), torch.float64: (0.0, 0.0), torch.bfloat16: (2.0**-8, 2.0**-134),
+                  torch.float16: (2.0**-11, 2.0**-25)}
 """The rounding of the GEMM's store beyond the fp32 sum the bound covers, (relative: the
 unit roundoff, absolute: half the subnormal spacing) by output dtype (fp32: none, the
-sum is what is stored)."""
+sum is what is stored; a custom launcher's float64 is checked as the sum itself)."""
 
 
 class Reference:
@@ -163,7 +164,7 @@ class Reference:
         err, bound = err[finite_ref], self.bound[finite_ref]
         rounding = STORE_ROUNDING.get(got.dtype)
         if rounding is None:
-            raise WrongResult(f"the GEMM returned {got.dtype}; the tuner checks fp32, bf16 or fp16 results")
+            raise WrongResult(f"the GEMM returned {got.dtype}; the tuner checks float results (fp64, fp32, bf16, fp16)")
         if rounding[0]:
             bound = bound + rounding[0] * (ref[finite_ref].abs() + bound) + rounding[1]
         worst = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
@@ -793,7 +794,14 @@ def tune(
     operands: list = []
 
     def measure(config: GemmConfig) -> float:
-        """Run once and check (WrongResult / launch errors propagate), then time."""
+        """Run once and check (WrongResult / launch errors propagate), then time, with
+        ``device`` current (the timer's events and L2 flush run on the current device)."""
+        if device.type != "cuda":
+            return _measure(config)
+        with torch.cuda.device(device):
+            return _measure(config)
+
+    def _measure(config: GemmConfig) -> float:
         if not operands:
             try:  # (out of memory, a shape too large: not the config's failure, nor any other's)
                 a, b = make_operands(problem, device, seed)

@@ -223,7 +223,7 @@ class _Operand:
         sources = (mx.qdata, mx.scales, mx.macro_scales, ov, mx.outlier_indices)
         self.copied = tuple((t, version_of(t)) for t, p in zip(sources, self.parts)
                             if t is not None and not t.is_contiguous()) or None
-        self.stored: dict[str, tuple] = {}
+        self.stored: Optional[dict[str, tuple]] = None  # (made on first use: a left operand never stores)
 
     def storage(self, mx: MXTensor, key: str, build) -> tuple:
         """``build(mx)``: the weight's parts in the storage layouts named ``key`` (swizzled
@@ -234,9 +234,12 @@ class _Operand:
         versions = part_versions(mx)
         if versions is None:
             return build(mx)
-        kept = self.stored.get(key)
+        stored = self.stored
+        if stored is None:
+            stored = self.stored = {}
+        kept = stored.get(key)
         if kept is None or kept[0] != versions:
-            kept = self.stored[key] = (versions, build(mx))
+            kept = stored[key] = (versions, build(mx))
         return kept[1]
 
     def fresh(self) -> bool:
@@ -911,6 +914,7 @@ class TritonBackend(Backend):
         route = self.gemm_route(target, Operand.of(a), Operand.of(b))
         config = self.resolve_split_k(config, a.shape[0], b.shape[0], b.k_padded, self.sm_count(b.device, target))
         kernel_dtype = out_dtype if target is not None and out_dtype in STORE_DTYPES else torch.float32
+        config = self.launch_config(target, Operand.of(a), config, kernel_dtype)  # (as the plan: the tuner times it)
         if quant is not None and route.kernel != "upcast":
             raise ValueError(f"{self.name}: tokens quantized in the GEMM need the upcast route; {target} runs "
                              f"{route.kernel}")

@@ -145,8 +145,8 @@ class _QuantizePlan:
 
 class _GemmPlan:
     """One GEMM launch: operand kinds, M, N, K, strides and alignment, output dtype; the
-    weight's storage layouts (``weight``: None for the MXTensor's own parts, else a memo
-    key of its swizzled copy), the split-K workspace and counters (None without split-K,
+    weight's storage layouts (``weight``: None for the MXTensor's own parts, else the key
+    and builder of its swizzled copy, kept by ``_Operand.storage``), the split-K workspace and counters (None without split-K,
     kept with the plan: a captured graph replays the same buffers) and the integer
     arguments."""
 

@@ -382,9 +382,10 @@ def combine_launch_spec(k: int, weights: Optional[torch.dtype], out_dtype: torch
 class GroupedPlan:
     """One grouped launch, decided once per (operand kinds, shapes, epilogue, alignment):
     the kernel launch, the store dtype, the integer arguments, the tile height of the
-    schedule, the weight's storage (None: the rows view's parts, else a memo key, its
-    value and scale layouts and, for the upcast kernel, whether its largest scale byte is
-    read: :func:`_weight_storage`) and the split-K buffers."""
+    schedule, the weight's storage (None: the rows view's parts, else its key among the
+    weight operand's kept layouts, ``_Operand.storage``, its value and scale layouts and,
+    for the upcast kernel, whether its largest scale byte is read: :func:`_weight_storage`)
+    and the split-K buffers."""
 
     __slots__ = ("launch", "store", "ints", "tile_m", "weight", "part", "counts")
 

@@ -103,6 +103,7 @@ from typing import Any, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..registry import _env_reader
 from . import files
 
 SCHEMA_VERSION = 2
@@ -619,18 +620,13 @@ def clear() -> None:
         _generation += 1
 
 
-_ENV_KEY = getattr(os.environ, "encodekey", lambda key: key)(ENV_CACHE_DIR)
-_ENV_DATA = getattr(os.environ, "_data", None)
-if not isinstance(_ENV_DATA, dict):  # not CPython's os.environ: read it through its mapping
-    _ENV_DATA, _ENV_KEY = os.environ, ENV_CACHE_DIR
-"""``PORTABLE_MX_CACHE_DIR`` as ``os.environ`` holds it: ``_ENV_DATA.get(_ENV_KEY)`` (bytes
-on POSIX; None when unset), read without decoding it: a dict lookup, ~50 ns, where
-``os.environ.get`` takes ~500 ns on every GEMM (:func:`generation`). CPython keeps
-``os.environ._data`` in step with every set and unset; it changes exactly when the text
-the index is keyed by changes."""
+_cache_dir = _env_reader(ENV_CACHE_DIR)
+"""``PORTABLE_MX_CACHE_DIR`` as ``os.environ`` holds it, read without decoding it
+(registry's reader: ~50 ns, where ``os.environ.get`` takes ~500 ns on every GEMM,
+:func:`generation`). It changes exactly when the text the index is keyed by changes."""
 
 _generation = 0
-_generation_dir = _ENV_DATA.get(_ENV_KEY)
+_generation_dir = _cache_dir()
 """``PORTABLE_MX_CACHE_DIR`` as :func:`generation` last saw it."""
 
 
@@ -640,7 +636,7 @@ def generation() -> int:
     changed since the call before: whoever memoises a lookup (the GEMM launch plans)
     keeps the generation it read and looks up again when it has moved."""
     global _generation, _generation_dir
-    directory = _ENV_DATA.get(_ENV_KEY)
+    directory = _cache_dir()
     if directory != _generation_dir:
         with _lock:
             if directory != _generation_dir:

@@ -182,9 +182,9 @@ def static_launch(backend: Any, target: "Target", a: "Operand", b: "Operand", co
     storing ``out_dtype`` (None: fp32; the search passes ``Problem.out_dtype``, the
     dtype models store). ``m`` is passed on when ``gemm.launch_spec`` takes it (a kernel
     chosen by M)."""
-    import torch
-
     import inspect
+
+    import torch
 
     from ..backends.triton import gemm
 

@@ -94,9 +94,7 @@ _MAX_PLANS = 4096  # per device and op: past it the plans are dropped and rebuil
 
 
 _is_compiling = torch.compiler.is_compiling
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-"""The current CUDA (or HIP) device's index: ``torch.cuda.current_device()`` without its
-lazy-init check (asked only for a GPU the kernels are compiled for: CUDA is initialised)."""
+_current_device = _launch.current_device
 
 
 class _Device:
@@ -469,28 +467,33 @@ class TritonBackend(Backend):
         stream with addresses on another GPU, which fails or, with peer access on, races
         the operands' stream (silently wrong)."""
         if st.running is None and (st.index is None or _current_device() == st.index):
-            _launch.launch(plan, args)  # (the hot path)
+            _launch.launch(plan, args)  # (the hot path: _guard's test, inline)
         else:
             with self._context(st):
                 _launch.launch(plan, args)
 
-    def _context(self, st: _Device) -> contextlib.AbstractContextManager:
-        """:meth:`running` and, for a GPU other than the current device, a device guard."""
+    @staticmethod
+    def _guard(st: _Device) -> Optional[contextlib.AbstractContextManager]:
+        """A device guard where ``st`` is a GPU the kernels are compiled for and not the
+        current device, else None."""
         if st.index is None or _current_device() == st.index:
+            return None
+        return torch.cuda.device(st.index)
+
+    def _context(self, st: _Device) -> contextlib.AbstractContextManager:
+        """:meth:`running` and, where needed, the device guard (:meth:`_guard`)."""
+        guard = self._guard(st)
+        if guard is None:
             return self.running()
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(st.index))
+        stack.enter_context(guard)
         stack.enter_context(self.running())
         return stack
 
     def device_guard(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """A device guard for ``device`` where it is a GPU the kernels are compiled for and
-        not the current device, else nothing: for launches that are not planned (the
+        """:meth:`_guard` of ``device``, or nothing: for launches that are not planned (the
         tuner's :meth:`run_gemm`; :meth:`_launch` guards planned ones)."""
-        st = self._devices.get(device) or self._device(device)
-        if st.index is None or _current_device() == st.index:
-            return contextlib.nullcontext()
-        return torch.cuda.device(st.index)
+        return self._guard(self._device(device)) or contextlib.nullcontext()
 
     # ------------------------------------------------------------------- the ops
 

@@ -212,6 +212,10 @@ class direct_launches:
 _current_stream: Any = None
 _hooks_idle: Any = None
 
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+"""The current CUDA (or HIP) device's index: ``torch.cuda.current_device()`` without its
+lazy-init check (asked only once kernels run on a GPU: CUDA is initialised)."""
+
 
 def _direct_form(plan: Launch, compiled: Any, args: tuple) -> Any:
     """The direct-launch form of ``plan`` from the kernel the JIT returned for ``args``,
@@ -238,8 +242,8 @@ def _direct_form(plan: Launch, compiled: Any, args: tuple) -> Any:
     if _current_stream is None:
         active = driver.active
         get_device, get_stream = active.get_current_device, active.get_current_stream
-        if get_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
-            get_device = torch._C._cuda_getDevice  # (without its lazy-init check: CUDA runs by now)
+        if get_device is torch.cuda.current_device:
+            get_device = current_device
         _current_stream = lambda: get_stream(get_device())  # noqa: E731
         _hooks_idle = _make_hooks_idle()
     grid = plan.grid + (1,) * (3 - len(plan.grid))

@@ -11,28 +11,30 @@ by :func:`recipe_json`, which dynamo treats as a constant.
 
 ``portable_mx::mm(Tensor a, Tensor b, Tensor[] a_parts, Tensor[] b_parts, str recipe,
 str a_recipe, str b_recipe, Tensor? bias=None) -> Tensor``
-    The forward GEMM ``a @ b`` (+ ``bias``): a float ``[M, K]``, b float ``[K, N]``, bias
-    None or ``[N]``, same dtype (fp32, bf16, fp16 or fp64) and device; returns ``[M, N]``
-    in that dtype. An operand with empty parts is quantized inside with ``recipe`` (a
-    along K, its last axis, or rounded to 16 bits for W4A16 recipes; b along K, axis 0).
-    Non-empty parts are the tensors of
-    that operand's MXTensor quantized along K (:meth:`MXTensor.parts`; rows layout,
-    a: ``[M, ...]``, b: ``[N, ...]``) with ``a_recipe`` / ``b_recipe`` the JSON of its
-    recipe; the forward then uses those bytes and ignores the operand's values, which only
-    serve the backward as its high-precision copy. Exact up to fp32 accumulation order:
-    the fp32 product of the dequantized operands plus the bias (added in fp32, in the
-    GEMM's epilogue where the backend has one), rounded once to the dtype.
+    The forward GEMM ``a @ b`` (+ ``bias``): a float ``[M, K]``, b float ``[K, N]``
+    (fp32, bf16, fp16 or fp64; b's dtype may differ from a's: it is quantized from its
+    own values), bias None or ``[N]`` in a's dtype, one device; returns ``[M, N]`` in
+    a's dtype (b's gradient in b's). An operand with empty parts is quantized inside
+    with ``recipe`` (a along K, its last axis, or rounded to 16 bits for W4A16 recipes;
+    b along K, axis 0). Non-empty parts are the tensors of that operand's MXTensor
+    quantized along K (:meth:`MXTensor.parts`; rows layout, a: ``[M, ...]``, b:
+    ``[N, ...]``) with ``a_recipe`` / ``b_recipe`` the JSON of its recipe; the forward
+    then uses those bytes and ignores the operand's values, which only serve the
+    backward as its high-precision copy. Exact up to fp32 accumulation order: the fp32
+    product of the dequantized operands plus the bias (added in fp32, in the GEMM's
+    epilogue where the backend has one), rounded once to a's dtype.
     Differentiable in a, b and bias (never in the parts).
 
 ``portable_mx::grad_mm(Tensor a, Tensor b, str recipe, bool quantized) -> Tensor``
-    One backward GEMM ``a @ b`` (a ``[M, K]``, b ``[K, N]``, same dtype and device) in
+    One backward GEMM ``a @ b`` (a ``[M, K]``, b ``[K, N]``, float, one device) in
     a's dtype. ``quantized``: the GEMM of ``recipe``, a quantized along its last axis (or
     rounded to 16 bits for W4A16) and b along axis 0, each along the reduction axis;
     exact up to fp32 accumulation order. Otherwise high precision: on the CPU an fp32
     matmul (fp64 for fp64 tensors) under ``float32_matmul_precision("highest")``,
-    rounded once to a's dtype; on a GPU ``a @ b`` in the tensors' dtype under torch's
-    CUDA matmul settings. Its own backward raises: double backward is not supported
-    (``create_graph=True`` works; differentiating the resulting gradient raises).
+    rounded once to a's dtype; on a GPU ``a @ b`` in a's dtype (b cast to it) under
+    torch's CUDA matmul settings. Its own backward raises: double backward is not
+    supported (``create_graph=True`` works; differentiating the resulting gradient
+    raises).
 
 ``portable_mx::quantize(Tensor x, str recipe) -> Tensor[]``
     x float ``[R, K]`` quantized along K: the parts of the MXTensor (rows layout).
@@ -126,7 +128,7 @@ def recipe_from_json(text: str) -> QuantRecipe:
 
 
 def _check_pair(a: Tensor, b: Tensor, op: str) -> None:
-    """a [M, K] and b [K, N]: float, same dtype and device."""
+    """a [M, K] and b [K, N]: float, one device (b's dtype may differ from a's)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
@@ -136,8 +138,6 @@ def _check_pair(a: Tensor, b: Tensor, op: str) -> None:
             raise ValueError(f"{op}: {name} must be 2-D; got shape {tuple(t.shape)}")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"{op}: a and b must have the same dtype; got {a.dtype} and {b.dtype}")
     if a.device != b.device:
         raise ValueError(f"{op}: a and b must be on the same device; got {a.device} and {b.device}")
 
@@ -175,13 +175,15 @@ def _check_mm(a, b, a_parts, b_parts, recipe, a_recipe, b_recipe, bias) -> None:
 
 
 def _high_precision_mm(a: Tensor, b: Tensor) -> Tensor:
-    """CPU: fp32 (fp64 for fp64 tensors) at the highest matmul precision, rounded once to
-    a's dtype; GPU: ``a @ b`` in the tensors' dtype. Never narrowed by the caller's
+    """CPU: fp32 (fp64 for fp64 a) at the highest matmul precision, rounded once to a's
+    dtype; GPU: ``a @ b`` in a's dtype (b cast to it). Never narrowed by the caller's
     autocast (the op's output is in a's dtype)."""
     if a.device.type == "cpu":
         dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
         with HighestPrecision():
             return (a.to(dtype) @ b.to(dtype)).to(a.dtype)
+    if b.dtype != a.dtype:  # (an autocast layer's fp32 weight against its bf16 dY)
+        b = b.to(a.dtype)
     if torch.is_autocast_enabled(a.device.type):
         with torch.autocast(a.device.type, enabled=False):
             return a @ b

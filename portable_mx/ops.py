@@ -218,7 +218,9 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     keep theirs); with ``recipe.activations`` "bf16"/"fp16" a float ``a`` is rounded to that
     format instead (W4A16; a float64 ``a`` is rounded to fp32 first, as everywhere, which
     can differ from one rounding by one 16-bit ulp at a tie). Returns ``[..., M, N]`` in
-    a's (original) dtype.
+    a's (original) dtype. b's dtype may differ from a's (fp32 master weights against bf16
+    activations): b is quantized from its own values, and its gradient comes back in its
+    dtype. ``torch.autocast`` does not apply here (the MX layers apply its casts).
 
     Exact up to accumulation order: the result is the fp32-accumulated product of the
     dequantized operands, rounded once to a's dtype. One exception: W4A16 with fp16
@@ -242,7 +244,7 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     if not b_mx:
         _check_float_tensor(b, "b")
     a_dtype, a_dev, a_shape = a.dtype, a.device, a.shape
-    b_dtype, b_dev, b_shape = b.dtype, b.device, b.shape
+    b_dev, b_shape = b.device, b.shape
     if len(a_shape) < 2:
         raise ValueError(f"a must have at least 2 dims [..., M, K]; got shape {tuple(a_shape)}")
     if len(b_shape) != 2:
@@ -251,8 +253,6 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
         raise ValueError(
             f"inner dimensions differ: a is {tuple(a_shape)} (K={a_shape[-1]}), b is {tuple(b_shape)} (K={b_shape[0]})"
         )
-    if a_dtype != b_dtype:
-        raise TypeError(f"a and b must have the same dtype; got {a_dtype} and {b_dtype}")
     if a_dev != b_dev:
         raise ValueError(f"a and b must be on the same device; got {a_dev} and {b_dev}")
     if a_mx and a.axis != len(a_shape) - 1:

@@ -17,8 +17,8 @@ import torch
 import portable_mx as pmx
 
 from dist_harness import run_ranks
-from dist_training import (DIMS, MATRIX_STEPS, RECIPES, assert_params, batch, check, fsdp_model, loss_fn, make_model,
-                           result, rows_of, train_ranks)
+from dist_training import (DIMS, LR, MATRIX_STEPS, RECIPES, assert_params, batch, check, fsdp_model, full_params,
+                           loss_fn, make_model, result, rows_of, train_ranks)
 
 MX_RECIPES = ("default", "mbs", "of", "w4a16")
 """Recipes the MXFP4 gather serves (with DIMS, MBS-64 serves layer 0, N = 128, and falls
@@ -246,6 +246,27 @@ def _shard_along_dim_1(rank, world):
     return None
 
 
+def _under_autocast(rank, world, recipe):
+    """(high-precision gather, MXFP4 gather): fp32 parameters after MATRIX_STEPS AdamW
+    steps with the forward under torch.autocast("cpu", bf16) (x and the biases cast to
+    bf16, the codes quantized from the fp32 weights: the same in both)."""
+    out = []
+    for mx_gather in (False, True):
+        model = fsdp_model(recipe, mx_gather=mx_gather)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        for step in range(MATRIX_STEPS):
+            x, y = batch(step)
+            mine = rows_of(rank, world)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out_ = model(x[mine])
+            assert out_.dtype == torch.bfloat16, out_.dtype
+            loss_fn(out_, y[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(full_params(model))
+    return out
+
+
 def mx_job(rank, world):
     results: dict = {}
     for name in MX_RECIPES:
@@ -259,6 +280,8 @@ def mx_job(rank, world):
     for mx_gather, dtype in ((True, "fp32"), (True, "bf16"), (False, "fp32"), (False, "bf16")):
         check(results, f"wire/{'mx' if mx_gather else 'hp'}/{dtype}", _wire_bytes, rank, world, mx_gather, dtype)
     check(results, "activation_checkpointing", _activation_checkpointing, rank, world)
+    for name in ("default", "w4a16"):
+        check(results, f"autocast/{name}", _under_autocast, rank, world, RECIPES[name])
     check(results, "compiled_layers", _compiled_layers, rank, world)
     check(results, "assign", _assign_after_first_gather, rank, world)
     for what in ("recipe", "shape"):
@@ -300,6 +323,17 @@ def test_mx_gather_falls_back_to_high_precision_with_one_warning_per_layer(mx_re
         assert len(warned) == 2, (name, warned)
         for (_, message), layer, reason in zip(warned, ("'0'", "'2'"), expected):
             assert layer in message and reason in message and "high precision" in message, message
+
+
+@pytest.mark.parametrize("recipe", ["default", "w4a16"])
+def test_mx_gather_under_autocast_is_bit_identical_to_the_high_precision_gather(mx_results, recipe):
+    """fp32 parameters, forward under torch.autocast(bf16): the MXFP4 gather (codes made
+    from the fp32 shards) trains to FSDP2's high-precision gather's parameters (MXLinear
+    quantizing the gathered fp32 weight) bit for bit, and the parameters moved."""
+    hp, mx = result(mx_results, f"autocast/{recipe}")
+    assert_params(mx, hp, what=f"autocast/{recipe}")
+    start = make_model(RECIPES[recipe]).state_dict()
+    assert all(not torch.equal(hp[k], v) for k, v in start.items())
 
 
 def test_mx_gather_under_activation_checkpointing(mx_results):

@@ -34,21 +34,22 @@ def restore_precision():
 @pytest.mark.parametrize("recipe", [QR(macro_block=64), QR(activations="bf16", grad_input="high", grad_weight="high")],
                          ids=["mbs", "w4a16-high-backward"])
 def test_autocast_does_not_narrow_the_reference_gemms(recipe):
-    """Inside torch.autocast("cpu", bf16): pmx.matmul and MXLinear (forward and both
-    gradients) give the dtype and the bits of the same calls outside it (the reference's
-    fp32 matmul and the high-precision backward were autocast to bf16 before)."""
+    """Inside torch.autocast("cpu", bf16): pmx.matmul, without and with autograd (forward
+    and both gradients), gives the dtype and the bits of the same calls outside it (the
+    reference's fp32 matmul and the high-precision backward were autocast to bf16
+    before). The functional ops take their operands as they are; the MX layers apply
+    autocast's casts to x and bias, and their GEMMs are these (test_autocast.py)."""
     x = randn(6, 64, seed=1).requires_grad_()
     w = randn(64, 24, seed=2)
-    lin = pmx.nn.MXLinear(64, 24, recipe=recipe)
+    wg = w.clone().requires_grad_()
     dy = randn(6, 24, seed=3)
 
     def run():
-        x.grad = None
-        lin.zero_grad()
+        x.grad = wg.grad = None
         y = pmx.matmul(x.detach(), w, recipe)
-        out = lin(x)
+        out = pmx.matmul(x, wg, recipe)
         out.backward(dy)
-        return y, out.detach(), x.grad.clone(), lin.weight.grad.clone()
+        return y, out.detach(), x.grad.clone(), wg.grad.clone()
 
     want = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -54,7 +54,8 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
     - ``w``: the expert weights, an MXTensor of shape [E, N, K] quantized along K (axis 2:
       the gpt-oss checkpoint bytes, ``pmx.quantize(w, axis=-1)``; MBS and OF recipes
       allowed), or a float tensor [E, N, K], quantized along K with ``recipe``
-      (differentiable).
+      (differentiable). Its dtype may differ from x's: it is quantized from its own
+      values (its gradient comes back in its dtype).
     - ``x``: float [X, K] (fp32, bf16, fp16; fp64 is rounded to fp32 where it is
       quantized), quantized along K with ``recipe``, or rounded to 16 bits with
       ``recipe.activations`` "bf16"/"fp16" (W4A16); or an MXTensor [X, K] along K (A4W4).
@@ -121,8 +122,6 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
         _fail(f"x is [{rows_x}, {kx}] but w is {tuple(w.shape)}: K differs")
     if x.device != device:
         _fail(f"x and w must be on the same device; got {x.device} and {device}")
-    if not (x_mx or w_mx) and x.dtype != w.dtype:
-        _fail(f"a float x and a float w must have the same dtype; got {x.dtype} and {w.dtype}", TypeError)
     if num_experts < 1 or n < 1 or k < 1:
         _fail(f"w must have E, N, K >= 1; got {tuple(w.shape)}")
     if activation is not None and n % 2:

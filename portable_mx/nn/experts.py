@@ -66,7 +66,8 @@ from .. import ops
 from ..moe import grouped_matmul, route
 from ..format import BLOCK_SIZE
 from ..recipe import QuantRecipe
-from ..tensor import MXTensor, version_of
+from ..tensor import FLOAT_DTYPES, MXTensor, version_of
+from ._autocast import any_enabled as any_autocast, autocast_dtype, cast
 from ._members import member as _member
 from .weight_cache import WeightCache
 
@@ -96,6 +97,9 @@ class MXExperts(torch.nn.Module):
     ``top_k_index`` [..., k] integer expert ids in [0, E), ``top_k_weights`` [..., k]
     router weights (or None: all 1) -> [..., H] in x's dtype. The argument order is that
     of transformers' expert modules (``hidden_states, router_indices, routing_weights``).
+    Under ``torch.autocast`` (dtype D), x and the biases are cast to D first, as
+    ``F.linear``'s autocast casts them (fp64 excepted); the weights are quantized from
+    their own values and the layer returns D.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool = True,
@@ -356,11 +360,6 @@ class MXExperts(torch.nn.Module):
 
         return build
 
-    def _float_weight(self, proj: str) -> Tensor:
-        """The float weight as [E, N, K] (a view of the Parameter)."""
-        w = getattr(self, proj)
-        return w.transpose(1, 2) if self.transposed else w
-
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
@@ -385,9 +384,14 @@ class MXExperts(torch.nn.Module):
                              f"{tuple(k_ids.shape)}")
         params = self._parameters
         w1 = _member(self, params, "gate_up_proj")  # None when frozen (the MXTensors are buffers)
-        if w1 is not None and x.dtype != w1.dtype:
-            raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {w1.dtype}; cast one of them")
         w2 = _member(self, params, "down_proj")
+        b1, b2 = _member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias")
+        amp = any_autocast() and autocast_dtype(x.device)
+        if amp:  # F.linear's autocast casts of x and the biases (nn._autocast); the weights are quantized as they are
+            x, b1, b2 = cast(x, amp), cast(b1, amp), cast(b2, amp)
+        elif w1 is not None and x.dtype != w1.dtype:
+            raise TypeError(f"MXExperts: x is {x.dtype} but the weights are {w1.dtype}; cast one of them, or run "
+                            "the layer under torch.autocast")
         if w1 is not None and w2 is not None and w2.dtype != w1.dtype:  # (the second GEMM's x is the first's output)
             raise TypeError(f"MXExperts: gate_up_proj is {w1.dtype} but down_proj is {w2.dtype}; give both weights "
                             "one dtype (model.to(dtype) does)")
@@ -398,29 +402,30 @@ class MXExperts(torch.nn.Module):
             x2, ids = x.reshape(t, h), k_ids.reshape(t, k)
             wts = None if top_k_weights is None else top_k_weights.reshape(t, k)
         routing = route(ids, wts, self.num_experts)
-        b1, b2 = _member(self, params, "gate_up_proj_bias"), _member(self, params, "down_proj_bias")
-        g1, g2 = self._gemm_weights(x2, b1, b2)
+        g1, g2 = self._gemm_weights(x2, w1, w2, b1, b2)
         recipe = self._recipe
         mid = grouped_matmul(x2, g1, routing=routing, gather=True, bias=b1, activation=self.activation, recipe=recipe)
         y = grouped_matmul(mid, g2, routing=routing, scatter=True, bias=b2, recipe=recipe)
         return y if len(shape) == 2 else y.reshape(shape)
 
-    def _gemm_weights(self, x: Tensor, b1: Optional[Tensor], b2: Optional[Tensor]) -> tuple[Any, Any]:
+    def _gemm_weights(self, x: Tensor, w1: Optional[Tensor], w2: Optional[Tensor], b1: Optional[Tensor],
+                      b2: Optional[Tensor]) -> tuple[Any, Any]:
         """The two weights as grouped_matmul takes them: MXTensors [E, N, K] along K
         (frozen, or float weights where no gradient flows), or the float [E, N, K] views
         (autograd, or compiled code: the GEMM quantizes them itself). Float weights that
         need no gradient of their own still go as floats when x or a bias needs one: the
         backward's dX re-quantizes the weight along N from its float values, and from an
         MXTensor it would re-quantize the dequantized codes (another dX: 15% of it on
-        N(0, 1) weights, and another bias gradient)."""
-        params = self._parameters
-        w1, w2 = _member(self, params, "gate_up_proj"), _member(self, params, "down_proj")
+        N(0, 1) weights, and another bias gradient). ``w1``, ``w2``: the float weight
+        Parameters, None when frozen."""
         if w1 is None:  # frozen
             return self._frozen_mx("gate_up_proj"), self._frozen_mx("down_proj")
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
                 x.requires_grad or w1.requires_grad or w2.requires_grad
                 or any(b is not None and b.requires_grad for b in (b1, b2)))):
-            return self._float_weight("gate_up_proj"), self._float_weight("down_proj")
+            if self.transposed:  # the float weights as [E, N, K] views
+                return w1.transpose(1, 2), w2.transpose(1, 2)
+            return w1, w2
         cache, recipe = self._pmx_weight_cache, self._recipe
         return (cache.get("gate_up_proj", w1, recipe, self._quantizer("gate_up_proj")),
                 cache.get("down_proj", w2, recipe, self._quantizer("down_proj")))

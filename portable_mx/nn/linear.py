@@ -27,6 +27,7 @@ from .._transforms import refuse_func_transforms
 from .._custom_ops import recipe_json
 from ..recipe import QuantRecipe
 from ..tensor import MXTensor
+from ._autocast import any_enabled as any_autocast, autocast_dtype, cast
 from ._members import member as _member
 from .weight_cache import WeightCache
 
@@ -88,13 +89,21 @@ class MXLinear(torch.nn.Linear):
     ``[out_features, in_features]`` and ``bias`` ``[out_features]`` Parameters, in fp32
     or bf16 (or fp16) as the master copy the optimizer updates; the same state dict.
 
-    Forward: x ``[..., in_features]`` in the weight's dtype -> ``[..., out_features]``
-    in that dtype. ``x @ W^T`` with W quantized along ``in_features`` (K) and x per
-    ``recipe.activations``, accumulated in fp32; the bias is added to the fp32 sum (in
-    the GEMM's epilogue), which is rounded once to the output dtype. With a gradient to
-    compute (or under ``torch.compile``) the GEMM is ``portable_mx::mm`` (backward:
-    :mod:`portable_mx._custom_ops`; the bias's gradient is exact, dY summed over the
-    rows); without one it is the same GEMM called directly, on the cached weight.
+    Forward: x ``[..., in_features]`` in the weight's dtype (autocast: below) ->
+    ``[..., out_features]`` in that dtype. ``x @ W^T`` with W quantized along
+    ``in_features`` (K) and x per ``recipe.activations``, accumulated in fp32; the bias
+    is added to the fp32 sum (in the GEMM's epilogue), which is rounded once to the
+    output dtype. With a gradient to compute (or under ``torch.compile``) the GEMM is
+    ``portable_mx::mm`` (backward: :mod:`portable_mx._custom_ops`; the bias's gradient is
+    exact, dY summed over the rows); without one it is the same GEMM called directly, on
+    the cached weight.
+
+    Under ``torch.autocast`` (dtype D) x and the bias are cast to D first, as
+    ``F.linear``'s autocast casts them (fp64 excepted); the weight is quantized from its
+    own values (fp32 master weights are not rounded to D first, as torchao's float8 and
+    MX layers do), the output is D, and the weight's gradient comes back in the weight's
+    dtype (:mod:`portable_mx.nn._autocast`). Outside autocast x must have the weight's
+    dtype, as for ``nn.Linear``.
 
     The quantized weight: outside a :func:`~portable_mx.nn.weight_cache` block the
     weight is quantized on every forward, so a forward always uses the weight's current
@@ -210,21 +219,23 @@ class MXLinear(torch.nn.Linear):
         if x.dim() == 0 or x.shape[-1] != k:
             raise ValueError(f"MXLinear: x must be [..., {k}] (the weight is {tuple(w.shape)}); got shape "
                              f"{tuple(x.shape)}")
-        if x.dtype != w.dtype:
-            raise TypeError(
-                f"MXLinear: x is {x.dtype} but the weight is {w.dtype}; cast one of them "
-                "(autocast does not apply to the MXFP4 GEMM)"
-            )
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)
         bias = _member(self, params, "bias")
+        amp = any_autocast() and autocast_dtype(x.device)
+        if amp:  # F.linear's autocast casts of x and bias (nn._autocast); the weight is quantized as it is
+            x, bias = cast(x, amp), cast(bias, amp)
+        elif x.dtype != w.dtype:
+            raise TypeError(f"MXLinear: x is {x.dtype} but the weight is {w.dtype}; cast one of them, or run the "
+                            "layer under torch.autocast")
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
         rj = self._recipe_json
         gemm = None if type(w) is _Parameter else getattr(type(w), "__pmx_linear__", None)
         if x.device != w.device:  # (a kernel launched with the address of another device's memory faults)
             raise ValueError(f"MXLinear: x is on {x.device} but the weight is on {w.device}; move one of them")
-        if bias is not None and (bias.dtype != w.dtype or bias.device != w.device or bias.dim() != 1
+        if bias is not None and (bias.dtype != x.dtype or bias.device != w.device or bias.dim() != 1
                                  or bias.shape[0] != n):
-            if bias.dtype != w.dtype:
-                raise TypeError(f"MXLinear: the bias is {bias.dtype} but the weight is {w.dtype}; give both one dtype")
+            if bias.dtype != x.dtype:
+                raise TypeError(f"MXLinear: the bias is {bias.dtype} but {'x (autocast)' if amp else 'the weight'} is "
+                                f"{x.dtype}; give both one dtype")
             if bias.device != w.device:
                 raise ValueError(f"MXLinear: the bias is on {bias.device} but the weight is on {w.device}")
             raise ValueError(f"MXLinear: the bias must be [{n}] (the weight's out_features); got {tuple(bias.shape)}")

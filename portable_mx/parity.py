@@ -490,7 +490,9 @@ def build_report(
 
 class forced_backend:
     """Context manager: ``PORTABLE_MX_BACKEND=name`` while inside (no-op for None), the
-    previous value restored on exit."""
+    previous value restored on exit. The variable is the process's: blocks in several
+    threads at once overlap (each thread's calls see the last value set, and the last
+    block to exit restores what its own entry saw); use it from one thread at a time."""
 
     def __init__(self, name: Optional[str]) -> None:
         self.name = name

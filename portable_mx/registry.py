@@ -199,6 +199,18 @@ def _env_reader(name: str) -> Callable[[], Any]:
 _forced_backend = _env_reader(ENV_BACKEND)
 
 
+def _env_text(raw: Any) -> str:
+    """A value an :func:`_env_reader` returned, as ``os.environ.get`` gives it (stripped;
+    "" where unset). Decisions are made from the value the memo key holds, not from a
+    second read: a thread that set the variable in between had the decision for its value
+    stored under the old value's key."""
+    if raw is None:
+        return ""
+    if isinstance(raw, bytes):
+        raw = os.environ.decodevalue(raw)  # type: ignore[attr-defined]
+    return raw.strip()
+
+
 _generation = 0
 """Counts the registry's changes: select() keeps a decision only when no register or
 unregister came while it decided (a thread's decision could otherwise overwrite the memo
@@ -271,7 +283,7 @@ def select(op: str, device: torch.device | str) -> Backend:
     else:
         _forget()
     generation = _generation
-    backend = _decide(op, torch.device(device), os.environ.get(ENV_BACKEND, "").strip())
+    backend = _decide(op, torch.device(device), _env_text(key[2]))  # (the value of the key: one read)
     with _lock:
         if generation == _generation and _memo_owner is _REGISTRY:
             _memo[key] = backend

@@ -570,6 +570,28 @@ def test_another_cache_dir_is_read_when_the_variable_points_there(tmp_path, monk
     assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
 
 
+def test_the_folder_read_is_the_one_the_index_key_names(tmp_path, monkeypatch):
+    """The variable read once per lookup: a thread that pointed PORTABLE_MX_CACHE_DIR
+    elsewhere between the index key's read and the files' read had the other folder's
+    entries stored under this folder's key (simulated: the variable changes as the index
+    is asked for the key)."""
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)}))
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "other"))
+    _caught(lambda: cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(16, 32, 64), 1.0)}))
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    cache.clear()
+
+    class Meanwhile(dict):
+        def get(self, key, default=None):
+            monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "other"))
+            return super().get(key, default)
+
+    monkeypatch.setattr(cache, "_index", Meanwhile())
+    assert cache.entries("interpret", "cpu")[KEY].config["block_m"] == 32
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    assert cache.lookup("interpret", "cpu", KEY)["block_m"] == 32
+
+
 def test_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

@@ -83,6 +83,27 @@ def test_env_override_forces_and_fails_loudly(extra_backends, monkeypatch):
         registry.select("quantize", "cpu")
 
 
+def test_the_decision_is_for_the_value_the_memo_key_holds(extra_backends, monkeypatch):
+    """PORTABLE_MX_BACKEND read once per selection: a thread that changed it between the
+    memo key's read and the decision's had the decision for its value stored under the
+    old value's key, for good (simulated: the variable changes right after the key's read)."""
+    fast = extra_backends("fast", 10, {"quantize"})
+    monkeypatch.setenv(registry.ENV_BACKEND, "reference")
+    real = registry._forced_backend
+
+    def meanwhile():
+        value = real()
+        monkeypatch.setenv(registry.ENV_BACKEND, "fast")
+        return value
+
+    monkeypatch.setattr(registry, "_forced_backend", meanwhile)
+    assert registry.select("quantize", "cpu").name == "reference"
+    monkeypatch.setattr(registry, "_forced_backend", real)
+    assert registry.select("quantize", "cpu") is fast
+    monkeypatch.setenv(registry.ENV_BACKEND, "reference")
+    assert registry.select("quantize", "cpu").name == "reference"
+
+
 def test_register_rejects_duplicates_and_unknown_ops(extra_backends):
     extra_backends("dup", 1, {"quantize"})
     with pytest.raises(ValueError, match="already registered"):

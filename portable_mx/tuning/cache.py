@@ -243,7 +243,12 @@ def slug(name: str) -> str:
 
 def cache_dir() -> Path:
     """The user cache dir: ``PORTABLE_MX_CACHE_DIR`` or ``~/.cache/portable_mx``."""
-    env = os.environ.get(ENV_CACHE_DIR, "").strip()
+    return _dir_of(os.environ.get(ENV_CACHE_DIR, ""))
+
+
+def _dir_of(env: str) -> Path:
+    """The user cache dir for the value ``env`` of ``PORTABLE_MX_CACHE_DIR``."""
+    env = env.strip()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "portable_mx"
 
 
@@ -507,10 +512,12 @@ _lock = threading.Lock()
 _index: dict[tuple[str, str, str], dict[str, ConfigEntry]] = {}
 
 
-def _sources(arch: str, device_name: str) -> list[Path]:
-    """Cache files in lookup order: the user's, then the shipped ones (each dir: the file
-    of this Triton release and schema, then the older-named one)."""
-    return [fn(arch, device_name, d) for d in (cache_dir(), SHIPPED_DIR) for fn in (cache_file, legacy_file)]
+def _sources(arch: str, device_name: str, user_dir: Optional[Path] = None) -> list[Path]:
+    """Cache files in lookup order: the user's (in ``user_dir``, default
+    :func:`cache_dir`), then the shipped ones (each dir: the file of this Triton release
+    and schema, then the older-named one)."""
+    dirs = (user_dir or cache_dir(), SHIPPED_DIR)
+    return [fn(arch, device_name, d) for d in dirs for fn in (cache_file, legacy_file)]
 
 
 def other_files(arch: str, device_name: str, directory: Optional[Path] = None) -> list[Path]:
@@ -529,12 +536,15 @@ def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
     """Every entry valid for this device, the user cache over the shipped one; read from
     disk once per process and user cache dir (and again after :func:`record` or
     :func:`clear`): pointing ``PORTABLE_MX_CACHE_DIR`` elsewhere reads that folder."""
-    key = (arch, device_name, os.environ.get(ENV_CACHE_DIR, ""))
+    env = os.environ.get(ENV_CACHE_DIR, "")
+    key = (arch, device_name, env)
     found = _index.get(key)
     if found is None:
         with _lock:
             found = {}
-            sources = _sources(arch, device_name)
+            # the files of the folder the key names (one read of the variable: a thread that
+            # changed it in between had the other folder's entries stored under this key)
+            sources = _sources(arch, device_name, _dir_of(env))
             for path in reversed(sources):
                 # an older-named file of another release is expected beside this release's file
                 quiet = path.name == legacy_file(arch, device_name).name and \

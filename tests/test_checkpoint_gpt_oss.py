@@ -200,7 +200,7 @@ def test_float_blocks_of_a_dequantized_save_are_refused(tmp_path):
         gpt_oss.save(tmp_path / "out", state_dict(), config())
 
 
-@pytest.mark.parametrize("bad", ["scales_dtype", "scales_shape", "blocks_vs_config", "bias_shape"])
+@pytest.mark.parametrize("bad", ["scales_dtype", "scales_shape", "blocks_vs_config", "bias_shape", "bias_float8"])
 def test_wrong_dtype_or_shape_names_the_tensor(tmp_path, bad):
     raw = raw_layer()
     p = PREFIX.format(0)
@@ -218,6 +218,10 @@ def test_wrong_dtype_or_shape_names_the_tensor(tmp_path, bad):
         raw[f"{p}.gate_up_proj_scales"] = raw[f"{p}.gate_up_proj_scales"][:1].contiguous()
         raw[f"{p}.gate_up_proj_bias"] = raw[f"{p}.gate_up_proj_bias"][:1].contiguous()
         pattern = rf"{name}: shape \[1, {2 * I}, 2, 16\], expected \[{E}, {2 * I}, 2, 16\] from config.json"
+    elif bad == "bias_float8":  # a float the grouped GEMM does not add: it used to pass and fail at the forward
+        name = f"{p}.down_proj_bias"
+        raw[name] = raw[name].to(torch.float8_e4m3fn)
+        pattern = rf"{name}: dtype F8_E4M3, expected a BF16, F16, F32 or F64 bias"
     else:
         name = f"{p}.down_proj_bias"
         raw[name] = raw[name][:, :8].contiguous()
@@ -225,6 +229,9 @@ def test_wrong_dtype_or_shape_names_the_tensor(tmp_path, bad):
     write_raw(tmp_path / "c", raw)
     with pytest.raises(ValueError, match=pattern):
         gpt_oss.GptOssCheckpoint(tmp_path / "c")
+    if bad == "bias_float8":
+        with pytest.raises(ValueError, match=pattern):
+            gpt_oss.save(tmp_path / "out", raw, config())
 
 
 def test_writer_keeps_or_checks_quantization_config(tmp_path):

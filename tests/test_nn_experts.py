@@ -356,6 +356,9 @@ def test_bad_input_is_refused_with_a_reason():
         MXExperts.from_mx(w1, pmx.quantize(torch.randn(E, H, 2 * I), axis=-1))
     with pytest.raises(ValueError, match=r"\[E, N, K\] along axis 2"):
         MXExperts.from_mx(w1, pmx.quantize(torch.randn(E, H, I), axis=0))
+    w2 = pmx.quantize(torch.randn(E, H, I), axis=-1)
+    with pytest.raises(ValueError, match=r"down_proj_bias must be a float32, bfloat16, float16 or float64 tensor"):
+        MXExperts.from_mx(w1, w2, None, torch.zeros(E, H).to(torch.float8_e4m3fn))  # (the forward used to fail)
     experts = MXExperts(E, H, I)
     ids, wts = routing()
     with pytest.raises(TypeError, match="x is torch.bfloat16 but the weights are torch.float32"):

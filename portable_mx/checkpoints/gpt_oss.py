@@ -55,7 +55,7 @@ import torch
 
 from ..format import BLOCK_SIZE
 from ..recipe import QuantRecipe
-from ..tensor import MXTensor
+from ..tensor import FLOAT_DTYPES, MXTensor
 from ._optional import require
 
 __all__ = [
@@ -280,8 +280,8 @@ def check_layout(infos: Mapping[str, tuple[str, tuple[int, ...]]], config: Optio
             if tuple(shape) != want:
                 raise CheckpointError(f"{name}: shape {list(shape)}, expected {list(want)} ([E, N] of "
                                       f"{m['base']}{_BLOCKS})")
-            if not _DTYPES.get(dtype, torch.uint8).is_floating_point:
-                raise CheckpointError(f"{name}: dtype {dtype}, expected a float bias (gpt-oss: BF16)")
+            if _DTYPES.get(dtype) not in FLOAT_DTYPES:  # (the dtypes the grouped GEMM adds: no float8)
+                raise CheckpointError(f"{name}: dtype {dtype}, expected a BF16, F16, F32 or F64 bias (gpt-oss: BF16)")
 
 
 # ----------------------------------------------------------------------------- reading

@@ -168,9 +168,10 @@ class MXExperts(torch.nn.Module):
             new.register_parameter(proj, None)
             new._set_mx(proj, w)
             if bias is not None:
-                if not isinstance(bias, Tensor) or tuple(bias.shape) != (e, n) or not bias.is_floating_point():
+                if not isinstance(bias, Tensor) or tuple(bias.shape) != (e, n) or bias.dtype not in FLOAT_DTYPES:
                     got = f"{getattr(bias, 'dtype', type(bias).__name__)} {list(getattr(bias, 'shape', []))}"
-                    raise ValueError(f"{proj}_bias must be a float tensor [{e}, {n}]; got {got}")
+                    raise ValueError(f"{proj}_bias must be a float32, bfloat16, float16 or float64 tensor [{e}, {n}]; "
+                                     f"got {got}")
                 if bias.device != w.device:
                     raise ValueError(f"{proj}_bias is on {bias.device} but the weight is on {w.device}")
                 new.register_parameter(f"{proj}_bias", torch.nn.Parameter(bias.detach(), requires_grad=False))

@@ -220,7 +220,8 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     can differ from one rounding by one 16-bit ulp at a tie). Returns ``[..., M, N]`` in
     a's (original) dtype. b's dtype may differ from a's (fp32 master weights against bf16
     activations): b is quantized from its own values, and its gradient comes back in its
-    dtype. ``torch.autocast`` does not apply here (the MX layers apply its casts).
+    dtype, computed in a's (``X^T dY`` in a's dtype, then widened, as ``nn.Linear``'s under
+    autocast). ``torch.autocast`` does not apply here (the MX layers apply its casts).
 
     Exact up to accumulation order: the result is the fp32-accumulated product of the
     dequantized operands, rounded once to a's dtype. One exception: W4A16 with fp16

@@ -150,6 +150,23 @@ def test_mx_experts_under_autocast_are_the_frozen_experts_on_x_cast(mx_backend, 
     for name, p in experts.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0, name
     assert x.grad.dtype == torch.float32
+    # the gradients are those of the two grouped GEMMs on x and biases in D and the fp32
+    # weights (whose mixed-dtype gradients test_grouped_matmul_... holds to the fp32 call)
+    params = {n: p.detach().clone().requires_grad_() for n, p in experts.named_parameters()}
+    xg = x.detach().clone().requires_grad_()
+    w1, w2 = params["gate_up_proj"], params["down_proj"]
+    if transposed:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    r = pmx.route(ids, wts, E)
+    mid = pmx.grouped_matmul(xg.to(dtype), w1, routing=r, gather=True, bias=params["gate_up_proj_bias"].to(dtype),
+                             activation=experts.activation, recipe=experts.recipe)
+    out = pmx.grouped_matmul(mid, w2, routing=r, scatter=True, bias=params["down_proj_bias"].to(dtype),
+                             recipe=experts.recipe)
+    assert torch.equal(out, y)
+    out.float().square().sum().backward()
+    assert torch.equal(xg.grad, x.grad)
+    for name, p in experts.named_parameters():
+        assert torch.equal(params[name].grad, p.grad), name
     with pmx.nn.weight_cache(experts), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         assert torch.equal(experts(x, ids, wts), want) and torch.equal(experts(x, ids, wts), want)
     fp32_biases = MXExperts.from_mx(experts.quantized_weight("gate_up_proj"), experts.quantized_weight("down_proj"),
@@ -162,13 +179,15 @@ def test_mx_experts_under_autocast_are_the_frozen_experts_on_x_cast(mx_backend, 
 
 
 def test_matmul_takes_a_weight_of_another_float_dtype(mx_backend):
-    """pmx.matmul(a bf16, b fp32): b quantized from its fp32 values (the product of
-    pmx.matmul with b's MXTensor), the result in a's dtype, b's gradient fp32 (the bf16
-    gradient of the same call on b's bf16 copy: dW does not read b)."""
+    """pmx.matmul(a bf16, b fp32): b quantized from its fp32 values (the fp32 call on a's
+    values, rounded to bf16: the same codes and sums; and the call with b's MXTensor), the
+    result in a's dtype, b's gradient fp32 (the bf16 gradient of the same call on b's bf16
+    copy: dW does not read b)."""
     a = randn(6, 64, seed=10).bfloat16()
     b = randn(64, 24, seed=11).requires_grad_()
     y = pmx.matmul(a.requires_grad_(), b)
     assert y.dtype == torch.bfloat16
+    assert torch.equal(y, pmx.matmul(a.detach().float(), b.detach()).bfloat16())
     assert torch.equal(y, pmx.matmul(a.detach(), pmx.quantize(b.detach(), axis=0)))
     dy = randn(6, 24, seed=12).bfloat16()
     y.backward(dy)
@@ -179,17 +198,41 @@ def test_matmul_takes_a_weight_of_another_float_dtype(mx_backend):
 
 
 def test_grouped_matmul_takes_weights_of_another_float_dtype(mx_backend):
-    """A float w of another dtype than x is quantized from its own values: the product
-    with its MXTensor, in x's dtype; its gradient in its own dtype."""
+    """A float w of another dtype than x is quantized from its own values: the fp32 call
+    on x's values rounded to bf16 (the same codes and fp32 sums), and the call with w's
+    MXTensor; gradients: dX in x's dtype (the fp32 call's, rounded), dW and the bias's
+    fp32, bit-equal to the fp32 call's (computed in w's dtype)."""
     ids, wts = routing(13)
     r = pmx.route(ids, wts, E)
-    x = randn(T, H, seed=14).bfloat16()
+    x = randn(T, H, seed=14).bfloat16().requires_grad_()
     w = randn(E, 2 * I, H, seed=15).requires_grad_()
-    y = pmx.grouped_matmul(x, w, routing=r, gather=True)
+    bias = randn(E, 2 * I, seed=16).bfloat16().requires_grad_()
+    kw = dict(routing=r, gather=True, activation="swiglu_oai")
+    y = pmx.grouped_matmul(x, w, bias=bias, **kw)
     assert y.dtype == torch.bfloat16
-    assert torch.equal(y, pmx.grouped_matmul(x, pmx.quantize(w.detach(), axis=-1), routing=r, gather=True))
-    y.float().sum().backward()
-    assert w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
+    assert torch.equal(y, pmx.grouped_matmul(x.detach(), pmx.quantize(w.detach(), axis=-1), bias=bias.detach(), **kw))
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
+    b32 = bias.detach().float().requires_grad_()
+    y32 = pmx.grouped_matmul(x32, w32, bias=b32, **kw)
+    assert torch.equal(y, y32.bfloat16())
+    dy = randn(*y.shape, seed=17).bfloat16()
+    y.backward(dy)
+    y32.backward(dy.float())
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, x32.grad.bfloat16())
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad, w32.grad)
+    assert bias.grad.dtype == torch.bfloat16 and torch.equal(bias.grad, b32.grad.bfloat16())
+
+
+def test_meta_tensors_under_autocast_are_left_alone():
+    """A forward on the meta device inside an autocast region (of any device) runs as
+    outside it, as nn.Linear's does (torch raises for autocast's state of "meta")."""
+    layer = MXLinear(64, 48, device="meta")
+    experts = MXExperts(E, H, I, device="meta")
+    ids = torch.zeros(T, K_TOP, dtype=torch.int64, device="meta")
+    for kind in ("cpu", "cuda"):
+        with torch.autocast(kind, dtype=torch.bfloat16):
+            assert layer(torch.empty(5, 64, device="meta")).dtype == torch.float32
+            assert experts(torch.empty(T, H, device="meta"), ids).dtype == torch.float32
 
 
 @pytest.mark.gpu

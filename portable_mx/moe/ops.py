@@ -55,7 +55,7 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
       the gpt-oss checkpoint bytes, ``pmx.quantize(w, axis=-1)``; MBS and OF recipes
       allowed), or a float tensor [E, N, K], quantized along K with ``recipe``
       (differentiable). Its dtype may differ from x's: it is quantized from its own
-      values (its gradient comes back in its dtype).
+      values (its gradient is computed and returned in its dtype).
     - ``x``: float [X, K] (fp32, bf16, fp16; fp64 is rounded to fp32 where it is
       quantized), quantized along K with ``recipe``, or rounded to 16 bits with
       ``recipe.activations`` "bf16"/"fp16" (W4A16); or an MXTensor [X, K] along K (A4W4).

@@ -25,9 +25,13 @@ torch lacks it, True: :func:`autocast_dtype` then decides)."""
 
 def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     """The dtype autocast casts ``F.linear``'s operands to on ``device``'s type, or None
-    outside an autocast region for it."""
+    outside an autocast region for it, and for a device type autocast does not know (the
+    meta device: torch raises there; ``nn.Linear`` on meta tensors is not autocast)."""
     kind = device.type
-    if not torch.is_autocast_enabled(kind):
+    try:
+        if not torch.is_autocast_enabled(kind):
+            return None
+    except RuntimeError:  # "unknown device type for autocast"
         return None
     return torch.get_autocast_dtype(kind)
 

@@ -102,7 +102,8 @@ class MXLinear(torch.nn.Linear):
     ``F.linear``'s autocast casts them (fp64 excepted); the weight is quantized from its
     own values (fp32 master weights are not rounded to D first, as torchao's float8 and
     MX layers do), the output is D, and the weight's gradient comes back in the weight's
-    dtype (:mod:`portable_mx.nn._autocast`). Outside autocast x must have the weight's
+    dtype (computed in D, as ``nn.Linear``'s under autocast;
+    :mod:`portable_mx.nn._autocast`). Outside autocast x must have the weight's
     dtype, as for ``nn.Linear``.
 
     The quantized weight: outside a :func:`~portable_mx.nn.weight_cache` block the
@@ -119,8 +120,9 @@ class MXLinear(torch.nn.Linear):
     supported: differentiating a gradient of the MXFP4 GEMM raises a RuntimeError.
 
     A weight whose type defines ``__pmx_linear__(weight, x2, layer, bias) -> y2`` (x2 and
-    y2 2-D, bias None or ``[out_features]``) brings its own GEMM operands and runs the
-    GEMM itself, the bias added as above: the
+    y2 2-D, bias None or ``[out_features]``; under autocast x2 and the bias come in the
+    autocast dtype, not the weight's, and y2 is in x2's) brings its own GEMM operands and
+    runs the GEMM itself, the bias added as above: the
     MXFP4-gathered weights of :func:`~portable_mx.nn.enable_fsdp_mx_all_gather`.
     """
 

@@ -175,6 +175,37 @@ class Backend:
         backends."""
         raise NotImplementedError
 
+    def ragged_rows(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The high-precision ragged-M product of the grouped GEMM's backward (op
+        "grouped_matmul"; dX where nothing is quantized): a float [R, P] (expert-sorted
+        rows), b float [E, P, Q], offsets int32 [E] (the rows' cumulative ends) -> fp32
+        [R, Q] (fp64 where an operand is fp64), row i of expert e ``a[i] @ b[e]``, the
+        products and sums in fp32 without TF32, up to accumulation order. R, P, Q > 0.
+        Default: the torch form (moe/_ragged.py), which on a GPU reads the offsets on the
+        host."""
+        from .moe import _ragged
+
+        return _ragged.rows_product(a, b, offsets)
+
+    def ragged_k(self, a: torch.Tensor, b: Optional[torch.Tensor], offsets: torch.Tensor,
+                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The high-precision ragged-K product of the grouped GEMM's backward (op
+        "grouped_matmul"; dW where nothing is quantized, and the bias gradient): a float
+        [R, P], b float [R, Q] (both expert-sorted rows) or None, offsets int32 [E] ->
+        [E, P, Q], block e ``a_e^T @ b_e`` over the rows of expert e (zero for an empty
+        one); without b, [E, P], the column sums of a_e. Products and sums in fp32
+        without TF32 (fp64 where an operand is fp64), up to accumulation order, rounded
+        once to ``out_dtype`` (None: left fp32). R, P, Q > 0. Default: the torch form
+        (moe/_ragged.py), which on a GPU reads the offsets on the host (except bf16 with
+        a bf16 result on sm_90 / sm_100)."""
+        from .moe import _ragged
+
+        if b is None:
+            out = _ragged.column_sums(a, offsets)
+        else:
+            out = _ragged.k_product(a, b, offsets, out_dtype)
+        return out if out_dtype is None or out.dtype == out_dtype else out.to(out_dtype)
+
 
 _REGISTRY: dict[str, Backend] = {}
 

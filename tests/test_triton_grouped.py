@@ -238,7 +238,8 @@ def test_backward_equals_the_reference(gemm_kernel, monkeypatch, recipe, act):
 def test_grouped_launches_for_the_compile_matrix():
     """Every target gets the grouped GEMM on its dense route (upcast on sm_90 and gfx942,
     tl.dot_scaled elsewhere), A4W4 on the native targets marked for the native-instruction
-    check, the combine; configs from grouped_config (sm_100's A4W4 tiles 128 rows)."""
+    check, the combine, the backward's ragged products (fp32 ieee and bf16 on the MMA);
+    configs from grouped_config (sm_100's A4W4 tiles 128 rows)."""
     from portable_mx.backends.targets import TARGETS
 
     for name, target in TARGETS.items():
@@ -246,7 +247,7 @@ def test_grouped_launches_for_the_compile_matrix():
         launches = backend.grouped_launches(target)
         kernels = {launch.kernel for launch in launches}
         gemm = "grouped-gemm-upcast" if name in ("sm_90", "gfx942") else "grouped-gemm"
-        assert kernels == {gemm, "grouped-combine"}, (name, kernels)
+        assert kernels == {gemm, "grouped-combine", "ragged-rows", "ragged-k", "ragged-sums"}, (name, kernels)
         a4w4 = [launch for launch in launches if launch.label.startswith("A4W4")]
         assert a4w4 and all(launch.multiplies_mx == (gemm == "grouped-gemm") for launch in a4w4)
         assert any("swiglu_oai" in launch.label for launch in launches)

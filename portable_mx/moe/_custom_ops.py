@@ -209,8 +209,7 @@ def _grouped_mm_grad(grad, x, w, x_parts, w_parts, offsets, gather_index, scatte
     if needs[1]:
         out[1] = _grad_w(dh, x, x_op, r, offsets, gather_index, gather, w.dtype)
     if needs[2]:
-        ones = dh.new_ones(rows, 1)
-        out[2] = _ragged.k_product(dh, ones, offsets)[:, :, 0].to(bias.dtype)
+        out[2] = moe_dispatch.ragged_k(dh, None, offsets, bias.dtype)
     return [t.contiguous() for t in out]  # the fake's strides: a transposed w or strided x gets a contiguous grad
 
 
@@ -232,7 +231,7 @@ def _grad_x(dh, x, w, w_op, r: QuantRecipe, offsets, gather_index, scatter_index
         da = moe_dispatch.grouped(dh, wt, r, offsets, None, None, None, k, None, None, torch.float32,
                                   lambda tile_m: tile_schedule(offsets, rows, tile_m))
     else:
-        da = _ragged.rows_product(dh, wv, offsets)
+        da = moe_dispatch.ragged_rows(dh, wv, offsets)
     if gather:
         return moe_dispatch.combine(da.to(torch.float32), scatter_index, None, k, x.dtype)
     return da.to(x.dtype)
@@ -253,9 +252,9 @@ def _grad_w(dh, x, x_op, r: QuantRecipe, offsets, gather_index, gather, dtype) -
         vdtype = torch.bfloat16 if dtype is torch.bfloat16 and r.macro_block is None else torch.float32
         aq = _dispatch.dequantize(_dispatch.quantize(ap, _dispatch.left_recipe(r), 0), vdtype)  # (X^T: the left)
         gq = _dispatch.dequantize(_dispatch.quantize(gp, r, 0), vdtype)
-        dw = _ragged.k_product(gq, aq, poffs, dtype)
+        dw = moe_dispatch.ragged_k(gq, aq, poffs, dtype)
     else:
-        dw = _ragged.k_product(dh, a, offsets, dtype)
+        dw = moe_dispatch.ragged_k(dh, a, offsets, dtype)
     return dw.to(dtype)
 
 

@@ -10,7 +10,8 @@ or with a wide output gets its quantized values instead, as the dense GEMM does:
 the expert weights their rows view (E*N, K)
 (quantized along K first when they are a float tensor [E, N, K]), and a scattering call
 adds the backend's deterministic k-way combine after the GEMM, whose rows it keeps in
-fp32 so that the result is rounded once.
+fp32 so that the result is rounded once. The backward's high-precision ragged products
+(:func:`ragged_rows`, :func:`ragged_k`) go to the same backend.
 """
 
 from __future__ import annotations
@@ -65,3 +66,15 @@ def combine(rows: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Ten
             out_dtype: torch.dtype) -> torch.Tensor:
     """The selected backend's deterministic k-way sum (:meth:`Backend.combine`)."""
     return registry.select("grouped_matmul", rows.device).combine(rows, index, weights, k, out_dtype)
+
+
+def ragged_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The selected backend's high-precision ragged-M product (:meth:`Backend.ragged_rows`)."""
+    return registry.select("grouped_matmul", a.device).ragged_rows(a, b, offsets)
+
+
+def ragged_k(a: torch.Tensor, b: Optional[torch.Tensor], offsets: torch.Tensor,
+             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The selected backend's high-precision ragged-K product, or column sums without
+    ``b`` (:meth:`Backend.ragged_k`)."""
+    return registry.select("grouped_matmul", a.device).ragged_k(a, b, offsets, out_dtype)

@@ -2,11 +2,14 @@
 host sync where torch allows it.
 
 - :func:`expert_of_rows`: the expert of each expert-sorted row.
-- :func:`rows_product` (ragged M) and :func:`k_product` (ragged K): the high-precision
-  grouped products (fp32, fp64 for fp64 input, at the highest matmul precision) of the
-  backward GEMMs that quantize nothing, through ``torch.nn.functional.grouped_mm`` where
-  this torch has it and takes the operands, else a loop over the experts (which reads
-  the offsets on the host).
+- :func:`rows_product` (ragged M), :func:`k_product` (ragged K) and :func:`column_sums`:
+  the high-precision grouped products (fp32, fp64 for fp64 input, at the highest matmul
+  precision) of the backward GEMMs that quantize nothing, through
+  ``torch.nn.functional.grouped_mm`` where this torch has it and takes the operands,
+  else a loop over the experts (which reads the offsets on the host). These are the
+  torch forms of :meth:`portable_mx.registry.Backend.ragged_rows` / ``ragged_k``: on a
+  GPU, grouped_mm too reads the offsets on the host except for bf16 on sm_90 / sm_100,
+  so the Triton backends run their own kernels (backends/triton/ragged.py).
 - :func:`pad_experts`: the rows of each expert moved to a segment that starts at a
   multiple of ``block`` and is zero-padded to one, so that quantizing along the rows
   (the dW GEMM's reduction axis) never puts two experts in one block.
@@ -92,6 +95,18 @@ def k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                 out[e] = a[start:end].T @ b[start:end]
             start = end
     return out
+
+
+def column_sums(a: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[E, P]: the sum of the rows of each expert e (zero for an empty one); a [R, P]
+    (expert-sorted rows), offsets int32 [E], in high precision (the bias gradient)."""
+    return k_product(a, a.new_ones(a.shape[0], 1), offsets)[:, :, 0]
+
+
+def grouped_k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> Optional[torch.Tensor]:
+    """:func:`k_product` of bf16 ``a`` and ``b`` into bf16 by grouped_mm (fp32
+    accumulation, one rounding), or None where grouped_mm refuses them."""
+    return _k_grouped(a, b, offsets)
 
 
 def _k_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor):

@@ -90,6 +90,13 @@ _WORD_DTYPES = (torch.bfloat16, torch.float16)
 
 STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Output dtypes the GEMM kernel stores itself (any other is stored fp32, then cast)."""
+
+GROUPED_MM_BF16_TARGETS = ("sm_90", "sm_100")
+"""Targets where torch's ``grouped_mm`` multiplies bf16 operands into a bf16 result with its
+own kernel on the device (aten GroupedBlas.cpp: compute capability 9.x and 10.x; torch
+2.9 - 2.11): the backward's bf16 ragged dW takes it there. Everywhere else, and for any
+other dtypes, torch loops over the experts after copying the offsets to the host, and
+the ragged kernels (ragged.py) serve instead."""
 _MAX_PLANS = 4096  # per device and op: past it the plans are dropped and rebuilt on demand
 
 
@@ -821,6 +828,30 @@ class TritonBackend(Backend):
         weights = None if weights is None else materialized(weights)  # the router's (rows and index are ours)
         return _module(".grouped_gemm").run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)
 
+    def ragged_rows(self, a, b, offsets):
+        """:meth:`Backend.ragged_rows` with ragged.ragged_rows_kernel (one launch, no host
+        sync); fp64 operands take the torch form."""
+        ragged = _module(".ragged")
+        if not ragged.takes(a, b):
+            return super().ragged_rows(a, b, offsets)
+        st = self._devices.get(a.device) or self._device(a.device)
+        return ragged.run_rows(self, st, a, b, offsets, STORE_DTYPES)
+
+    def ragged_k(self, a, b, offsets, out_dtype=None):
+        """:meth:`Backend.ragged_k` with ragged.ragged_k_kernel (one launch, no host sync);
+        fp64 operands, and bf16 ones with a bf16 result where torch's grouped_mm runs its
+        own kernel for them (:data:`GROUPED_MM_BF16_TARGETS`), take the torch form."""
+        ragged = _module(".ragged")
+        if not ragged.takes(a, b):
+            return super().ragged_k(a, b, offsets, out_dtype)
+        st = self._devices.get(a.device) or self._device(a.device)
+        if (out_dtype is torch.bfloat16 and a.dtype is torch.bfloat16 and b is not None and b.dtype is torch.bfloat16
+                and st.target is not None and st.target.name in GROUPED_MM_BF16_TARGETS):
+            out = _module("...moe._ragged").grouped_k_product(a, b, offsets)
+            if out is not None:  # (None: grouped_mm refused the operands, e.g. their alignment)
+                return out
+        return ragged.run_k(self, st, a, b, offsets, out_dtype, STORE_DTYPES)
+
     def _plan_gemm(self, st: _Device, key: tuple, a, w: _Operand, m: int, stride_am: int,
                    out_dtype: torch.dtype, bias: bool = False) -> _GemmPlan:
         """The launch :meth:`run_gemm` makes (with a bias in the epilogue or not), decided
@@ -1044,7 +1075,8 @@ class TritonBackend(Backend):
         fp32 rows of the scattering one) at decode (T = 1) and prefill (T = 4096), W4A16
         and A4W4 (the native block-scaled MMA where the target has one), Qwen3-30B-A3B's
         first at prefill (E = 128, top-8, N = 1536, K = 2048, concatenated swiglu), MBS
-        and OF on both kinds; and the k-way combine (top-8)."""
+        and OF on both kinds; the k-way combine (top-8); and the backward's ragged
+        products (ragged.launch_specs)."""
         from . import grouped_gemm
         from .gemm import Operand
 
@@ -1070,7 +1102,7 @@ class TritonBackend(Backend):
         for k, weights, store in ((8, torch.bfloat16, torch.bfloat16),):
             out.append(grouped_gemm.combine_launch_spec(k, weights, store, self.options(config), config.block_r,
                                                         config.block_k))
-        return out
+        return out + _module(".ragged").launch_specs(self.options)
 
 
 def _bias_operand(bias: torch.Tensor) -> torch.Tensor:

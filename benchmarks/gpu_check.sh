@@ -5,7 +5,8 @@
 # matters most:
 #
 #   default   portable-mx info; the benchmarks, each in its quick mode (element-wise, GEMM,
-#             host overhead, MoE when benchmarks/moe.py exists); the GPU tests in what
+#             host overhead, MoE when benchmarks/moe.py exists, the MoE backward's ragged
+#             products against torch's grouped_mm forms); the GPU tests in what
 #             is left of the budget (`pytest -m gpu`: the compiled kernels against the
 #             reference, the small parity corpus against a CPU reference report); then,
 #             in what is left, the peers beside portable_mx (torchao's to_mx, gemlite's
@@ -108,6 +109,9 @@ steps_default() {
   bench bench-gemm 185 benchmarks/gemm.py --quick --out "$out/results/gemm-quick.json"
   bench bench-overhead 45 benchmarks/overhead.py --gpu-checks --out "$out/results"
   bench bench-moe 45 benchmarks/moe.py --quick --out "$out/results/moe-quick.json"
+  # never run on a GPU (2026-11-27, ninth session): 5 compiles and ~17 calls of each of 10
+  # products; predicted 15-30 s
+  bench bench-ragged 45 benchmarks/ragged.py --quick --out "$out/results/ragged-quick.json"
   step_rest tests-gpu 280 "$PY" -m pytest -m gpu -v -ra --tb=short "${xdist[@]}" -p no:cacheprovider \
     --junitxml="$out/tests-gpu.xml" tests
   # the peers last, in what is left: their first calls autotune (gemlite: minutes where it

@@ -713,7 +713,7 @@ def test_tune_sweep_studies_a_launch_once(tmp_path, interpreted_sweep, monkeypat
 # ----------------------------------------------------------------------------- no GPU
 
 
-@pytest.mark.parametrize("script", ["quantize.py", "gemm.py"])
+@pytest.mark.parametrize("script", ["quantize.py", "gemm.py", "ragged.py"])
 def test_no_gpu_exits_2(script, tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
@@ -1165,3 +1165,34 @@ def test_interpret_for_smoke_sets_the_interpreter_only_when_asked(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a smoke run interprets whatever the environment says
     common.interpret_for_smoke(["--cpu-smoke"])
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+# ----------------------------------------------------------------------------- ragged.py
+
+
+def test_ragged_args_and_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
+    """benchmarks/ragged.py: argument mistakes stop it (exit 2) before anything runs; the
+    CPU smoke runs every product through the kernels (interpreted) and the torch forms,
+    agreeing to fp32 accumulation (bf16 output: its rounding), and writes only where
+    --out says."""
+    from conftest import kernel_backends, no_kernels_reason
+
+    if not any(name == "triton-interpret" for name, _ in kernel_backends("matmul")):
+        pytest.skip(no_kernels_reason("matmul"))
+    ragged = _script("ragged.py")
+    for argv, words in ((["--products", "bogus"], "unknown products"), (["--tokens", "0"], "positive ints"),
+                        (["--repeats", "0"], "must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            ragged.parse_args(argv)
+        assert exc.value.code == 2 and words in capsys.readouterr().err, argv
+    assert ragged.parse_args(["--quick"]).tokens == list(ragged.QUICK_TOKENS)
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    small = ["--cpu-smoke", "--repeats", "1", "--warmup", "0", "--inner", "1"]
+    assert ragged.main(small + ["--products", "db1 fp32"]) == 0 and list(tmp_path.iterdir()) == []
+    out = tmp_path / "r.json"
+    assert ragged.main(small + ["--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["product"] for r in result["rows"]] == list(ragged.PRODUCTS)
+    for r in result["rows"]:
+        assert r["rel_err"] < (2.0**-8 if "bf16" in r["product"] and "x" not in r["product"] else 1e-5), r
+        assert r["kernel_ms"] > 0 and r["torch_ms"] > 0 and r["kernel_without_host_sync"] is None

@@ -172,6 +172,27 @@ def time_interleaved(
     return {name: statistics.median(ms) / inner for name, ms in samples.items()}
 
 
+def run_device(args: argparse.Namespace, script: str, cpu_name: str) -> Optional[tuple[Any, str, Callable]]:
+    """(device, its name, timer) of a run: with ``args.cpu`` (a smoke run) the CPU, named
+    ``cpu_name``, timed by the host clock; else the GPU of ``--device``, timed by CUDA
+    events (``timer(fns)`` is :func:`time_interleaved` with the run's repeats, warmup and
+    inner). None, after :func:`no_gpu` said so, where there is no GPU."""
+    import torch
+
+    if args.cpu:
+        events, device, name = False, torch.device("cpu"), cpu_name
+    else:
+        if no_gpu(script):
+            return None
+        events, device = True, gpu_device(args.device)
+        name = torch.cuda.get_device_name(device)
+
+    def timer(fns: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
+        return time_interleaved(fns, args.repeats, args.warmup, args.inner, events=events)
+
+    return device, name, timer
+
+
 def time_ms(fn: Callable[[], Any], repeats: int, warmup: int, inner: int) -> float:
     """Median milliseconds per call of ``fn`` on the current CUDA stream (see the module doc)."""
     return time_interleaved({"fn": fn}, repeats, warmup, inner)["fn"]

@@ -65,10 +65,8 @@ from common import (
     add_device_args,
     add_timing_args,
     int_at_least,
-    gpu_device,
-    no_gpu,
     result_header,
-    time_interleaved,
+    run_device,
     write_unless_trial,
 )
 
@@ -673,19 +671,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from portable_mx import registry
 
         os.environ.setdefault(registry.ENV_BACKEND, "reference")
-        device = torch.device("cpu")
-        name = "cpu (host-clock timing: a check of the script, not a benchmark)"
-
-        def timer(fns):
-            return time_interleaved(fns, args.repeats, args.warmup, args.inner, events=False)
-    else:
-        if no_gpu("benchmarks/moe.py"):
-            return EXIT_NO_GPU
-        device = gpu_device(args.device)
-        name = torch.cuda.get_device_name(device)
-
-        def timer(fns):
-            return time_interleaved(fns, args.repeats, args.warmup, args.inner)
+    run = run_device(args, "benchmarks/moe.py", "cpu (host-clock timing: a check of the script, not a benchmark)")
+    if run is None:
+        return EXIT_NO_GPU
+    device, name, timer = run
     ogs, ogs_why = (None, "--no-peer") if args.no_peer else load_ogs(device)
     header = result_header("moe", name)
     v = header["versions"]

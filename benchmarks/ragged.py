@@ -34,8 +34,8 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (EXIT_NO_GPU, add_device_args, add_timing_args, gpu_device, interpret_for_smoke,  # noqa: E402
-                    names_in, no_gpu, result_header, time_interleaved, write_unless_trial)
+from common import (EXIT_NO_GPU, add_device_args, add_timing_args, interpret_for_smoke, names_in,  # noqa: E402
+                    result_header, run_device, write_unless_trial)
 
 EXPERTS, TOP_K, HIDDEN, INTER2 = 32, 4, 2880, 5760
 PRODUCTS = ("dW1 fp32", "dW1 fp32xbf16", "dW1 bf16", "dX2 fp32", "db1 fp32")
@@ -147,28 +147,19 @@ def measure(product: str, tokens: int, device, backend, st, sizes: dict, timer) 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    import torch
 
     from portable_mx import registry
 
     start = time.perf_counter()
+    run = run_device(args, "benchmarks/ragged.py", "cpu (Triton interpreter, host-clock timing: a check of the script)")
+    if run is None:
+        return EXIT_NO_GPU
+    device, name, timer = run
     if args.cpu:
-        device, name = torch.device("cpu"), "cpu (Triton interpreter, host-clock timing: a check of the script)"
-        backend = registry.get("triton-interpret")
-        sizes = SMOKE
-
-        def timer(fns):
-            return time_interleaved(fns, args.repeats, args.warmup, args.inner, events=False)
+        backend, sizes = registry.get("triton-interpret"), SMOKE
     else:
-        if no_gpu("benchmarks/ragged.py"):
-            return EXIT_NO_GPU
-        device = gpu_device(args.device)
-        name = torch.cuda.get_device_name(device)
-        backend = registry.select("grouped_matmul", device)
-        sizes = {"experts": EXPERTS, "hidden": HIDDEN, "inter2": INTER2}
-
-        def timer(fns):
-            return time_interleaved(fns, args.repeats, args.warmup, args.inner)
+        backend, sizes = registry.select("grouped_matmul", device), {"experts": EXPERTS, "hidden": HIDDEN,
+                                                                     "inter2": INTER2}
     from portable_mx.backends.triton.backend import TritonBackend
 
     if not isinstance(backend, TritonBackend):

@@ -995,7 +995,7 @@ def test_moe_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
             fn()
         return {name: 1.0 + i for i, name in enumerate(fns)}
 
-    monkeypatch.setattr(moe, "time_interleaved", fake)
+    monkeypatch.setattr(common, "time_interleaved", fake)  # (common.run_device makes the timer)
     out = tmp_path / "m.json"
     rc = moe.main(["--cpu-smoke", "--models", "tiny-qwen3", "--tokens", "1,3", "--routings", "skewed",
                    "--samples", "2", "--out", str(out)])

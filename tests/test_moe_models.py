@@ -1,4 +1,5 @@
-"""A tiny gpt-oss and one Qwen3-MoE layer end to end on the CPU, against transformers.
+"""A tiny gpt-oss and one Qwen3-MoE layer (and the families with its expert layout) end to
+end on the CPU, against transformers.
 
 gpt-oss: GptOssForCausalLM from a small config (2 layers, 4 experts, random weights), its
 experts quantized and saved in the gpt-oss layout by portable_mx's writer; transformers'
@@ -170,6 +171,83 @@ def test_qwen3_moe_layer_matches_the_block_on_dequantized_weights(via):
     with torch.no_grad():
         ours = block(x).float()
     assert (ours - ref).abs().max() <= 4 * BF16_ULP * ref.abs().max()
+
+
+def _stacked_block(family: str):
+    """A tiny sparse-MoE block of a transformers family whose experts copy Qwen3-MoE's
+    class (4 experts of hidden 64, intermediate 32, top-2), seeded, and the skip rule
+    that keeps its other Linear layers (a shared expert) in float."""
+    torch.manual_seed(2)
+    common = dict(hidden_size=64, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
+    if family == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+        return MixtralSparseMoeBlock(transformers.MixtralConfig(intermediate_size=32, num_local_experts=4,
+                                                                **common)), ()
+    if family == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                                          **common)
+        return Qwen2MoeSparseMoeBlock(cfg), ("*shared_expert*",)
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    return OlmoeSparseMoeBlock(transformers.OlmoeConfig(intermediate_size=32, num_experts=4, **common)), ()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_families_with_qwen3_moes_expert_layout_convert_and_match_the_block(family):
+    """Mixtral, Qwen2-MoE and OLMoE keep their experts in Qwen3-MoE's class under their
+    own names (transformers >= 5): convert makes them MXExperts (no warning), and the
+    block's forward with them equals the block's own forward on the dequantized weights
+    (bf16) within 4 bf16 ulps of the largest output, as for Qwen3-MoE."""
+    block, keep = _stacked_block(family)
+    experts = block.experts
+    e, two_i, h = experts.gate_up_proj.shape
+    with torch.no_grad():
+        for mod in block.modules():  # routers and a shared expert's gate: larger logits than the default init
+            if mod is not experts:
+                for p in mod.parameters(recurse=False):
+                    p.normal_(0, 0.5)
+        w1 = pmx.quantize(torch.randn(e, two_i, h) * 0.2, axis=-1)
+        w2 = pmx.quantize(torch.randn(e, h, two_i // 2) * 0.2, axis=-1)
+        experts.gate_up_proj.copy_(pmx.dequantize(w1))
+        experts.down_proj.copy_(pmx.dequantize(w2))
+    block = block.to(torch.bfloat16)
+    x = torch.randn(2, 5, h, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        ref = block(x)
+    ref = (ref[0] if isinstance(ref, tuple) else ref).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "stays in float" warning
+        assert pmx.nn.convert(block, W4A16, skip=keep) is block
+    assert isinstance(block.experts, MXExperts) and block.experts.activation == "swiglu"
+    assert block.experts.gate_up_proj is experts.gate_up_proj  # the Parameters shared, not copied
+    with torch.no_grad():
+        ours = block(x)
+    ours = (ours[0] if isinstance(ours, tuple) else ours).float()
+    assert (ours - ref).abs().max() <= 4 * BF16_ULP * ref.abs().max()
+
+
+def test_expert_modules_convert_does_not_map_stay_in_float_and_are_named():
+    """A transformers expert module whose decorator attributes say another layout (here a
+    Mixtral expert module marked with a post-expert norm, as MuseSpark's is; likewise
+    Aria's transposed, NemotronH's gateless, DeepSeek-V4's own gate) or whose activation is
+    not SiLU stays in float: one UserWarning names it and its class; skip silences it; the
+    rest of the model converts."""
+    block, _ = _stacked_block("mixtral")
+    model = torch.nn.Sequential(block, torch.nn.Linear(64, 64))
+    block.experts.has_post_expert_norm = True
+    experts = block.experts
+    with pytest.warns(UserWarning, match=r"1 transformers expert module\(s\) stay in float \('0\.experts' "
+                                         r"\(MixtralExperts\)\)"):
+        pmx.nn.convert(model)
+    assert model[0].experts is experts and isinstance(model[1], pmx.nn.MXLinear)
+    block2, _ = _stacked_block("mixtral")
+    block2.experts.act_fn = torch.nn.GELU()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pmx.nn.convert(block2, skip="experts")  # skipped: nothing to say
+        with pytest.raises(UserWarning, match="stay in float"):
+            pmx.nn.convert(block2)
+    assert not isinstance(block2.experts, MXExperts)
 
 
 def readme_blocks(marker: str = "readme-gpt-oss") -> list[str]:

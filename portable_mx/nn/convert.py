@@ -1,5 +1,6 @@
 """convert: swap the ``torch.nn.Linear`` layers of a model for :class:`MXLinear`, and its
-transformers expert modules (GptOss, Qwen3-MoE) for :class:`MXExperts`."""
+transformers expert modules (GptOss, Qwen3-MoE and the families with its layout) for
+:class:`MXExperts`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from .. import ops
 from .._sharding import has_dtensor_parameters as sharded, is_fsdp_module
-from .hf_experts import experts_from_module, known_family
+from .hf_experts import expert_like, experts_from_module, known_family
 from .linear import MXLinear
 
 SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
@@ -37,9 +38,11 @@ def _skip_rules(skip: Any) -> list[SkipRule]:
 def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> torch.nn.Module:
     """Swap every ``torch.nn.Linear`` of ``model`` for an :class:`MXLinear` sharing its
     Parameters, and every transformers expert module it knows (``GptOssExperts``,
-    ``Qwen3MoeExperts``: :mod:`portable_mx.nn.hf_experts`) for a float-mode
+    ``Qwen3MoeExperts`` and the other families with Qwen3-MoE's layout, Mixtral, Qwen2-MoE,
+    OLMoE, DeepSeek-V3, ...: :mod:`portable_mx.nn.hf_experts`) for a float-mode
     :class:`MXExperts` sharing its Parameters (one grouped GEMM per projection), in
-    place, and return the model.
+    place, and return the model. A transformers expert module it does not know stays in
+    float, with one ``UserWarning`` naming it (unless ``skip`` keeps it).
 
     Only modules whose type is exactly ``nn.Linear`` (or one of those expert classes)
     are swapped (a subclass may override ``forward``; existing MXLinear and MXExperts
@@ -85,6 +88,10 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             raise ValueError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
 
     parametrized: list[str] = []
+    float_experts: dict[int, tuple[str, str]] = {}  # expert modules no family maps, not skipped: (name, class)
+
+    def skipped(name: str, module: torch.nn.Module) -> bool:
+        return any(_pattern_skips(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
 
     def keep(name: str, module: torch.nn.Module) -> bool:
         # (the class alone: an expert module in a configuration MXExperts cannot run is
@@ -96,9 +103,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
         if type(module) is not torch.nn.Linear and known_family(module) is None:
             if isinstance(module, torch.nn.Linear) and torch.nn.utils.parametrize.is_parametrized(module):
                 parametrized.append(name)
+            elif expert_like(module) and not skipped(name, module):
+                float_experts.setdefault(id(module), (name, type(module).__name__))
             return True
         linear_names.append(name)
-        return any(_pattern_skips(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
+        return skipped(name, module)
 
     if not keep("", model):
         return converted(model, "")
@@ -125,6 +134,13 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             # into the new layer, so that the model's tree holds the converted child
             home = swapped[id(parent)] if id(parent) in swapped and type(parent) is torch.nn.Linear else parent
             setattr(home, child_name, swapped[key])
+    if float_experts:
+        found = list(float_experts.values())
+        warnings.warn(f"convert: {len(found)} transformers expert module(s) stay in float "
+                      f"({', '.join(f'{n!r} ({c})' for n, c in found[:6])}{', ...' if len(found) > 6 else ''}): "
+                      "their layout or activation is not one MXExperts maps (portable_mx.nn.hf_experts); "
+                      "skip=[...] silences this, pmx.nn.MXExperts.from_mx takes their weights directly",
+                      UserWarning, stacklevel=2)
     if parametrized:
         warnings.warn(f"convert: {len(parametrized)} parametrized nn.Linear layer(s) stay in float "
                       f"({', '.join(repr(n) for n in parametrized[:6])}{', ...' if len(parametrized) > 6 else ''}): "

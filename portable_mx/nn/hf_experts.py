@@ -10,11 +10,20 @@ class               weights                    activation  biases
 ==================  =========================  ==========  ============================
 ``GptOssExperts``   [E, in, out] (transposed)  swiglu_oai  gate_up_proj_bias, down_proj_bias
 ``Qwen3MoeExperts`` [E, out, in]               swiglu      none
+others (below)      [E, out, in]               swiglu      none
 ==================  =========================  ==========  ============================
 
 (transformers >= 5 stores Qwen3-MoE's experts stacked, ``gate_up_proj`` [E, 2I, H] with
 [gate | up] rows and ``down_proj`` [E, H, I]; its loader stacks the per-expert
 ``mlp.experts.N.{gate,up,down}_proj.weight`` tensors of the published checkpoints.)
+
+Other families (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3, GLM-4-MoE, ...) copy Qwen3-MoE's
+expert class under their own names; one is taken as Qwen3-MoE's when the attributes
+transformers' ``use_experts_implementation`` decorator gives it say the same layout and
+math (:func:`stacked_swiglu`). transformers runs its grouped_mm and batched_mm
+implementations on any decorated class by exactly those attributes. Any other
+transformers ``*Experts`` module stays in float, and :func:`portable_mx.nn.convert`
+names it in a warning.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from .._sharding import is_fsdp_module
 from ..tensor import MXTensor
 from .experts import MXExperts
 
-__all__ = ["FAMILIES", "experts_from_module", "family_of"]
+__all__ = ["FAMILIES", "STACKED_SWIGLU", "experts_from_module", "family_of", "stacked_swiglu"]
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "GptOssExperts": {"activation": "swiglu_oai", "transposed": True, "bias": True, "concatenated": False},
@@ -39,18 +48,77 @@ FAMILIES: dict[str, dict[str, Any]] = {
 _OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0
 
 
-def known_family(module: torch.nn.Module) -> Optional[dict[str, Any]]:
-    """The :data:`FAMILIES` entry of a transformers expert module's class, or None for any
-    other module; nothing about its configuration is checked (:func:`family_of` does)."""
+STACKED_SWIGLU = FAMILIES["Qwen3MoeExperts"]
+"""The family of every other transformers expert class with Qwen3-MoE's layout (Mixtral,
+Qwen2-MoE, OLMoE, DeepSeek-V3, GLM-4-MoE, ... in transformers >= 5): see
+:func:`stacked_swiglu`."""
+
+_LAYOUT = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+           "has_post_expert_norm": False}
+"""The ``use_experts_implementation`` attributes of Qwen3-MoE's layout."""
+
+
+def _class_of(module: torch.nn.Module) -> type:
+    """The module's class, or under FSDP2's fully_shard (FSDP<class>: FSDPModule, then the
+    class) the class it wrapped, so that convert can refuse FSDPGptOssExperts."""
     mro = type(module).__mro__
-    # the class itself, or under FSDP2's fully_shard (FSDP<class>: FSDPModule, then the class) the class
-    # it wrapped, so that convert can refuse FSDPGptOssExperts; no other subclass of a family's class
-    classes = (mro[2],) if is_fsdp_module(module) and len(mro) > 2 else mro[:1]
-    for cls in classes:
-        family = FAMILIES.get(cls.__name__)
-        if family is not None and cls.__module__.startswith("transformers."):
-            return family
-    return None
+    return mro[2] if is_fsdp_module(module) and len(mro) > 2 else mro[0]
+
+
+def known_family(module: torch.nn.Module) -> Optional[dict[str, Any]]:
+    """The :data:`FAMILIES` entry of a transformers expert module's class
+    (:data:`STACKED_SWIGLU` for a class :func:`stacked_swiglu` accepts), or None for any
+    other module; nothing more about a named family's configuration is checked
+    (:func:`family_of` does)."""
+    cls = _class_of(module)
+    if not cls.__module__.startswith("transformers."):
+        return None
+    family = FAMILIES.get(cls.__name__)
+    if family is not None:
+        return family
+    return STACKED_SWIGLU if stacked_swiglu(module) else None
+
+
+def stacked_swiglu(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (of a transformers class other than the named families) is a
+    transformers >= 5 expert module with Qwen3-MoE's layout and math, which transformers
+    itself declares through its ``use_experts_implementation`` decorator (the attributes
+    its grouped_mm / batched_mm implementations run any such class by):
+
+    - ``has_gate``, ``is_concatenated`` ([gate | up] rows), not ``is_transposed``, no
+      ``has_bias``, no ``has_post_expert_norm``, not expert-parallel;
+    - the decorator's own gate (``_default_apply_gate``: ``act_fn(gate) * up``) and an
+      ``act_fn`` that is SiLU;
+    - ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] Parameters, E =
+      ``num_experts``.
+
+    A module this does not accept stays in float (convert warns, naming it)."""
+    if any(not hasattr(module, attr) or bool(getattr(module, attr)) != want for attr, want in _LAYOUT.items()):
+        return False
+    if getattr(module, "_is_expert_parallel", False):
+        return False
+    gate = getattr(_class_of(module), "_apply_gate", None)
+    if getattr(gate, "__name__", None) != "_default_apply_gate" or \
+            getattr(gate, "__module__", "") != "transformers.integrations.moe":
+        return False
+    act = getattr(module, "act_fn", None)
+    if not isinstance(act, torch.nn.SiLU) and type(act).__name__ != "SiLUActivation":
+        return False
+    w1, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(w1, torch.nn.Parameter) and isinstance(w2, torch.nn.Parameter) and w1.dim() == w2.dim() == 3):
+        return False
+    e, two_i, h = w1.shape
+    return (two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2)
+            and getattr(module, "num_experts", e) == e)
+
+
+def expert_like(module: torch.nn.Module) -> bool:
+    """Whether ``module`` looks like a transformers expert module (its class from
+    transformers, named ``*Experts``, holding 3-D Parameters): one convert leaves in
+    float unless :func:`known_family` knows it, and says so."""
+    cls = _class_of(module)
+    return (cls.__module__.startswith("transformers.") and cls.__name__.endswith("Experts")
+            and any(p.dim() == 3 for p in module.parameters(recurse=False)))
 
 
 def family_of(module: torch.nn.Module) -> Optional[dict[str, Any]]:

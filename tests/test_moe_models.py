@@ -242,11 +242,17 @@ def test_expert_modules_convert_does_not_map_stay_in_float_and_are_named():
     assert model[0].experts is experts and isinstance(model[1], pmx.nn.MXLinear)
     block2, _ = _stacked_block("mixtral")
     block2.experts.act_fn = torch.nn.GELU()
+    shared = torch.nn.ModuleDict({"a": block2, "b": torch.nn.ModuleDict({"again": block2.experts})})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pmx.nn.convert(block2, skip="experts")  # skipped: nothing to say
+        pmx.nn.convert(shared, skip="b.*")  # skipped under one of its two names: nothing to say
         with pytest.raises(UserWarning, match="stay in float"):
             pmx.nn.convert(block2)
+    # a predicate written for Linear layers (no out_features on the expert module) makes no
+    # failed convert: it skips nothing there, and the warning comes
+    with pytest.warns(UserWarning, match="stay in float"):
+        pmx.nn.convert(block2, skip=lambda name, m: m.out_features == 1)
     assert not isinstance(block2.experts, MXExperts)
 
 

@@ -88,10 +88,19 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             raise ValueError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
 
     parametrized: list[str] = []
-    float_experts: dict[int, tuple[str, str]] = {}  # expert modules no family maps, not skipped: (name, class)
+    float_experts: dict[int, tuple[str, str]] = {}  # expert modules no family maps: (first name, class)
+    kept_experts: set[int] = set()  # ... of which a skip rule names one place: nothing to say
 
     def skipped(name: str, module: torch.nn.Module) -> bool:
         return any(_pattern_skips(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
+
+    def quietly_skipped(name: str, module: torch.nn.Module) -> bool:
+        # (a predicate written for Linear layers may not take another module: asked only for
+        # the warning, its error means "not skipped", never a failed convert)
+        try:
+            return skipped(name, module)
+        except Exception:  # noqa: BLE001
+            return False
 
     def keep(name: str, module: torch.nn.Module) -> bool:
         # (the class alone: an expert module in a configuration MXExperts cannot run is
@@ -103,8 +112,10 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
         if type(module) is not torch.nn.Linear and known_family(module) is None:
             if isinstance(module, torch.nn.Linear) and torch.nn.utils.parametrize.is_parametrized(module):
                 parametrized.append(name)
-            elif expert_like(module) and not skipped(name, module):
+            elif expert_like(module):
                 float_experts.setdefault(id(module), (name, type(module).__name__))
+                if quietly_skipped(name, module):
+                    kept_experts.add(id(module))
             return True
         linear_names.append(name)
         return skipped(name, module)
@@ -134,8 +145,8 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             # into the new layer, so that the model's tree holds the converted child
             home = swapped[id(parent)] if id(parent) in swapped and type(parent) is torch.nn.Linear else parent
             setattr(home, child_name, swapped[key])
-    if float_experts:
-        found = list(float_experts.values())
+    found = [v for k, v in float_experts.items() if k not in kept_experts]
+    if found:
         warnings.warn(f"convert: {len(found)} transformers expert module(s) stay in float "
                       f"({', '.join(f'{n!r} ({c})' for n, c in found[:6])}{', ...' if len(found) > 6 else ''}): "
                       "their layout or activation is not one MXExperts maps (portable_mx.nn.hf_experts); "

@@ -84,6 +84,11 @@ def _convert_after_fully_shard(rank, world):
             out.append("converted")
         except TypeError as err:
             out.append(str(err) if all(type(m) is not pmx.nn.MXLinear for m in model) else f"half: {err}")
+    # a skip rule keeps a sharded layer: the others convert
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    fully_shard(model[0])
+    pmx.nn.convert(model, skip="0")
+    out.append(f"skipped: {type(model[0]).__name__} {type(model[2]).__name__}")
     return out
 
 
@@ -197,9 +202,13 @@ def test_convert_after_fully_shard_is_refused(fsdp_results):
     """convert after fully_shard: a per-layer sharded Linear (an FSDPLinear) was skipped
     silently (that layer trained in fp32), and with the root alone sharded the forward
     failed in torch ('mixed torch.Tensor and DTensor'). Now a TypeError saying to convert
-    first, and the model left as it was."""
-    for message in result(fsdp_results, "convert_after"):
+    first, and the model left as it was; a skip rule naming the sharded layer keeps it
+    and converts the rest."""
+    *refused, skipped = result(fsdp_results, "convert_after")
+    assert len(refused) == 2
+    for message in refused:
         assert "already sharded by FSDP2's fully_shard" in message and "convert the model before" in message, message
+    assert skipped == "skipped: FSDPLinear MXLinear", skipped  # a skip rule keeps the sharded layer
 
 
 def test_sharded_weights_are_refused_not_quantized_wrongly(fsdp_results):

@@ -210,14 +210,17 @@ def test_families_with_qwen3_moes_expert_layout_convert_and_match_the_block(fami
         w2 = pmx.quantize(torch.randn(e, h, two_i // 2) * 0.2, axis=-1)
         experts.gate_up_proj.copy_(pmx.dequantize(w1))
         experts.down_proj.copy_(pmx.dequantize(w2))
-    block = block.to(torch.bfloat16)
+    block = block.to(torch.bfloat16).eval()  # (eval: no router jitter in any family)
     x = torch.randn(2, 5, h, generator=torch.Generator().manual_seed(3)).bfloat16()
     with torch.no_grad():
         ref = block(x)
     ref = (ref[0] if isinstance(ref, tuple) else ref).float()
+    # a predicate written for Linear layers is asked about the experts too, and fails
+    # there (no out_features): it skips nothing there, and convert goes on
+    linear_rule = lambda name, m: m.out_features == 1  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "stays in float" warning
-        assert pmx.nn.convert(block, W4A16, skip=keep) is block
+        assert pmx.nn.convert(block, W4A16, skip=(*keep, linear_rule)) is block
     assert isinstance(block.experts, MXExperts) and block.experts.activation == "swiglu"
     assert block.experts.gate_up_proj is experts.gate_up_proj  # the Parameters shared, not copied
     with torch.no_grad():
@@ -254,6 +257,13 @@ def test_expert_modules_convert_does_not_map_stay_in_float_and_are_named():
     with pytest.warns(UserWarning, match="stay in float"):
         pmx.nn.convert(block2, skip=lambda name, m: m.out_features == 1)
     assert not isinstance(block2.experts, MXExperts)
+    block3, _ = _stacked_block("mixtral")
+    del block3.experts.act_fn  # (a child module: replaced by a plain attribute)
+    block3.experts.act_fn = torch.nn.functional.silu  # the function itself, as LFM2-MoE keeps it: SiLU still
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pmx.nn.convert(block3)
+    assert isinstance(block3.experts, MXExperts) and block3.experts.activation == "swiglu"
 
 
 def readme_blocks(marker: str = "readme-gpt-oss") -> list[str]:

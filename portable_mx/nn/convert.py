@@ -13,7 +13,7 @@ import torch
 
 from .. import ops
 from .._sharding import has_dtensor_parameters as sharded, is_fsdp_module
-from .hf_experts import expert_like, experts_from_module, known_family
+from .hf_experts import expert_class, expert_like, experts_from_module, known_family
 from .linear import MXLinear
 
 SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
@@ -63,8 +63,10 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     ``torch.nn.utils.parametrize`` made a subclass (weight_norm, spectral_norm, ...) stays
     in float with one ``UserWarning`` naming it: convert first, then parametrize the
     MXLinear. A model already sharded by FSDP2's ``fully_shard`` (a Linear of its becomes
-    an ``FSDPLinear``, or holds DTensor parameters) is refused with a TypeError: convert
-    before ``fully_shard``. When
+    an ``FSDPLinear``, or holds DTensor parameters) is refused with a TypeError unless a
+    skip rule keeps each sharded layer: convert before ``fully_shard``. Predicates are
+    asked about the expert modules too; one written for Linear layers that fails on an
+    expert module (reads ``out_features``) skips nothing there. When
     ``model`` itself is an ``nn.Linear`` a new MXLinear is returned (use the return
     value). Count the converted layers with
     ``sum(isinstance(m, MXLinear) for m in model.modules())``.
@@ -92,29 +94,40 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     kept_experts: set[int] = set()  # ... of which a skip rule names one place: nothing to say
 
     def skipped(name: str, module: torch.nn.Module) -> bool:
-        return any(_pattern_skips(name, r) if isinstance(r, str) else bool(r(name, module)) for r in rules)
-
-    def quietly_skipped(name: str, module: torch.nn.Module) -> bool:
-        # (a predicate written for Linear layers may not take another module: asked only for
-        # the warning, its error means "not skipped", never a failed convert)
-        try:
-            return skipped(name, module)
-        except Exception:  # noqa: BLE001
-            return False
+        """Whether a rule skips ``module`` at ``name``. Predicates are asked about expert
+        modules too; one written for Linear layers that fails on another module (reads
+        ``out_features``) skips nothing there: convert does not fail on it."""
+        for r in rules:
+            if isinstance(r, str):
+                if _pattern_skips(name, r):
+                    return True
+            elif isinstance(module, torch.nn.Linear):
+                if r(name, module):
+                    return True
+            else:
+                try:
+                    if r(name, module):
+                        return True
+                except Exception:  # noqa: BLE001  (see above)
+                    pass
+        return False
 
     def keep(name: str, module: torch.nn.Module) -> bool:
         # (the class alone: an expert module in a configuration MXExperts cannot run is
         # refused when converted, so that a skip rule can keep it)
-        if ((isinstance(module, torch.nn.Linear) or known_family(module) is not None)
+        family = known_family(module) is not None
+        if ((isinstance(module, torch.nn.Linear) or family)
                 and (sharded(module) or is_fsdp_module(module))):  # (an FSDP<class>, unsharded just now too)
+            if skipped(name, module):  # kept as it is: a skip rule may keep a sharded layer
+                return True
             raise TypeError(f"convert: layer {name!r} is already sharded by FSDP2's fully_shard (its parameters "
-                            "are DTensors): convert the model before fully_shard")
-        if type(module) is not torch.nn.Linear and known_family(module) is None:
+                            "are DTensors): convert the model before fully_shard, or skip it")
+        if type(module) is not torch.nn.Linear and not family:
             if isinstance(module, torch.nn.Linear) and torch.nn.utils.parametrize.is_parametrized(module):
                 parametrized.append(name)
             elif expert_like(module):
-                float_experts.setdefault(id(module), (name, type(module).__name__))
-                if quietly_skipped(name, module):
+                float_experts.setdefault(id(module), (name, expert_class(module)))
+                if skipped(name, module):
                     kept_experts.add(id(module))
             return True
         linear_names.append(name)

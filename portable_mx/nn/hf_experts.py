@@ -88,7 +88,7 @@ def stacked_swiglu(module: torch.nn.Module) -> bool:
     - ``has_gate``, ``is_concatenated`` ([gate | up] rows), not ``is_transposed``, no
       ``has_bias``, no ``has_post_expert_norm``, not expert-parallel;
     - the decorator's own gate (``_default_apply_gate``: ``act_fn(gate) * up``) and an
-      ``act_fn`` that is SiLU;
+      ``act_fn`` that is SiLU (torch's, transformers', or ``F.silu``);
     - ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] Parameters, E =
       ``num_experts``.
 
@@ -101,8 +101,7 @@ def stacked_swiglu(module: torch.nn.Module) -> bool:
     if getattr(gate, "__name__", None) != "_default_apply_gate" or \
             getattr(gate, "__module__", "") != "transformers.integrations.moe":
         return False
-    act = getattr(module, "act_fn", None)
-    if not isinstance(act, torch.nn.SiLU) and type(act).__name__ != "SiLUActivation":
+    if not _is_silu(getattr(module, "act_fn", None)):
         return False
     w1, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(w1, torch.nn.Parameter) and isinstance(w2, torch.nn.Parameter) and w1.dim() == w2.dim() == 3):
@@ -110,6 +109,18 @@ def stacked_swiglu(module: torch.nn.Module) -> bool:
     e, two_i, h = w1.shape
     return (two_i % 2 == 0 and tuple(w2.shape) == (e, h, two_i // 2)
             and getattr(module, "num_experts", e) == e)
+
+
+def expert_class(module: torch.nn.Module) -> str:
+    """The name of ``module``'s class (the class FSDP2 wrapped, for an FSDP<class>)."""
+    return _class_of(module).__name__
+
+
+def _is_silu(act: Any) -> bool:
+    """Whether a module's ``act_fn`` is SiLU: torch's module, transformers' SiLUActivation,
+    or the function itself (LFM2-MoE keeps ``F.silu``)."""
+    return (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+            or act is torch.nn.functional.silu)
 
 
 def expert_like(module: torch.nn.Module) -> bool:
@@ -144,7 +155,7 @@ def family_of(module: torch.nn.Module) -> Optional[dict[str, Any]]:
                              f"(alpha {_OAI_ALPHA}, limit {_OAI_LIMIT})")
     else:
         act = getattr(module, "act_fn", None)
-        if not isinstance(act, torch.nn.SiLU) and type(act).__name__ != "SiLUActivation":
+        if not _is_silu(act):
             raise ValueError(f"{name}: activation {type(act).__name__}; MXExperts' swiglu is SiLU(gate) * up")
     return family
 

@@ -204,7 +204,7 @@ class Backend:
             out = _ragged.column_sums(a, offsets)
         else:
             out = _ragged.k_product(a, b, offsets, out_dtype)
-        return out if out_dtype is None or out.dtype == out_dtype else out.to(out_dtype)
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -255,7 +255,7 @@ def _grad_w(dh, x, x_op, r: QuantRecipe, offsets, gather_index, gather, dtype) -
         dw = moe_dispatch.ragged_k(gq, aq, poffs, dtype)
     else:
         dw = moe_dispatch.ragged_k(dh, a, offsets, dtype)
-    return dw.to(dtype)
+    return dw  # (ragged_k rounded it to dtype)
 
 
 def _grouped_mm_grad_fake(grad, x, w, x_parts, w_parts, offsets, gather_index, scatter_index, topk_weights, bias,

@@ -174,7 +174,9 @@ def _offsets(offsets: torch.Tensor) -> torch.Tensor:
 
 def _room(st) -> None:
     """The plan cap every Triton plan cache keeps (backend.py's _MAX_PLANS)."""
-    if len(st.grouped_plans) >= 4096:
+    from .backend import _MAX_PLANS
+
+    if len(st.grouped_plans) >= _MAX_PLANS:
         st.grouped_plans.clear()
 
 

@@ -586,6 +586,170 @@ def test_public_matmul_through_the_upcast_route(gemm_kernel, monkeypatch):
         assert_accumulation_close(out.reshape(-1, 70), left, ops._mx_rows(w_mx.to("cpu")), 100)
 
 
+# ----------------------------------------------------------------------------- split-K buffers and streams
+
+
+def _split_k_matmuls(backend, device, monkeypatch, split: int = 3):
+    """pmx.matmul on ``backend`` with every default config split ``split`` ways (no plan
+    of another test, no tuned config): W4A16 x [5, 300] @ a weight [300, 70]."""
+    from portable_mx.backends.triton import splitk
+    from portable_mx.backends.triton.launch import GemmConfig
+
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    monkeypatch.setattr(backend, "_devices", {})
+    monkeypatch.setattr(splitk, "_BUFFERS", {})
+    monkeypatch.setattr(type(backend), "default_gemm_config",
+                        lambda self, target, m, a_format, heavy: GemmConfig(16, 64, 64, split_k=split))
+    recipe = QR(activations="bf16")
+    w_mx = pmx.quantize(randn(300, 70, seed=11).to(device), recipe, axis=0)
+    return recipe, w_mx
+
+
+@needs_kernels
+def test_split_k_buffers_belong_to_the_launch_stream_not_the_plan(gemm_kernel, monkeypatch, tmp_path):
+    """One plan launched on two streams uses each stream's workspace and counters (one
+    shared pair would mix the partial sums and arrival counts of launches that run at the
+    same time: a wrong result, silently); a launch while its stream is captured into a
+    CUDA graph gets new buffers, counters zero, and keeps none. The streams and the
+    capture are simulated (splitk's stream key and capture test patched); real ones are
+    the GPU tests below."""
+    from portable_mx.backends.triton import splitk
+
+    backend, device = gemm_kernel
+    monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path))
+    recipe, w_mx = _split_k_matmuls(backend, device, monkeypatch)
+    stream, capturing, got = ["A"], [False], []
+    real_stream = splitk._stream
+    monkeypatch.setattr(splitk, "_stream", lambda dev: ((real_stream(dev)[0][0], stream[0]), capturing[0]))
+    real_buffers = splitk.buffers
+
+    def spy(dev, part_elems, tiles):
+        pair = real_buffers(dev, part_elems, tiles)
+        assert pair[0].numel() >= part_elems and pair[1].numel() >= tiles
+        got.append(pair)
+        return pair
+
+    monkeypatch.setattr(splitk, "buffers", spy)
+    x = randn(5, 300, seed=12).to(device)
+    outs = []
+    for name, capture in (("A", False), ("B", False), ("A", False), ("B", True), ("B", True)):
+        stream[0], capturing[0] = name, capture
+        outs.append(pmx.matmul(x, w_mx, recipe))
+    (pa, ca), (pb, cb), (pa2, ca2), (pg1, cg1), (pg2, cg2) = got
+    assert len(backend._devices[indexed(device)].gemm_plans) == 1  # one plan, five launches
+    assert pa is pa2 and ca is ca2  # a stream keeps its own
+    ptrs = {t.data_ptr() for t in (pa, pb, pg1, pg2)}
+    assert len(ptrs) == 4 and len({t.data_ptr() for t in (ca, cb, cg1, cg2)}) == 4
+    kept = {id(t) for pair in splitk._BUFFERS.values() for t in pair}
+    assert len(splitk._BUFFERS) == 2 and not kept & {id(pg1), id(cg1), id(pg2), id(cg2)}
+    for counts in (ca, cb, cg1, cg2):
+        assert int(counts.abs().sum()) == 0
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    with monkeypatch.context() as cpu:  # the exact operands, on the CPU by the reference
+        cpu.setenv(registry.ENV_BACKEND, "reference")
+        left = ops.left_operand(x.cpu(), recipe)
+    assert_accumulation_close(outs[0], left, ops._mx_rows(w_mx.to("cpu")), 300)
+
+
+@pytest.mark.triton
+def test_split_k_buffers_grow_per_stream_and_keep_a_bounded_number_of_streams(monkeypatch):
+    """A stream's buffers grow to the largest launch and are then reused; beyond
+    ``_MAX_KEPT`` streams the oldest entry goes (its memory is reused in its stream's
+    order, as a grown buffer's)."""
+    from portable_mx.backends.triton import splitk
+
+    cpu, stream = torch.device("cpu"), ["A"]
+    monkeypatch.setattr(splitk, "_BUFFERS", {})
+    monkeypatch.setattr(splitk, "_MAX_KEPT", 2)
+    monkeypatch.setattr(splitk, "_stream", lambda dev: ((dev, stream[0]), False))
+    first = splitk.buffers(cpu, 10, 3)
+    assert first[0].numel() >= 10 and first[1].numel() >= 3 and int(first[1].abs().sum()) == 0
+    assert all(x is y for x, y in zip(splitk.buffers(cpu, 10, 3), first))
+    grown = splitk.buffers(cpu, 1 << 20, 5000)
+    assert grown[0].numel() >= 1 << 20 and grown[1].numel() >= 5000 and int(grown[1].abs().sum()) == 0
+    assert all(x is y for x, y in zip(splitk.buffers(cpu, 10, 3), grown))
+    for name in "BAC":
+        stream[0] = name
+        splitk.buffers(cpu, 10, 3)
+    assert list(splitk._BUFFERS) == [(cpu, "B"), (cpu, "C")]
+
+def _gpu_split_k(monkeypatch, tmp_path):
+    """(backend, device, recipe, weight [4096, 4096] MXFP4, two bf16 inputs [16, 4096],
+    their products from one stream) on the current GPU, every GEMM split 8 ways."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    names = [name for name, where in kernel_backends("matmul") if where == "cuda"]
+    if not names:
+        pytest.skip(no_kernels_reason("matmul"))
+    backend = registry.get(names[0])
+    monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path))
+    recipe, _ = _split_k_matmuls(backend, device, monkeypatch, split=8)
+    w_mx = pmx.quantize(randn(4096, 4096, seed=21).to(device), recipe, axis=0)
+    xs = [randn(16, 4096, seed=22 + i).bfloat16().to(device) for i in range(2)]
+    want = [pmx.matmul(x, w_mx, recipe) for x in xs]
+    plans = backend._devices[device].gemm_plans.values()
+    assert plans and all(p.split is not None for p in plans)
+    return backend, device, recipe, w_mx, xs, want
+
+
+@needs_gpu
+def test_gpu_split_k_launches_on_two_streams_at_once(monkeypatch, tmp_path):
+    """Split-K GEMMs queued on two streams behind a sleep, so that they run at the same
+    time, give the bits of the same GEMMs run one after another (each stream has its own
+    workspace and counters)."""
+    backend, device, recipe, w_mx, xs, want = _gpu_split_k(monkeypatch, tmp_path)
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(100_000_000)  # ~50 ms: the launches below queue up behind it
+    outs: list = [[], []]
+    for _ in range(64):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(pmx.matmul(xs[i], w_mx, recipe))
+    torch.cuda.synchronize(device)
+    for i in range(2):
+        bad = sum(not torch.equal(o, want[i]) for o in outs[i])
+        assert bad == 0, f"stream {i}: {bad} of {len(outs[i])} results differ from the serial ones"
+
+
+@needs_gpu
+def test_gpu_a_captured_split_k_launch_survives_the_kept_buffers_changing(monkeypatch, tmp_path):
+    """A split-K GEMM captured in a CUDA graph uses buffers of its own: it replays
+    correctly after the buffers kept for eager launches grew (a larger split-K launch),
+    the plans were dropped, and every buffer kept before or after the capture was
+    overwritten (NaN partials, counters at 7); eager launches are correct again once
+    their counters are zero."""
+    from portable_mx.backends.triton import splitk
+
+    backend, device, recipe, w_mx, xs, want = _gpu_split_k(monkeypatch, tmp_path)
+    x = xs[0].clone()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm up off the default stream, as torch.cuda.graph asks
+        pmx.matmul(x, w_mx, recipe)
+    torch.cuda.current_stream(device).wait_stream(side)
+    kept = list(splitk._BUFFERS.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = pmx.matmul(x, w_mx, recipe)
+    pmx.matmul(randn(512, 4096, seed=30).bfloat16().to(device), w_mx, recipe)  # grows the kept buffers
+    backend._devices[device].gemm_plans.clear()
+    kept += list(splitk._BUFFERS.values())
+    for part, counts in kept:
+        part.fill_(float("nan"))
+        counts.fill_(7)
+    for i in (1, 0, 1):
+        x.copy_(xs[i])
+        graph.replay()
+        torch.cuda.synchronize(device)
+        assert torch.equal(y, want[i])
+    for _, counts in kept:
+        counts.zero_()
+    for i in (0, 1):
+        assert torch.equal(pmx.matmul(xs[i], w_mx, recipe), want[i])
+
 # ----------------------------------------------------------------------------- routing
 
 

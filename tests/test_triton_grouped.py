@@ -181,6 +181,33 @@ def test_offsets_split_k_and_counters(gemm_kernel, monkeypatch, route):
     assert_within(outs[0].cpu(), exact, bound)
 
 
+def test_split_k_buffers_are_the_launch_streams(gemm_kernel, monkeypatch):
+    """One grouped plan launched on two streams and while a stream is captured: each
+    stream's own workspace and counters, new ones in the capture (as the dense GEMM's,
+    test_triton_gemm_upcast.py; streams and capture simulated), the same bits each time."""
+    from portable_mx.backends.triton import splitk
+
+    backend, device = on_route(gemm_kernel, monkeypatch, "default")
+    offsets = torch.tensor([6, 6, 25, 25, 27], dtype=torch.int32)
+    x = rand(27, 400, seed=45, dtype=torch.bfloat16).to(device)
+    w_mx = pmx.quantize(rand(5, 64, 400, seed=46), axis=-1).to(device)
+    original = backend.grouped_config
+    monkeypatch.setattr(backend, "grouped_config", lambda *args: dataclasses.replace(original(*args), split_k=3))
+    monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
+    monkeypatch.setattr(splitk, "_BUFFERS", {})
+    stream, capturing, got = ["A"], [False], []
+    real_stream, real_buffers = splitk._stream, splitk.buffers
+    monkeypatch.setattr(splitk, "_stream", lambda dev: ((real_stream(dev)[0][0], stream[0]), capturing[0]))
+    monkeypatch.setattr(splitk, "buffers", lambda *args: got.append(real_buffers(*args)) or got[-1])
+    outs = []
+    for name, capture in (("A", False), ("B", False), ("B", True)):
+        stream[0], capturing[0] = name, capture
+        outs.append(pmx.grouped_matmul(x, w_mx, offsets=offsets.to(device), recipe=QR(activations="bf16")))
+    assert len(got) == 3 and len({pair[0].data_ptr() for pair in got}) == 3
+    assert len(splitk._BUFFERS) == 2
+    assert all(int(pair[1].abs().sum()) == 0 for pair in got)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
 @pytest.mark.parametrize("k, wdtype, out_dtype", [(1, None, torch.float32), (3, torch.bfloat16, torch.float32),
                                                   (8, torch.float32, torch.bfloat16)])
 def test_combine_equals_the_reference_bit_for_bit(gemm_kernel, k, wdtype, out_dtype):

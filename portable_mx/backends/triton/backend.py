@@ -151,15 +151,16 @@ class _QuantizePlan:
 class _GemmPlan:
     """One GEMM launch: operand kinds, M, N, K, strides and alignment, output dtype; the
     weight's storage layouts (``weight``: None for the MXTensor's own parts, else the key
-    and builder of its swizzled copy, kept by ``_Operand.storage``), the split-K workspace and counters (None without split-K,
-    kept with the plan: a captured graph replays the same buffers) and the integer
-    arguments."""
+    and builder of its swizzled copy, kept by ``_Operand.storage``), the split-K buffers'
+    sizes (``split``: None without split-K, else the workspace's elements and the tiles,
+    for :func:`splitk.buffers` at each launch: the buffers belong to the launch's stream,
+    not to the plan) and the integer arguments."""
 
-    __slots__ = ("launch", "store", "ints", "weight", "part", "counts")
+    __slots__ = ("launch", "store", "ints", "weight", "split")
 
-    def __init__(self, launch, store, ints, weight=None, part=None, counts=None) -> None:
+    def __init__(self, launch, store, ints, weight=None, split=None) -> None:
         self.launch, self.store, self.ints = launch, store, ints
-        self.weight, self.part, self.counts = weight, part, counts
+        self.weight, self.split = weight, split
 
 
 def _weight_parts(values, scales, bsmax: Optional[bool] = None):
@@ -772,8 +773,7 @@ class TritonBackend(Backend):
             plan = self._plan_gemm(st, key, a, w, m, stride_am, out_dtype, bias is not None)
         c = torch.empty(m, w.key[3], dtype=plan.store, device=dev)
         b_parts = w.parts if plan.weight is None else w.storage(b, plan.weight[0], plan.weight[1])
-        part = c if plan.part is None else plan.part
-        counts = c if plan.counts is None else plan.counts
+        part, counts = (c, c) if plan.split is None else _module(".splitk").buffers(dev, *plan.split)
         self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, c if bias is None else bias, *plan.ints))
         return c if plan.store is out_dtype else c.to(out_dtype)
 
@@ -859,8 +859,8 @@ class TritonBackend(Backend):
         ``gemm_upcast.upcast_gemm_kernel``, both taking ``(a, as, am, aov, aoi, b, bs, bm,
         bov, boi, [bsmax,] c, part, counts, bias, *ints, **constexprs)``, bsmax for the upcast
         kernel, and storing c's dtype), the config with ``split_k = 0`` resolved
-        for this device, the weight's layouts, and the split-K buffers."""
-        from . import gemm, gemm_upcast, splitk
+        for this device, the weight's layouts, and the split-K buffers' sizes."""
+        from . import gemm, gemm_upcast
         from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES
 
         oa = (gemm.Operand(a.dtype, None, 0, key[0][3]) if isinstance(a, torch.Tensor)
@@ -903,11 +903,9 @@ class TritonBackend(Backend):
             weight = (f"gemm-weight:{values.name}:{scales.name}", _weight_parts(values, scales))
         split = consts["SPLIT_K"]
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
-        part = counts = None
-        if split > 1:
-            part, counts = splitk.buffers(st.device, tiles * split * config.block_m * config.block_n, tiles)
         launch = Launch(name, fn, (tiles * split,), dict(consts), self.options(config), config)
-        out = _GemmPlan(launch, store, ints, weight, part, counts)
+        out = _GemmPlan(launch, store, ints, weight,
+                        (tiles * split * config.block_m * config.block_n, tiles) if split > 1 else None)
         if len(st.gemm_plans) >= _MAX_PLANS:
             st.gemm_plans.clear()
         st.gemm_plans[key] = out

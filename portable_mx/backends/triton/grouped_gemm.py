@@ -385,13 +385,14 @@ class GroupedPlan:
     schedule, the weight's storage (None: the rows view's parts, else its key among the
     weight operand's kept layouts, ``_Operand.storage``, its value and scale layouts and,
     for the upcast kernel, whether its largest scale byte is read: :func:`_weight_storage`)
-    and the split-K buffers."""
+    and the split-K buffers' sizes (None without split-K; the buffers are the launch
+    stream's, :func:`splitk.buffers`)."""
 
-    __slots__ = ("launch", "store", "ints", "tile_m", "weight", "part", "counts")
+    __slots__ = ("launch", "store", "ints", "tile_m", "weight", "split")
 
-    def __init__(self, launch, store, ints, tile_m, weight, part, counts) -> None:
+    def __init__(self, launch, store, ints, tile_m, weight, split) -> None:
         self.launch, self.store, self.ints, self.tile_m = launch, store, ints, tile_m
-        self.weight, self.part, self.counts = weight, part, counts
+        self.weight, self.split = weight, split
 
 
 def _weight_storage(parts, values, scales, bsmax: Optional[bool] = None) -> tuple:
@@ -454,12 +455,10 @@ def plan(backend, st, key, a, wop, num_experts: int, rows: int, xr: int, stride_
         weight = (f"grouped-weight:{values.name}:{scales.name}", values, scales, None)
     split = consts["SPLIT_K"]
     tiles = slots * -(-n // config.block_n)
-    part = counts = None
-    if split > 1:
-        part, counts = splitk.buffers(st.device, tiles * split * config.block_m * config.block_n, tiles)
     store = out_dtype if not st.cast_output and out_dtype in store_dtypes else torch.float32
     launch = Launch(name, fn, (tiles * split,), dict(consts), backend.options(config), config)
-    out = GroupedPlan(launch, store, ints, config.block_m, weight, part, counts)
+    out = GroupedPlan(launch, store, ints, config.block_m, weight,
+                      (tiles * split * config.block_m * config.block_n, tiles) if split > 1 else None)
     if len(st.grouped_plans) >= 4096:
         st.grouped_plans.clear()
     st.grouped_plans[key] = out
@@ -498,8 +497,7 @@ def run(backend, st, a, a_parts: tuple, a_key: tuple, xr: int, stride_am: int, w
         name, values, scales, bsmax = found.weight
         b_parts = wop.storage(w, name, lambda _: _weight_storage(wop.parts, values, scales, bsmax))
     sched = schedule(found.tile_m)
-    part = c if found.part is None else found.part
-    counts = c if found.counts is None else found.counts
+    part, counts = (c, c) if found.split is None else splitk.buffers(w.device, *found.split)
     backend._launch(st, found.launch, (*a_parts, *b_parts, c, part, counts, sched, offsets,
                                        offsets if gather is None else gather,
                                        offsets if bias is None else bias, *found.ints))

@@ -7,11 +7,9 @@ counter (an atomic with release/acquire semantics at GPU scope, after a CTA barr
 program that arrives last reads every partial in split order 0, 1, ..., SPLIT_K - 1 (so
 the sum does not depend on which program finished last: the result is deterministic),
 resets the counter to 0 and runs the epilogue. No second kernel, no zero-fill, no output
-atomics. The workspace and the counters are allocated once per device and reused
-(:func:`buffers`); the counters are zero between launches, so the launch can be captured
-in a CUDA graph once the buffers exist (call once before capturing). Launches on two
-streams of one device at the same time would share them: split-K launches are meant for
-one stream.
+atomics. The workspace and the counters are kept per device and stream and reused
+(:func:`buffers`; the counters are zero between launches); a launch captured in a CUDA
+graph gets buffers of its own.
 """
 
 from __future__ import annotations
@@ -84,38 +82,72 @@ def combine(acc, offs, mask, part_ptr, count_ptr, tile, pid_k, SPLIT_K: tl.const
 
 
 # ----------------------------------------------------------------------------- host side
+#
+# The workspace and the counters are kept per (device, stream). Launches on one stream run
+# in order and share them; launches on two streams may run at the same time, and with one
+# workspace their partial sums and arrival counts would mix (a wrong result, silently), so
+# each stream has its own. A buffer that grows is replaced: the old one goes back to torch's
+# caching allocator, which hands it out again only in its stream's order (after the
+# launches already queued on that stream that use it).
+#
+# While a CUDA graph is captured, each launch gets buffers of its own from the graph's
+# memory pool, the counters zeroed by a memset captured in the graph (so they are zero at
+# every replay): a graph never refers to the kept buffers, which a later eager launch may
+# grow and free, and two graphs replayed on two streams at the same time share nothing.
 
 _LOCK = threading.Lock()
-_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_KEPT = 64
+"""Streams whose buffers are kept at most (torch's stream pools hold 32 per priority and
+device; an application making streams of its own may have more): the oldest entry goes
+first, which is safe (its memory is reused in its stream's order, as a grown one's)."""
 
 
-def _key(device) -> torch.device:
-    """``device`` with its index ("cuda" is the current CUDA device)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+def _stream(device: torch.device) -> tuple[tuple, bool]:
+    """((``device`` with its index, the raw id of its current stream; 0 off CUDA), whether
+    that stream is being captured into a CUDA graph). The launches under one key run in
+    order. Asked of ``device`` itself where it is not the current device (the callers run
+    before the backend's device guard)."""
+    if device.type != "cuda":
+        return (device, 0), False
+    current, index = torch._C._cuda_getDevice(), device.index
+    if index is None:
+        index, device = current, torch.device("cuda", current)
+    if index == current:
+        capturing = torch._C._cuda_isCurrentStreamCapturing()
+    else:
+        with torch.cuda.device(index):
+            capturing = torch._C._cuda_isCurrentStreamCapturing()
+    return (device, torch._C._cuda_getCurrentRawStream(index)), capturing
 
 
 def buffers(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 workspace of at least ``part_elems`` elements, int32 counters, zero, at least
-    ``tiles`` of them) of ``device``; grown when a launch needs more, else reused."""
-    device = _key(device)
-    have = _BUFFERS.get(device)
+    ``tiles`` of them) for a launch on ``device``'s current stream: the stream's own,
+    grown when a launch needs more, else reused; while that stream is captured into a CUDA
+    graph, new ones (see above)."""
+    key, capturing = _stream(device)
+    if capturing:
+        return (torch.empty(max(part_elems, 1), dtype=torch.float32, device=key[0]),
+                torch.zeros(max(tiles, 1), dtype=torch.int32, device=key[0]))
+    have = _BUFFERS.get(key)
     if have is not None and have[0].numel() >= part_elems and have[1].numel() >= tiles:
         return have
     with _LOCK:
-        have = _BUFFERS.get(device)
+        have = _BUFFERS.get(key)
         part_n = max(part_elems, 0 if have is None else have[0].numel(), 1 << 16)
         count_n = max(tiles, 0 if have is None else have[1].numel(), 1024)
         part = have[0] if have is not None and have[0].numel() >= part_n else torch.empty(
-            part_n, dtype=torch.float32, device=device)
+            part_n, dtype=torch.float32, device=key[0])
         counts = have[1] if have is not None and have[1].numel() >= count_n else torch.zeros(
-            count_n, dtype=torch.int32, device=device)
-        _BUFFERS[device] = (part, counts)
+            count_n, dtype=torch.int32, device=key[0])
+        if have is None and len(_BUFFERS) >= _MAX_KEPT:
+            del _BUFFERS[next(iter(_BUFFERS))]
+        _BUFFERS[key] = (part, counts)
         return part, counts
 
 
 def counters(device: torch.device) -> torch.Tensor:
-    """The counters of ``device`` (for tests: they must be all zero between launches)."""
-    return _BUFFERS[_key(device)][1]
+    """The counters of ``device``'s current stream (for tests: they must be all zero
+    between launches)."""
+    return _BUFFERS[_stream(torch.device(device))[0]][1]

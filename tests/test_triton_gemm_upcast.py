@@ -619,8 +619,8 @@ def test_split_k_buffers_belong_to_the_launch_stream_not_the_plan(gemm_kernel, m
     monkeypatch.setenv("PORTABLE_MX_CACHE_DIR", str(tmp_path))
     recipe, w_mx = _split_k_matmuls(backend, device, monkeypatch)
     stream, capturing, got = ["A"], [False], []
-    real_stream = splitk._stream
-    monkeypatch.setattr(splitk, "_stream", lambda dev: ((real_stream(dev)[0][0], stream[0]), capturing[0]))
+    monkeypatch.setattr(splitk, "_STREAMED", {indexed(device): True})
+    monkeypatch.setattr(splitk, "_stream", lambda dev: ((dev, stream[0]), capturing[0]))
     real_buffers = splitk.buffers
 
     def spy(dev, part_elems, tiles):
@@ -640,7 +640,7 @@ def test_split_k_buffers_belong_to_the_launch_stream_not_the_plan(gemm_kernel, m
     assert pa is pa2 and ca is ca2  # a stream keeps its own
     ptrs = {t.data_ptr() for t in (pa, pb, pg1, pg2)}
     assert len(ptrs) == 4 and len({t.data_ptr() for t in (ca, cb, cg1, cg2)}) == 4
-    kept = {id(t) for pair in splitk._BUFFERS.values() for t in pair}
+    kept = {id(t) for entry in splitk._BUFFERS.values() for t in entry[0]}
     assert len(splitk._BUFFERS) == 2 and not kept & {id(pg1), id(cg1), id(pg2), id(cg2)}
     for counts in (ca, cb, cg1, cg2):
         assert int(counts.abs().sum()) == 0
@@ -662,6 +662,7 @@ def test_split_k_buffers_grow_per_stream_and_keep_a_bounded_number_of_streams(mo
     cpu, stream = torch.device("cpu"), ["A"]
     monkeypatch.setattr(splitk, "_BUFFERS", {})
     monkeypatch.setattr(splitk, "_MAX_KEPT", 2)
+    monkeypatch.setattr(splitk, "_STREAMED", {cpu: True})
     monkeypatch.setattr(splitk, "_stream", lambda dev: ((dev, stream[0]), False))
     first = splitk.buffers(cpu, 10, 3)
     assert first[0].numel() >= 10 and first[1].numel() >= 3 and int(first[1].abs().sum()) == 0
@@ -730,13 +731,13 @@ def test_gpu_a_captured_split_k_launch_survives_the_kept_buffers_changing(monkey
     with torch.cuda.stream(side):  # warm up off the default stream, as torch.cuda.graph asks
         pmx.matmul(x, w_mx, recipe)
     torch.cuda.current_stream(device).wait_stream(side)
-    kept = list(splitk._BUFFERS.values())
+    kept = [entry[0] for entry in splitk._BUFFERS.values()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = pmx.matmul(x, w_mx, recipe)
     pmx.matmul(randn(512, 4096, seed=30).bfloat16().to(device), w_mx, recipe)  # grows the kept buffers
     backend._devices[device].gemm_plans.clear()
-    kept += list(splitk._BUFFERS.values())
+    kept += [entry[0] for entry in splitk._BUFFERS.values()]
     for part, counts in kept:
         part.fill_(float("nan"))
         counts.fill_(7)

@@ -196,8 +196,9 @@ def test_split_k_buffers_are_the_launch_streams(gemm_kernel, monkeypatch):
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
     monkeypatch.setattr(splitk, "_BUFFERS", {})
     stream, capturing, got = ["A"], [False], []
-    real_stream, real_buffers = splitk._stream, splitk.buffers
-    monkeypatch.setattr(splitk, "_stream", lambda dev: ((real_stream(dev)[0][0], stream[0]), capturing[0]))
+    real_buffers = splitk.buffers
+    monkeypatch.setattr(splitk, "_STREAMED", {w_mx.device: True})
+    monkeypatch.setattr(splitk, "_stream", lambda dev: ((dev, stream[0]), capturing[0]))
     monkeypatch.setattr(splitk, "buffers", lambda *args: got.append(real_buffers(*args)) or got[-1])
     outs = []
     for name, capture in (("A", False), ("B", False), ("B", True)):

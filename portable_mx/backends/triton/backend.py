@@ -152,9 +152,9 @@ class _GemmPlan:
     """One GEMM launch: operand kinds, M, N, K, strides and alignment, output dtype; the
     weight's storage layouts (``weight``: None for the MXTensor's own parts, else the key
     and builder of its swizzled copy, kept by ``_Operand.storage``), the split-K buffers'
-    sizes (``split``: None without split-K, else the workspace's elements and the tiles,
-    for :func:`splitk.buffers` at each launch: the buffers belong to the launch's stream,
-    not to the plan) and the integer arguments."""
+    sizes (``split``: None without split-K, else :func:`splitk.buffers`, the workspace's
+    elements and the tiles, for a call at each launch: the buffers belong to the launch's
+    stream, not to the plan) and the integer arguments."""
 
     __slots__ = ("launch", "store", "ints", "weight", "split")
 
@@ -773,7 +773,8 @@ class TritonBackend(Backend):
             plan = self._plan_gemm(st, key, a, w, m, stride_am, out_dtype, bias is not None)
         c = torch.empty(m, w.key[3], dtype=plan.store, device=dev)
         b_parts = w.parts if plan.weight is None else w.storage(b, plan.weight[0], plan.weight[1])
-        part, counts = (c, c) if plan.split is None else _module(".splitk").buffers(dev, *plan.split)
+        split = plan.split
+        part, counts = (c, c) if split is None else split[0](dev, split[1], split[2])
         self._launch(st, plan.launch, (*a_parts, *b_parts, c, part, counts, c if bias is None else bias, *plan.ints))
         return c if plan.store is out_dtype else c.to(out_dtype)
 
@@ -904,8 +905,8 @@ class TritonBackend(Backend):
         split = consts["SPLIT_K"]
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         launch = Launch(name, fn, (tiles * split,), dict(consts), self.options(config), config)
-        out = _GemmPlan(launch, store, ints, weight,
-                        (tiles * split * config.block_m * config.block_n, tiles) if split > 1 else None)
+        out = _GemmPlan(launch, store, ints, weight, (_module(".splitk").buffers, tiles * split * config.block_m
+                                                      * config.block_n, tiles) if split > 1 else None)
         if len(st.gemm_plans) >= _MAX_PLANS:
             st.gemm_plans.clear()
         st.gemm_plans[key] = out

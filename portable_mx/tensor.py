@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _dispatch
+from . import _dispatch, _graphs
 from ._transforms import refuse_func_transforms
 from .format import BLOCK_SIZE
 from .recipe import QuantRecipe, validated
@@ -298,7 +298,8 @@ class MXTensor:
         are not seen); parts made under ``torch.inference_mode`` have none, and such a
         value is built on every call. ``valid``: a check of a kept value (e.g. that the
         parts it copied were not written since); the value is built again when it
-        returns False."""
+        returns False. A value built while the stream is captured into a CUDA graph is
+        not kept (:mod:`portable_mx._graphs`): the next eager call builds its own."""
         if _is_compiling():  # traced: the graph holds the views (torch 2.9's dynamo
             return build(self)  # cannot write a new key into a frozen dataclass's __dict__)
         memo = self.__dict__.get("_memo")
@@ -311,10 +312,14 @@ class MXTensor:
                 memo.pop(key, None)
                 return build(self)
             if value is None or value[0] != versions:
-                value = memo[key] = (versions, build(self))
+                value = (versions, build(self))
+                if not _graphs.capturing(self.qdata):
+                    memo[key] = value
             return value[1]
         if value is None or (valid is not None and not valid(value)):
-            value = memo[key] = build(self)
+            value = build(self)
+            if not _graphs.capturing(self.qdata):
+                memo[key] = value
         return value
 
     @classmethod

@@ -62,7 +62,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .. import ops
+from .. import _graphs, ops
 from ..moe import grouped_matmul, route
 from ..format import BLOCK_SIZE
 from ..recipe import QuantRecipe
@@ -341,12 +341,11 @@ class MXExperts(torch.nn.Module):
         why = ("its buffers were overwritten with weights quantized with another macro block (a torch.distributed."
                "checkpoint load writes into the module before any check); build the module from MXTensors of the "
                "checkpoint's recipe, or load a checkpoint of this module's")
-        if compiling or (block.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if compiling or _graphs.capturing(block):  # (checked at run time only: nothing recorded as checked)
             torch._assert_async(block == want, f"MXExperts: {proj}_macro_block does not hold {want}, the "
                                                f"macro-block size this module applies: {why}")
-            if compiling:
-                return
-        elif not block.is_meta and int(block) != want:
+            return
+        if not block.is_meta and int(block) != want:
             raise RuntimeError(f"MXExperts: {proj}_macro_block holds {int(block)} but this module applies macro "
                                f"blocks of {want}: {why}")
         self._mx_checked[proj] = (block, version)

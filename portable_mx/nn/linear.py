@@ -11,8 +11,8 @@ cached quantized weight inside :func:`~portable_mx.nn.weight_cache`), one GEMM l
 implementations, AOTAutograd traces the backward through ``grad_mm``), and a model of
 :class:`MXLinear` layers compiles with ``fullgraph=True``, inductor included. CUDA
 graphs: nothing on these paths synchronises with the host, so forward and backward can
-be captured and replayed; a captured forward outside ``weight_cache`` quantizes the
-weight inside the graph, so a replay after an optimizer step sees the new weight.
+be captured and replayed; a captured forward quantizes the weight inside the graph, in
+or out of ``weight_cache``, so a replay after an optimizer step sees the new weight.
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ made through ``.data``: an in-place write to ``vec`` is not seen), no code runni
 ``torch.autograd._unsafe_preserve_version_counter``. Layers managed by FSDP (FSDP2's
 ``fully_shard``, FSDP1) never cache, in or out of the block: FSDP refills their unsharded
 weights in place without a version bump. ``torch.compile``d code never consults the
-cache (it quantizes inside its graph).
+cache (it quantizes inside its graph), and neither does a forward captured into a CUDA
+graph: a graph replays the addresses it captured, and a cached weight is freed when the
+block ends and replaced after an optimizer step, so a graph that read it would replay
+freed memory or the old weight; quantized inside the graph, every replay reads the weight
+as it is then.
 
 Typical use: around rollout generation or an inference loop, where one weight version
 serves many forwards::
@@ -47,6 +51,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import _graphs
 from .._sharding import has_dtensor_parameters as sharded
 from ..tensor import version_of
 
@@ -113,8 +118,9 @@ class WeightCache:
 
     def get(self, name: str, w: torch.Tensor, recipe: Any, build: Callable[[torch.Tensor], Any]) -> Any:
         """``build(w)``, or the value built for this same ``(w, recipe)`` earlier in the
-        block when nothing the cache can see has changed since."""
-        if self.depth <= 0:
+        block when nothing the cache can see has changed since. In a CUDA graph capture,
+        ``build(w)`` and nothing kept or read: the graph quantizes at every replay."""
+        if self.depth <= 0 or _graphs.capturing(w):
             return build(w)
         key = _key(w, recipe)
         hit = self.entries.get(name)

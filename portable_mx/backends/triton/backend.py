@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from ... import _graphs
 from ...decompose import Decomposition
 from ...recipe import QuantRecipe
 from ...registry import Backend
@@ -236,7 +237,12 @@ class _Operand:
         copies: :func:`_weight_parts`), made once and again after an in-place write of any
         part of ``mx``, this operand's MXTensor (:func:`~portable_mx.tensor.part_versions`,
         as :meth:`MXTensor.memo` keeps copies; inference tensors: made on every call).
-        One lookup with the operand's own: the dense and grouped GEMMs' hot path."""
+        One lookup with the operand's own: the dense and grouped GEMMs' hot path.
+
+        CUDA graphs (``portable_mx._graphs``): made while the stream is captured, not kept;
+        made again after an in-place write, copied into the kept tensors (their addresses,
+        which a graph captured before reads, now hold the new layouts) where the shapes
+        agree."""
         versions = part_versions(mx)
         if versions is None:
             return build(mx)
@@ -245,8 +251,18 @@ class _Operand:
             stored = self.stored = {}
         kept = stored.get(key)
         if kept is None or kept[0] != versions:
-            kept = stored[key] = (versions, build(mx))
+            value = build(mx)
+            if _graphs.capturing(mx.qdata):
+                return value
+            if kept is not None and _graphs.refill(kept[1], value, self.sources(mx)):
+                value = kept[1]
+            kept = stored[key] = (versions, value)
         return kept[1]
+
+    @staticmethod
+    def sources(mx: MXTensor) -> tuple:
+        """The MXTensor's parts (None where absent)."""
+        return (mx.qdata, mx.scales, mx.macro_scales, mx.outlier_values, mx.outlier_indices)
 
     def fresh(self) -> bool:
         """Whether no part it copied was written in place since (an inference tensor has
@@ -255,13 +271,30 @@ class _Operand:
 
 
 def _weight_operand(mx: MXTensor) -> _Operand:
-    """The weight's kept GEMM operand (made again when a copied part was written)."""
+    """The weight's kept GEMM operand (made again when a copied part was written: into
+    the kept one's copies where the shapes agree, :func:`_refreshed`)."""
     kept = mx.__dict__.get("_memo")  # (memo's lookup inlined for one that copied nothing: valid while it lives)
     if kept is not None:
         kept = kept.get("gemm-operand")
         if kept is not None and kept.copied is None and not _is_compiling():
             return kept
-    return mx.memo("gemm-operand", _Operand, valid=_Operand.fresh)
+    if kept is None or _is_compiling():
+        return mx.memo("gemm-operand", _Operand, valid=_Operand.fresh)
+    return mx.memo("gemm-operand", lambda m: _refreshed(m, kept), valid=_Operand.fresh)
+
+
+def _refreshed(mx: MXTensor, stale: _Operand) -> _Operand:
+    """A new operand of ``mx``, whose non-contiguous parts were written in place since
+    ``stale`` copied them; outside a CUDA graph capture, its copies written into
+    ``stale``'s where the shapes agree and ``stale`` returned (its addresses, and the
+    storage layouts it keeps, which a graph captured with it reads, stay: the layouts are
+    made again at their next use, into their kept tensors too)."""
+    new = _Operand(mx)
+    if _graphs.capturing(mx.qdata) or new.key != stale.key or not _graphs.refill(
+            stale.parts, new.parts, _Operand.sources(mx)):
+        return new
+    stale.copied = new.copied
+    return stale
 
 
 class TritonBackend(Backend):

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import _graphs
 from ...tensor import version_of
 from .upcast import hopper_code_bit
 
@@ -345,16 +346,24 @@ _PREPARED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 def _kept(plain: torch.Tensor, tag: tuple, make) -> torch.Tensor:
     """``make(plain)``, made on first use and then kept with plain's storage (for as long
-    as it lives and its version does not change)."""
+    as it lives and its version does not change). Made again after an in-place write of
+    plain, into the kept tensor (its address, which a CUDA graph captured with it reads,
+    holds the new copy: ``_graphs.refill``). While the stream is captured into a CUDA
+    graph: made for the graph, nothing read or kept (``portable_mx._graphs``)."""
     version = version_of(plain)
-    if version is None:  # an inference tensor: no version counter, so nothing kept
+    if version is None or _graphs.capturing(plain):  # an inference tensor has no version counter
         return make(plain)
     storage = plain.untyped_storage()
     key = (id(storage), plain.storage_offset(), tuple(plain.shape), plain.stride(), *tag)
     hit = _PREPARED.get(key)
-    if hit is not None and hit[0]() is storage and hit[1] == version:
-        return hit[2]
-    out = make(plain)
+    if hit is not None and hit[0]() is storage:
+        if hit[1] == version:
+            return hit[2]
+        out = make(plain)
+        if _graphs.refill((hit[2],), (out,), (plain,)):
+            out = hit[2]
+    else:
+        out = make(plain)
     ref = weakref.ref(storage, lambda _, key=key: _PREPARED.pop(key, None))
     _PREPARED[key] = (ref, version, out)
     return out

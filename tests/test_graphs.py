@@ -226,6 +226,20 @@ def test_a_captured_forward_neither_reads_nor_fills_the_weight_cache(capture, mo
 # ----------------------------------------------------------------------------- GPU
 
 
+def captured(call, warm):
+    """(graph, its output) of ``call()`` captured on the current GPU, after ``warm()`` ran
+    on a side stream (the warm-up torch asks for before a capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 def _gpu_backend(monkeypatch):
     """The Triton backend of this GPU, made the default."""
     names = [name for name, where in kernel_backends("matmul") if where == "cuda"]
@@ -247,14 +261,7 @@ def test_gpu_a_weight_first_used_in_a_capture_is_right_in_eager_calls_before_any
     x = rand(16, 1024, seed=4, device=device, dtype=torch.bfloat16)
     w, twin = (pmx.quantize(rand(1024, 512, seed=s, device=device), recipe, axis=0) for s in (5, 6))
     fresh = pmx.quantize(rand(1024, 512, seed=5, device=device), recipe, axis=0)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        pmx.matmul(x, twin, recipe)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = pmx.matmul(x, w, recipe)
+    graph, y = captured(lambda: pmx.matmul(x, w, recipe), lambda: pmx.matmul(x, twin, recipe))
     want = pmx.matmul(x, fresh, recipe)
     assert torch.equal(pmx.matmul(x, w, recipe), want)
     graph.replay()
@@ -274,15 +281,8 @@ def test_gpu_a_forward_captured_in_a_weight_cache_block_replays_the_current_weig
     layer = MXLinear(1024, 512, device=device, dtype=torch.bfloat16, recipe=pmx.QuantRecipe(activations="bf16"))
     x = rand(16, 1024, seed=7, device=device, dtype=torch.bfloat16)
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
-    graph = torch.cuda.CUDAGraph()
-    with pmx.nn.weight_cache(layer):
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad():
-            layer(x)
-        torch.cuda.current_stream(device).wait_stream(side)
-        with torch.cuda.graph(graph), torch.no_grad():
-            y = layer(x)
+    with pmx.nn.weight_cache(layer), torch.no_grad():
+        graph, y = captured(lambda: layer(x), lambda: layer(x))
     for _ in range(2):
         layer(x).float().pow(2).mean().backward()
         opt.step()
@@ -304,14 +304,7 @@ def test_gpu_a_graph_replays_a_weight_written_in_place_once_an_eager_call_saw_it
     device = torch.device("cuda", torch.cuda.current_device())
     x = rand(16, 1024, seed=10, device=device, dtype=torch.bfloat16)
     w, new = (pmx.quantize(rand(1024, 512, seed=s, device=device), recipe, axis=0) for s in (11, 12))
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        pmx.matmul(x, w, recipe)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = pmx.matmul(x, w, recipe)
+    graph, y = captured(lambda: pmx.matmul(x, w, recipe), lambda: pmx.matmul(x, w, recipe))
     want = pmx.matmul(x, new, recipe)
     with torch.no_grad():
         w.qdata.copy_(new.qdata)

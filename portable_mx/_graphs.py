@@ -31,7 +31,7 @@ def refill(old: tuple, new: tuple, parts: tuple) -> bool:
     data: both tuples of one length whose tensors agree in shape, dtype, device and
     strides, and whose other entries are equal. A tensor of ``old`` that is ``new``'s memory
     already (a view of a part, in a layout that needs no copy) is left as it is; one that
-    shares memory with any of the MXTensor's ``parts`` otherwise is never written (False:
+    shares memory with any of the MXTensor's ``parts`` (``MXTensor.parts()``) otherwise is never written (False:
     the caller keeps ``new`` instead). Returns whether ``old`` now holds ``new``."""
     if not (isinstance(old, tuple) and isinstance(new, tuple)) or len(old) != len(new):
         return False

@@ -254,15 +254,10 @@ class _Operand:
             value = build(mx)
             if _graphs.capturing(mx.qdata):
                 return value
-            if kept is not None and _graphs.refill(kept[1], value, self.sources(mx)):
+            if kept is not None and _graphs.refill(kept[1], value, mx.parts()):
                 value = kept[1]
             kept = stored[key] = (versions, value)
         return kept[1]
-
-    @staticmethod
-    def sources(mx: MXTensor) -> tuple:
-        """The MXTensor's parts (None where absent)."""
-        return (mx.qdata, mx.scales, mx.macro_scales, mx.outlier_values, mx.outlier_indices)
 
     def fresh(self) -> bool:
         """Whether no part it copied was written in place since (an inference tensor has
@@ -291,7 +286,7 @@ def _refreshed(mx: MXTensor, stale: _Operand) -> _Operand:
     made again at their next use, into their kept tensors too)."""
     new = _Operand(mx)
     if _graphs.capturing(mx.qdata) or new.key != stale.key or not _graphs.refill(
-            stale.parts, new.parts, _Operand.sources(mx)):
+            stale.parts, new.parts, mx.parts()):
         return new
     stale.copied = new.copied
     return stale

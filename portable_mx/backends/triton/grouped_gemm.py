@@ -385,8 +385,8 @@ class GroupedPlan:
     schedule, the weight's storage (None: the rows view's parts, else its key among the
     weight operand's kept layouts, ``_Operand.storage``, its value and scale layouts and,
     for the upcast kernel, whether its largest scale byte is read: :func:`_weight_storage`)
-    and the split-K buffers' sizes (None without split-K; the buffers are the launch
-    stream's, :func:`splitk.buffers`)."""
+    and the split-K buffers (None without split-K, else :func:`splitk.buffers` and its
+    sizes, as the dense plan's: the buffers are the launch stream's)."""
 
     __slots__ = ("launch", "store", "ints", "tile_m", "weight", "split")
 
@@ -458,7 +458,8 @@ def plan(backend, st, key, a, wop, num_experts: int, rows: int, xr: int, stride_
     store = out_dtype if not st.cast_output and out_dtype in store_dtypes else torch.float32
     launch = Launch(name, fn, (tiles * split,), dict(consts), backend.options(config), config)
     out = GroupedPlan(launch, store, ints, config.block_m, weight,
-                      (tiles * split * config.block_m * config.block_n, tiles) if split > 1 else None)
+                      (splitk.buffers, tiles * split * config.block_m * config.block_n, tiles) if split > 1
+                      else None)
     if len(st.grouped_plans) >= 4096:
         st.grouped_plans.clear()
     st.grouped_plans[key] = out
@@ -497,7 +498,8 @@ def run(backend, st, a, a_parts: tuple, a_key: tuple, xr: int, stride_am: int, w
         name, values, scales, bsmax = found.weight
         b_parts = wop.storage(w, name, lambda _: _weight_storage(wop.parts, values, scales, bsmax))
     sched = schedule(found.tile_m)
-    part, counts = (c, c) if found.split is None else splitk.buffers(w.device, *found.split)
+    split = found.split
+    part, counts = (c, c) if split is None else split[0](w.device, split[1], split[2])
     backend._launch(st, found.launch, (*a_parts, *b_parts, c, part, counts, sched, offsets,
                                        offsets if gather is None else gather,
                                        offsets if bias is None else bias, *found.ints))

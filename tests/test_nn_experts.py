@@ -273,6 +273,27 @@ def test_frozen_state_dict_is_the_checkpoint_layout():
     assert torch.equal(other(x, ids, wts), y)
 
 
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(macro_block=64), pmx.QuantRecipe(outliers_per_block=1)],
+                         ids=["mbs", "of"])
+def test_a_frozen_module_that_ran_saves_whole(recipe, tmp_path):
+    """torch.save(module) after a forward: the memo's MXTensor views the int32 / int16
+    buffers of the MBS factors and outliers as fp32 / bf16, and torch.save refused the
+    module ('Cannot save multiple tensors or storages that view the same data as
+    different types'; audit). The memos are not pickled; the loaded module computes what
+    the saved one did."""
+    g = torch.Generator().manual_seed(13)
+    experts = MXExperts.from_mx(pmx.quantize(torch.randn(E, 2 * I, H, generator=g), recipe, axis=-1),
+                                pmx.quantize(torch.randn(E, H, I, generator=g), recipe, axis=-1), recipe=W4A16)
+    x = torch.randn(T, H, generator=g)
+    ids, wts = routing(14)
+    y = experts(x, ids, wts)
+    torch.save(experts, tmp_path / "experts.pt")
+    loaded = torch.load(tmp_path / "experts.pt", weights_only=False)
+    assert loaded._mx_memo == {} and loaded._mx_checked == {}
+    assert torch.equal(loaded(x, ids, wts), y)
+    assert experts._mx_memo  # saving leaves the running module's memo alone
+
+
 def test_a_state_dict_quantized_with_another_macro_block_is_refused():
     """K = 192 has two macro-block factors per row with blocks of 96 and of 128: every
     shape matched, load_state_dict took weights quantized with 96 into a module built for

@@ -94,7 +94,7 @@ class MXExperts(torch.nn.Module):
     ``QuantRecipe(activations="bf16")`` for W4A16), assignable.
 
     Forward: ``x`` [..., H] (the weights' dtype in float mode; any float dtype frozen),
-    ``top_k_index`` [..., k] integer expert ids in [0, E), ``top_k_weights`` [..., k]
+    ``top_k_index`` [..., k] int32 or int64 expert ids in [0, E), ``top_k_weights`` [..., k]
     router weights (or None: all 1) -> [..., H] in x's dtype. The argument order is that
     of transformers' expert modules (``hidden_states, router_indices, routing_weights``).
     Under ``torch.autocast`` (dtype D), x and the biases are cast to D first, as
@@ -435,6 +435,15 @@ class MXExperts(torch.nn.Module):
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation}, "
                 f"bias={self.gate_up_proj_bias is not None}, weights={where}, recipe={self._recipe.describe()}")
+
+    def __getstate__(self) -> dict:
+        """The module without its memos: they are rebuilt on use (``__setstate__``), and the
+        MXTensor a frozen module's memo holds views its int32 / int16 buffers as fp32 /
+        bf16, which ``torch.save`` refuses to store beside the buffers."""
+        state = super().__getstate__()
+        state.pop("_mx_memo", None)
+        state.pop("_mx_checked", None)
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

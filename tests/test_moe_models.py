@@ -266,6 +266,69 @@ def test_expert_modules_convert_does_not_map_stay_in_float_and_are_named():
     assert isinstance(block3.experts, MXExperts) and block3.experts.activation == "swiglu"
 
 
+def test_convert_carries_an_expert_modules_hooks_and_additions():
+    """convert took a transformers expert module's Parameters only: a forward hook on it
+    stopped running (the block's output changed, no warning), a buffer and a child module
+    a user added left the state dict (audit). Now MXExperts takes over its hook tables (a
+    handle still removes the hook) and what was added, as the same objects; a child Linear
+    is converted inside the new module; a name MXExperts uses is refused with the layer
+    named, and nothing of the model changes."""
+    block, _ = _stacked_block("mixtral")
+    with torch.no_grad():
+        for p in block.parameters():  # (transformers leaves the experts' weights uninitialised)
+            p.normal_(0, 0.2)
+    experts = block.experts
+    calls = []
+    handle = experts.register_forward_hook(lambda m, args, out: (calls.append(type(m).__name__), out * 0)[1])
+    experts.register_buffer("mask", torch.ones(4))
+    experts.register_parameter("gain", torch.nn.Parameter(torch.ones(64)))
+    experts.adapter = torch.nn.Linear(64, 8)
+    before = block.state_dict(keep_vars=True)
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        ref = block(x)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    assert calls == ["MixtralExperts"] and ref.abs().max() == 0  # (the hook zeroes the experts' sum)
+    pmx.nn.convert(block, W4A16)
+    new = block.experts
+    assert isinstance(new, MXExperts)
+    after = block.state_dict(keep_vars=True)
+    assert sorted(after) == sorted(before) and all(after[k] is before[k] for k in before if "adapter" not in k)
+    assert isinstance(new.adapter, pmx.nn.MXLinear) and new.adapter.weight is experts.adapter.weight
+    with torch.no_grad():
+        out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    assert calls == ["MixtralExperts", "MXExperts"] and out.abs().max() == 0
+    handle.remove()
+    with torch.no_grad():
+        out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    assert calls == ["MixtralExperts", "MXExperts"] and out.abs().max() > 0
+    clash, _ = _stacked_block("mixtral")
+    clash.experts.register_buffer("transposed", torch.zeros(1))
+    old = clash.experts
+    with pytest.raises(TypeError, match=r"convert: layer 'experts': experts_from_module: this MixtralExperts has a buffer 'transposed', a "
+                                        r"name MXExperts uses itself.*skip=\['experts'\]"):
+        pmx.nn.convert(clash)
+    assert clash.experts is old
+
+
+def test_a_parametrized_expert_module_is_named_not_silently_kept():
+    """torch.nn.utils.parametrize makes an expert module a subclass of its own module
+    (Parametrized<class>): convert kept it in float without a word (a parametrized Linear
+    was named). Now the warning names it; skip silences it."""
+    block, _ = _stacked_block("mixtral")
+    torch.nn.utils.parametrize.register_parametrization(block.experts, "gate_up_proj", torch.nn.Identity())
+    torch.nn.utils.parametrize.register_parametrization(block.experts, "down_proj", torch.nn.Identity())
+    experts = block.experts
+    with pytest.warns(UserWarning, match=r"1 parametrized layer\(s\) .* stay in float \('experts'\)"):
+        pmx.nn.convert(block)
+    assert block.experts is experts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pmx.nn.convert(block, skip="experts")
+
+
 def readme_blocks(marker: str = "readme-gpt-oss") -> list[str]:
     """The ```python blocks of README.md between `<!-- {marker}: ...` and its end marker."""
     import pathlib

@@ -492,8 +492,65 @@ def test_convert_keeps_what_a_user_added_to_a_linear():
         MXLinear.from_linear(clash)
     wrapped = nn.Linear(64, 32)
     wrapped.forward = lambda x: nn.Linear.forward(wrapped, x)  # as wrappers set it: a float forward
-    with pytest.raises(TypeError, match="attribute 'forward', a name MXLinear uses itself"):
+    with pytest.raises(TypeError, match="has a forward set on the instance"):
         MXLinear.from_linear(wrapped)
+
+
+_LOADED_INTO: list = []
+
+
+def _record_load(module, *args) -> None:
+    _LOADED_INTO.append(type(module).__name__)
+
+
+def test_a_load_state_dict_pre_hook_goes_to_the_converted_layer():
+    """register_load_state_dict_pre_hook binds the hook to its module (a weak reference):
+    after convert it was handed the old float Linear, and once that was collected the
+    model's load_state_dict, deepcopy and torch.load raised ("the hook of a dead Module";
+    audit). The hook is now bound to the MXLinear; a convert that fails leaves it bound to
+    the Linear."""
+    import gc
+    import io
+
+    got = _LOADED_INTO
+    got.clear()
+    lin = nn.Linear(64, 32)
+    lin.register_load_state_dict_pre_hook(_record_load)  # (module level: torch.save pickles it)
+    model = nn.Sequential(lin)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    convert(model)
+    del lin
+    gc.collect()
+    model.load_state_dict(sd)
+    assert got == ["MXLinear"]
+    copy.deepcopy(model).load_state_dict(sd)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    torch.load(buf, weights_only=False).load_state_dict(sd)
+    assert got == ["MXLinear"] * 3
+    # a layer after it cannot be converted: the model is as it was, hooks included
+    first, bad = nn.Linear(64, 32), nn.Linear(32, 8)
+    first.register_load_state_dict_pre_hook(lambda module, *args: got.append(module))
+    bad._recipe = "mine"
+    model = nn.Sequential(first, bad)
+    with pytest.raises(TypeError, match="layer '1'"):
+        convert(model)
+    gc.collect()
+    assert model[0] is first
+    model.load_state_dict(model.state_dict())
+    assert got[-1] is first
+
+
+def test_a_linear_compiled_in_place_is_refused_with_the_reason():
+    """Linear.compile() sets the instance's compiled call: convert refused it saying the
+    user had set an attribute '_compiled_call_impl' and should rename it (audit)."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+    model[0].compile()
+    with pytest.raises(TypeError, match=r"layer '0': from_linear: this Linear was compiled in place "
+                                        r"\(module.compile\(\)\); convert the model first, then compile it"):
+        convert(model)
+    assert type(model[0]) is nn.Linear
 
 
 @pytest.mark.parametrize("skip", [["a"], ["b"]])
@@ -620,7 +677,7 @@ def test_a_parametrized_linear_is_named_not_silently_kept():
         warnings.simplefilter("always")
         pmx.nn.convert(model)
     assert model[0] is lin and isinstance(model[1], MXLinear)
-    assert [w for w in caught if "parametrized nn.Linear" in str(w.message) and "'0'" in str(w.message)]
+    assert [w for w in caught if "parametrized layer(s)" in str(w.message) and "'0'" in str(w.message)]
     with pytest.raises(TypeError, match="convert the plain Linear first"):
         MXLinear.from_linear(lin)
     layer = MXLinear.from_linear(torch.nn.Linear(64, 48))

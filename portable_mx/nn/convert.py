@@ -13,6 +13,7 @@ import torch
 
 from .. import ops
 from .._sharding import has_dtensor_parameters as sharded, is_fsdp_module
+from ._takeover import give_back_hooks
 from .hf_experts import expert_class, expert_like, experts_from_module, known_family
 from .linear import MXLinear
 
@@ -61,8 +62,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     stays one float Linear when a rule skips any of its names. A Linear inside a converted
     Linear (a child module a user added) is converted too, inside the new layer. A Linear that
     ``torch.nn.utils.parametrize`` made a subclass (weight_norm, spectral_norm, ...) stays
-    in float with one ``UserWarning`` naming it: convert first, then parametrize the
-    MXLinear. A model already sharded by FSDP2's ``fully_shard`` (a Linear of its becomes
+    in float with one ``UserWarning`` naming it (unless ``skip`` keeps it), and so does such
+    a transformers expert module: convert first, then parametrize the MXLinear or
+    MXExperts. A converted layer takes over the hooks registered on the one it replaces
+    and the Parameters, buffers and child modules a user added to it
+    (:meth:`MXLinear.from_linear`, :func:`portable_mx.nn.hf_experts.experts_from_module`). A model already sharded by FSDP2's ``fully_shard`` (a Linear of its becomes
     an ``FSDPLinear``, or holds DTensor parameters) is refused with a TypeError unless a
     skip rule keeps each sharded layer: convert before ``fully_shard``. Predicates are
     asked about the expert modules too; one written for Linear layers that fails on an
@@ -86,8 +90,8 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 raise TypeError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
         try:
             return experts_from_module(module, recipe)
-        except ValueError as err:  # a configuration MXExperts cannot run; skip keeps it
-            raise ValueError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
+        except (TypeError, ValueError) as err:  # a configuration MXExperts cannot run; skip keeps it
+            raise type(err)(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
 
     parametrized: list[str] = []
     float_experts: dict[int, tuple[str, str]] = {}  # expert modules no family maps: (first name, class)
@@ -123,8 +127,10 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             raise TypeError(f"convert: layer {name!r} is already sharded by FSDP2's fully_shard (its parameters "
                             "are DTensors): convert the model before fully_shard, or skip it")
         if type(module) is not torch.nn.Linear and not family:
-            if isinstance(module, torch.nn.Linear) and torch.nn.utils.parametrize.is_parametrized(module):
-                parametrized.append(name)
+            if torch.nn.utils.parametrize.is_parametrized(module) and (isinstance(module, torch.nn.Linear)
+                                                                         or expert_like(module)):
+                if not skipped(name, module):
+                    parametrized.append(name)
             elif expert_like(module):
                 float_experts.setdefault(id(module), (name, expert_class(module)))
                 if skipped(name, module):
@@ -149,15 +155,20 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             modules.setdefault(id(child), (child, []))[1].append(name)
             places.append((parent, child_name, id(child)))
     swapped: dict[int, torch.nn.Module] = {}
-    for key, (child, names) in modules.items():
-        if not any([keep(name, child) for name in names]):  # (every name asked: patterns match through any)
-            swapped[key] = converted(child, names[0])
+    try:
+        for key, (child, names) in modules.items():
+            if not any([keep(name, child) for name in names]):  # (every name asked: patterns match through any)
+                swapped[key] = converted(child, names[0])
+    except BaseException:
+        for key, new in swapped.items():  # (the hooks the new layers took are the old ones' again)
+            if new is not None:
+                give_back_hooks(modules[key][0], new)
+        raise
     for parent, child_name, key in places:
         if key in swapped:
-            # a child of a converted Linear (its new layer holds the same children) goes
+            # a child of a converted layer (its new layer holds the same children) goes
             # into the new layer, so that the model's tree holds the converted child
-            home = swapped[id(parent)] if id(parent) in swapped and type(parent) is torch.nn.Linear else parent
-            setattr(home, child_name, swapped[key])
+            setattr(swapped.get(id(parent), parent), child_name, swapped[key])
     found = [v for k, v in float_experts.items() if k not in kept_experts]
     if found:
         warnings.warn(f"convert: {len(found)} transformers expert module(s) stay in float "
@@ -166,10 +177,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                       "skip=[...] silences this, pmx.nn.MXExperts.from_mx takes their weights directly",
                       UserWarning, stacklevel=2)
     if parametrized:
-        warnings.warn(f"convert: {len(parametrized)} parametrized nn.Linear layer(s) stay in float "
-                      f"({', '.join(repr(n) for n in parametrized[:6])}{', ...' if len(parametrized) > 6 else ''}): "
-                      "torch.nn.utils.parametrize computes their weight; convert first, then register the "
-                      "parametrization on the MXLinear", UserWarning, stacklevel=2)
+        warnings.warn(f"convert: {len(parametrized)} parametrized layer(s) (nn.Linear or transformers experts) "
+                      f"stay in float ({', '.join(repr(n) for n in parametrized[:6])}"
+                      f"{', ...' if len(parametrized) > 6 else ''}): torch.nn.utils.parametrize computes their "
+                      "weights; convert first, then register the parametrization on the MXLinear or MXExperts",
+                      UserWarning, stacklevel=2)
     # (a pattern naming any module, a container included, is no typo)
     names = [n for n, _ in _every_name(model) if n]
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]

@@ -35,7 +35,8 @@ import torch
 
 from .._sharding import is_fsdp_module
 from ..tensor import MXTensor
-from .experts import MXExperts
+from ._takeover import carry_additions, refuse_compiled, take_hooks
+from .experts import _BUFFERS, MXExperts
 
 __all__ = ["FAMILIES", "STACKED_SWIGLU", "experts_from_module", "family_of", "stacked_swiglu"]
 
@@ -60,18 +61,24 @@ _LAYOUT = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "h
 
 def _class_of(module: torch.nn.Module) -> type:
     """The module's class, or under FSDP2's fully_shard (FSDP<class>: FSDPModule, then the
-    class) the class it wrapped, so that convert can refuse FSDPGptOssExperts."""
+    class) the class it wrapped, so that convert can refuse FSDPGptOssExperts, and for a
+    module ``torch.nn.utils.parametrize`` made a subclass (Parametrized<class>) the class
+    it was made from, so that convert can name it."""
     mro = type(module).__mro__
-    return mro[2] if is_fsdp_module(module) and len(mro) > 2 else mro[0]
+    cls = mro[2] if is_fsdp_module(module) and len(mro) > 2 else mro[0]
+    if torch.nn.utils.parametrize.is_parametrized(module) and cls.__module__ == torch.nn.utils.parametrize.__name__:
+        cls = cls.__mro__[1]
+    return cls
 
 
 def known_family(module: torch.nn.Module) -> Optional[dict[str, Any]]:
     """The :data:`FAMILIES` entry of a transformers expert module's class
     (:data:`STACKED_SWIGLU` for a class :func:`stacked_swiglu` accepts), or None for any
-    other module; nothing more about a named family's configuration is checked
-    (:func:`family_of` does)."""
+    other module, a parametrized one included (``torch.nn.utils.parametrize`` computes its
+    weights: convert leaves it in float and says so); nothing more about a named family's
+    configuration is checked (:func:`family_of` does)."""
     cls = _class_of(module)
-    if not cls.__module__.startswith("transformers."):
+    if not cls.__module__.startswith("transformers.") or torch.nn.utils.parametrize.is_parametrized(module):
         return None
     family = FAMILIES.get(cls.__name__)
     if family is not None:
@@ -125,11 +132,13 @@ def _is_silu(act: Any) -> bool:
 
 def expert_like(module: torch.nn.Module) -> bool:
     """Whether ``module`` looks like a transformers expert module (its class from
-    transformers, named ``*Experts``, holding 3-D Parameters): one convert leaves in
-    float unless :func:`known_family` knows it, and says so."""
+    transformers, named ``*Experts``, holding 3-D Parameters, or parametrized by
+    ``torch.nn.utils.parametrize``, which moves them): one convert leaves in float unless
+    :func:`known_family` knows it, and says so."""
     cls = _class_of(module)
     return (cls.__module__.startswith("transformers.") and cls.__name__.endswith("Experts")
-            and any(p.dim() == 3 for p in module.parameters(recurse=False)))
+            and (any(p.dim() == 3 for p in module.parameters(recurse=False))
+                 or torch.nn.utils.parametrize.is_parametrized(module)))
 
 
 def family_of(module: torch.nn.Module) -> Optional[dict[str, Any]]:
@@ -171,6 +180,14 @@ def experts_from_module(module: torch.nn.Module, recipe: Any, *,
     "gate_up_proj_bias": Tensor, "down_proj_bias": Tensor}``, biases optional): frozen
     MXExperts holding them, moved to ``module``'s device, with ``module``'s activation;
     ``module``'s own weights are not used.
+
+    Either way the new module takes over ``module``'s hooks (the same hook tables, as
+    :meth:`MXLinear.from_linear` does: hook calls get the same arguments, the forward's
+    are transformers' order) and the Parameters, buffers and child modules a user added
+    to it, as the same objects (a name MXExperts uses itself is refused with a
+    TypeError); its plain attributes (config, sizes) are not carried. A module with a
+    ``forward`` set on the instance (by a wrapper) or compiled in place
+    (``module.compile()``) is refused with a TypeError.
     """
     if isinstance(module, MXExperts):
         if weights is None:
@@ -207,6 +224,7 @@ def experts_from_module(module: torch.nn.Module, recipe: Any, *,
                                 moved(weights.get("gate_up_proj_bias")), moved(weights.get("down_proj_bias")),
                                 activation=activation, recipe=recipe)
         new.train(module.training)
+        _take_over(module, new)
         return new
     w1, w2 = module.gate_up_proj, module.down_proj
     e = w1.shape[0]
@@ -225,4 +243,22 @@ def experts_from_module(module: torch.nn.Module, recipe: Any, *,
         if family["bias"]:
             setattr(new, f"{proj}_bias", getattr(module, f"{proj}_bias"))
     new.train(module.training)
+    _take_over(module, new)
     return new
+
+
+_OWN = frozenset(("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", "act_fn",
+                  *(name for names in _BUFFERS.values() for name in names),
+                  *(f"{proj}_macro_block" for proj in _BUFFERS)))
+"""What a transformers expert module or an MXExperts holds itself: the weights, biases,
+activation module and frozen parts the new module replaces."""
+
+
+def _take_over(module: torch.nn.Module, new: MXExperts) -> None:
+    """``new`` takes over ``module``'s hooks and what a user added to it (Parameters,
+    buffers, child modules: :mod:`portable_mx.nn._takeover`); the plain attributes of a
+    transformers expert module (its config, sizes, layout flags) are not carried."""
+    what = "experts_from_module"
+    refuse_compiled(module, what)
+    carry_additions(module, new, what, own=_OWN, attributes=False)
+    take_hooks(module, new)

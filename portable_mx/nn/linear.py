@@ -29,6 +29,7 @@ from ..recipe import QuantRecipe
 from ..tensor import MXTensor
 from ._autocast import any_enabled as any_autocast, autocast_dtype, cast
 from ._members import member as _member
+from ._takeover import carry_additions, refuse_compiled, take_hooks
 from .weight_cache import WeightCache
 
 Operand = Union[Tensor, MXTensor]
@@ -46,39 +47,8 @@ def mx_parts(mx: MXTensor) -> list[Tensor]:
     return [p.detach() for p in mx.parts()]
 
 
-_HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
-                "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks",
-                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-"""The ``nn.Module`` attributes that hold a module's hooks and their kind (those this torch
-has)."""
-
-
 _PLAIN_LINEAR_KEYS = frozenset(torch.nn.Linear(1, 1, device="meta").__dict__)
 """The instance attributes every ``nn.Linear`` has (its tables, sizes, training flag)."""
-
-
-def _carry_additions(linear: torch.nn.Linear, new: torch.nn.Module) -> None:
-    """What a user added to a plain ``nn.Linear`` goes with it to the new layer, the same
-    objects: Parameters beside weight and bias, buffers (persistent or not), child modules
-    and plain attributes. They used to be dropped: the state dict lost their keys and a
-    carried hook that read them failed. An attribute whose name the new layer uses
-    itself is refused rather than overwritten or shadowed (a ``forward`` that a wrapper set
-    on the instance would run the float Linear's)."""
-    for name, p in linear._parameters.items():
-        if name not in ("weight", "bias"):
-            new.register_parameter(name, p)
-    for name, b in linear._buffers.items():
-        new.register_buffer(name, b, persistent=name not in linear._non_persistent_buffers_set)
-    for name, m in linear._modules.items():
-        new.add_module(name, m)
-    for name, value in linear.__dict__.items():
-        if name in _PLAIN_LINEAR_KEYS:
-            continue
-        if name in new.__dict__ or hasattr(type(new), name):  # (forward set on the instance by a wrapper, too)
-            raise TypeError(f"from_linear: this Linear has an attribute {name!r}, a name {type(new).__name__} "
-                            "uses itself; rename it, or leave the layer unconverted")
-        new.__dict__[name] = value
 
 
 class MXLinear(torch.nn.Linear):
@@ -167,12 +137,15 @@ class MXLinear(torch.nn.Linear):
         ``torch.nn.utils.parametrize`` (``parametrizations.weight_norm`` ...): convert the
         plain Linear, then register the parametrization on the MXLinear (that works).
         What else a user registered or set on the Linear (Parameters, buffers, child
-        modules, attributes) goes to the new layer as the same objects."""
+        modules, attributes) goes to the new layer as the same objects; a ``forward`` set
+        on the instance (by a wrapper) is refused, and so is a Linear compiled in place
+        (``linear.compile()``: convert first, then compile)."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"from_linear expects a torch.nn.Linear; got {type(linear).__name__}")
         if isinstance(linear, MXLinear):
             raise TypeError("from_linear: this layer is an MXLinear already (to change its recipe, set "
                             "layer.recipe = ...)")
+        refuse_compiled(linear, "from_linear")
         if torch.nn.utils.parametrize.is_parametrized(linear):
             raise TypeError(
                 f"from_linear: this Linear is parametrized ({', '.join(linear.parametrizations)} computed by "
@@ -190,10 +163,8 @@ class MXLinear(torch.nn.Linear):
         new.weight = linear.weight
         new.bias = bias
         new.train(linear.training)
-        for table in _HOOK_TABLES:
-            if hasattr(linear, table):
-                setattr(new, table, getattr(linear, table))
-        _carry_additions(linear, new)
+        take_hooks(linear, new)
+        carry_additions(linear, new, "from_linear", own=("weight", "bias"), plain=_PLAIN_LINEAR_KEYS)
         return new
 
     def quantized_weight(self) -> MXTensor:

@@ -9,7 +9,9 @@ MXTensor's own layout, the quantized axis last) and ``w.mx_meta``: a uint8 tenso
 holding the JSON of its shape, dtype, axis and recipe. Only tensors, so the same dict
 goes through ``torch.save`` / ``torch.load(weights_only=True)``, distributed
 checkpoints and safetensors, which store nothing else. Plain tensors pass through
-under their own names. Loading checks every part's dtype and shape against the
+under their own names, but for those: a tensor named like a part of an MXTensor of the
+same dict (``w.macro_scales`` beside an MXTensor ``w``, whether its recipe has the part or
+not) or ending in ``.mx_meta`` is refused on saving. Loading checks every part's dtype and shape against the
 metadata and raises a ValueError naming the entry otherwise.
 
 safetensors is optional (``pip install safetensors``, or the ``hf`` extra); :func:`save_safetensors`
@@ -51,6 +53,9 @@ def state_dict(tensors: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
     if not isinstance(tensors, Mapping):
         raise TypeError(f"state_dict takes a mapping of names to MXTensors or tensors; got {type(tensors).__name__}")
     out: dict[str, torch.Tensor] = {}
+    # the names load_state_dict reads as an MXTensor's, every part its recipe may have
+    reserved = {f"{n}.{p}": n for n, t in tensors.items() if isinstance(t, MXTensor) and isinstance(n, str)
+                for p in (*_PARTS, META)}
 
     def put(key: str, value: torch.Tensor) -> None:
         if key in out:
@@ -67,6 +72,11 @@ def state_dict(tensors: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
                     put(f"{name}.{part}", value)
             put(f"{name}.{META}", _meta(t))
         elif isinstance(t, torch.Tensor):
+            if name not in out and (name in reserved or name.endswith("." + META)):
+                # (saved, it would be read back as a part of an MXTensor, and the load would fail)
+                whose = f"the MXTensor {reserved[name]!r}" if name in reserved else "an MXTensor"
+                raise ValueError(f"state_dict: the tensor {name!r} has a name load_state_dict reads as a part of "
+                                 f"{whose} (<name>.{{{', '.join((*_PARTS, META))}}}); rename it")
             put(name, t)
         else:
             raise TypeError(f"state_dict: {name!r} must be an MXTensor or a torch.Tensor; got {type(t).__name__}")

@@ -116,6 +116,22 @@ def test_bad_state_dicts_raise_clear_errors():
         serialization.state_dict({"w": 1.0})
 
 
+def test_a_tensor_named_like_an_mxtensors_part_is_refused_on_saving():
+    """A plain tensor named ``w.macro_scales`` beside an MXTensor ``w`` of a recipe without
+    macro factors (or ``w.outlier_values``, ..., or any name ending in ``.mx_meta``) was
+    saved without a word, and load_state_dict of the file then failed: it reads every
+    ``w.<part>`` as w's (audit). Now saving refuses it, naming it; other names pass."""
+    mx = pmx.quantize(torch.randn(4, 64))
+    for part in ("macro_scales", "outlier_values", "outlier_indices"):
+        with pytest.raises(ValueError, match=rf"the tensor 'w.{part}' has a name load_state_dict reads as a part of "
+                                             r"the MXTensor 'w'.*rename it"):
+            serialization.state_dict({f"w.{part}": torch.ones(4, 2), "w": mx})
+    with pytest.raises(ValueError, match=r"'v.mx_meta' has a name load_state_dict reads as a part of an MXTensor"):
+        serialization.state_dict({"v.mx_meta": torch.zeros(3, dtype=torch.uint8)})
+    fine = {"w": mx, "w.macro": torch.ones(2), "wx.macro_scales": torch.ones(2), "w.qdata.bias": torch.ones(1)}
+    assert_same(serialization.load_state_dict(serialization.state_dict(fine)), fine)
+
+
 def test_damaged_outlier_positions_are_refused_at_load():
     """A position >= 32 or one repeated within a block used to load: the reference then
     raised in the GEMM and the Triton kernels skipped it (a silently different product)."""

@@ -61,6 +61,51 @@ def test_to_mx_writes_pmx_bytes(rule, dtype):
     assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_to_mx_differs_only_in_blocks_of_scale_byte_0_where_ours_are_the_oracles(rule, dtype):
+    """Blocks whose largest magnitude is 2**-149 .. 2**-100: torchao's to_mx writes other
+    codes than portable_mx only where the scale byte is 0 (it divides by 2**-126, the
+    byte's value 2**-127 clamped, so its codes decode to half the values; audit), and there
+    portable_mx's codes are the float64 oracle's (tests/test_oracle.py)."""
+    from test_oracle import oracle_tensor, unpack_codes
+
+    exps = torch.arange(-149, -99)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(len(exps), 32, generator=g, dtype=torch.float64)
+    x = (x / x.abs().amax(1, keepdim=True) * torch.pow(2.0, exps.double()).unsqueeze(1) * 1.3).to(dtype)
+    scale, qdata = to_mx(x, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode(rule))
+    mx = pmx.quantize(x, pmx.QuantRecipe(scale_rule=rule))
+    assert torch.equal(scale.view(torch.uint8), mx.scales)
+    differ = (qdata.view(torch.uint8) != mx.qdata).any(1)
+    assert differ.any() and (mx.scales[differ] == 0).all()  # (4 or 5 of these blocks)
+    want = oracle_tensor(x.float().numpy(), rule)
+    assert (unpack_codes(mx.qdata) == want["codes"]).all() and (mx.scales.numpy() == want["scales"]).all()
+
+
+def test_dequantize_to_fp16_differs_only_where_torchaos_scale_leaves_fp16():
+    """Every scale byte with every code: torchao's dequantize equals portable_mx's bit for
+    bit to fp32 and bf16; to fp16 it casts the scale to fp16 first, so where 2**(byte -
+    127) is 0 or inf in fp16 (bytes <= 102, >= 143) its values differ (0 for portable_mx's
+    fp16 subnormals at bytes 100-102, NaN for code 0 at bytes >= 143; audit), and nowhere
+    else. portable_mx's fp16 values there are the float64 products rounded once."""
+    qd = torch.tensor([(2 * j) | ((2 * j + 1) << 4) for j in range(8)] * 2, dtype=torch.uint8).repeat(255, 1)
+    sc = torch.arange(255, dtype=torch.uint8).reshape(255, 1)  # row b: scale byte b, codes 0..15 twice
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    exact = torch.cat([grid, -grid]).repeat(2) * torch.pow(2.0, sc.double() - 127)  # [255, 32], float64
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        mx = pmx.MXTensor(qd, sc, torch.Size([255, 32]), dtype, 1, pmx.QuantRecipe())
+        ours, theirs = pmx.dequantize(mx, dtype=dtype), to_torchao(mx).dequantize(dtype)
+        assert torch.equal(ours, exact.to(dtype))
+        differ = (~((ours == theirs) | (ours.isnan() & theirs.isnan()))).any(1)
+        if dtype != torch.float16:
+            assert not differ.any()
+            continue
+        fp16_scale = torch.pow(2.0, sc.double().flatten() - 127).half()
+        leaves = (fp16_scale == 0) | fp16_scale.isinf()
+        assert not differ[~leaves].any() and differ.nonzero().flatten().tolist() == [100, 101, 102, *range(143, 255)]
+
+
 @pytest.mark.parametrize("shape", [(48, 96), (4, 40, 64)])
 def test_round_trip_shares_storage_and_is_bit_exact(shape):
     g = torch.Generator().manual_seed(3)

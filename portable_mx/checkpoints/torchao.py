@@ -5,12 +5,17 @@ torchao 0.18's FP4 MXTensor holds the same bytes as portable_mx's: ``qdata`` uin
 bytes [..., K/32] typed ``torch.float8_e8m0fnu``, 32 elements per block along the last
 axis (torchao ``prototype/mx_formats/mx_tensor.py``, ``kernels.py``). So the conversion
 is a dtype view of the scales: both objects share storage, and dequantizing either gives
-the same values bit for bit. torchao's ``to_mx`` writes portable_mx's bytes for each of
-its four scale rules (FLOOR, RCEIL, EVEN, CEIL = portable_mx's floor, rceil, even, ceil;
-the tests check it), except the codes inside a NaN block (scale 0xFF), which torchao
-leaves as junk and portable_mx writes as 0 (both decode to NaN), and a block holding
-an infinity, which torchao gives a finite scale (253 under FLOOR, 254 under RCEIL)
-where portable_mx writes a NaN block (numerics.md).
+the same values bit for bit in fp32 and bf16, for every scale byte and code. In fp16 too,
+but where torchao casts the scale to fp16 before multiplying and the scale leaves fp16's
+range: scale bytes 100-102 (torchao's values 0, portable_mx's the fp16 subnormals) and
+143-254 (code 0 gives NaN in torchao: 0 * inf). torchao's ``to_mx`` writes portable_mx's
+bytes for each of its four scale rules (FLOOR, RCEIL, EVEN, CEIL = portable_mx's floor,
+rceil, even, ceil; the tests check it), except the codes inside a NaN block (scale
+0xFF), which torchao leaves as junk and portable_mx writes as 0 (both decode to NaN), a
+block holding an infinity, which torchao gives a finite scale (253 under FLOOR, 254
+under RCEIL) where portable_mx writes a NaN block (numerics.md), and a block of scale
+byte 0 (largest magnitude below about 2**-124), whose elements torchao divides by
+2**-126 (the byte's 2**-127, clamped) and so writes codes for half the values.
 
 What does not map: portable_mx's macro-block factors and outliers (torchao has neither),
 a quantized axis other than the last, K not a multiple of 32 (torchao does not pad), and

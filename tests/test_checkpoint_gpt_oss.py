@@ -313,6 +313,57 @@ def test_load_experts_refuses_experts_of_another_size(tmp_path, e, h, i):
     assert model.model.layers[0].mlp.experts is other
 
 
+def _hook(module, *args) -> None:
+    _HOOKED.append(module)
+
+
+_HOOKED: list = []
+
+
+def test_load_experts_hands_a_load_hook_to_the_new_module_only_once_swapped(tmp_path):
+    """register_load_state_dict_pre_hook keeps its module: the new experts take the hook
+    over when load_experts swaps them in; a load refused at a later layer leaves every
+    module as it was, its hooks included (the hook was bound to the discarded new module,
+    and once that was collected the model's load_state_dict and deepcopy raised; review)."""
+    import copy
+    import gc
+
+    g = torch.Generator().manual_seed(6)
+
+    def experts(i=I):
+        return pmx.nn.MXExperts.from_mx(pmx.quantize(torch.randn(E, 2 * i, H, generator=g), axis=-1),
+                                        pmx.quantize(torch.randn(E, H, i, generator=g), axis=-1),
+                                        torch.zeros(E, 2 * i).bfloat16(), torch.zeros(E, H).bfloat16())
+
+    sd = {f"{PREFIX.format(n)}.{k}": t for n in range(2) for k, t in experts().state_dict().items()}
+    gpt_oss.save(tmp_path / "c", sd, config())
+    first, second = experts(), experts()
+    model = _one_layer_model(first)
+    model.model.layers.append(_one_layer_model(second).model.layers[0])
+    first.register_load_state_dict_pre_hook(_hook)
+    gpt_oss.load_experts(model, tmp_path / "c")
+    new = model.model.layers[0].mlp.experts
+    assert new is not first
+    del first
+    gc.collect()
+    _HOOKED.clear()
+    model.load_state_dict(model.state_dict())
+    copy.deepcopy(model)
+    assert _HOOKED == [new]
+    # layer 1 of another size: refused, and layer 0's hook is still its own
+    first, other = experts(), experts(2 * I)
+    model = _one_layer_model(first)
+    model.model.layers.append(_one_layer_model(other).model.layers[0])
+    first.register_load_state_dict_pre_hook(_hook)
+    with pytest.raises(gpt_oss.CheckpointError, match=r"layers\.1\.mlp\.experts"):
+        gpt_oss.load_experts(model, tmp_path / "c")
+    gc.collect()
+    _HOOKED.clear()
+    model.load_state_dict(model.state_dict())
+    copy.deepcopy(model)
+    assert model.model.layers[0].mlp.experts is first and _HOOKED == [first]
+
+
 def test_an_index_without_a_weight_map_is_a_checkpoint_error(tmp_path):
     (tmp_path / gpt_oss.INDEX_FILE).write_text(json.dumps({"metadata": {}}))
     with pytest.raises(gpt_oss.CheckpointError, match="weight_map"):

@@ -529,17 +529,32 @@ def test_a_load_state_dict_pre_hook_goes_to_the_converted_layer():
     buf.seek(0)
     torch.load(buf, weights_only=False).load_state_dict(sd)
     assert got == ["MXLinear"] * 3
-    # a layer after it cannot be converted: the model is as it was, hooks included
+    # a layer after it, or the hooked layer itself, cannot be converted: the model is as
+    # it was, hooks included, and converting with skip works
     first, bad = nn.Linear(64, 32), nn.Linear(32, 8)
     first.register_load_state_dict_pre_hook(lambda module, *args: got.append(module))
+    bad.register_load_state_dict_pre_hook(lambda module, *args: got.append(module))
     bad._recipe = "mine"
     model = nn.Sequential(first, bad)
     with pytest.raises(TypeError, match="layer '1'"):
         convert(model)
     gc.collect()
-    assert model[0] is first
+    assert model[0] is first and model[1] is bad
     model.load_state_dict(model.state_dict())
-    assert got[-1] is first
+    assert got[-2:] == [first, bad]
+    convert(model, skip=["1"])
+    gc.collect()
+    model.load_state_dict(model.state_dict())
+    assert got[-2:] == [model[0], bad] and isinstance(model[0], MXLinear)
+    # from_linear alone swaps nothing: the Linear's hook is still handed the Linear
+    lin = nn.Linear(64, 32)
+    lin.register_load_state_dict_pre_hook(lambda module, *args: got.append(module))
+    twin = MXLinear.from_linear(lin)
+    lin.load_state_dict(lin.state_dict())
+    del twin
+    gc.collect()
+    lin.load_state_dict(lin.state_dict())
+    assert got[-2:] == [lin, lin]
 
 
 def test_a_linear_compiled_in_place_is_refused_with_the_reason():

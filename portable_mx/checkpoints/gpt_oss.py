@@ -709,6 +709,7 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
     checkpoint's names, dtypes and bytes for the experts, so :func:`save` of it writes
     them back unchanged.
     """
+    from ..nn._takeover import hand_over
     from ..nn.hf_experts import experts_from_module
 
     ckpt = checkpoint if isinstance(checkpoint, GptOssCheckpoint) else GptOssCheckpoint(checkpoint)
@@ -735,12 +736,15 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
             new = experts_from_module(old, recipe, weights=tensors)
         except ValueError as err:  # the checkpoint's experts are not the ones the model was built for
             raise CheckpointError(f"{ckpt.path}: {qualified}: {err}") from None
+        except TypeError as err:  # a module whose hooks or additions the new one cannot take over
+            raise TypeError(f"load_experts: {qualified}: {err}") from None
         if new is None:
             raise CheckpointError(f"{qualified}: the checkpoint quantizes it, but the model's {type(old).__name__} "
                                   "there is no expert module this library maps")
-        replaced.append((qualified, new))
-    for qualified, new in replaced:
+        replaced.append((qualified, old, new))
+    for qualified, old, new in replaced:
         parent_name, _, child = qualified.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
+        hand_over(old, new)
     return model
 

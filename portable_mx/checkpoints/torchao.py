@@ -7,8 +7,9 @@ axis (torchao ``prototype/mx_formats/mx_tensor.py``, ``kernels.py``). So the con
 is a dtype view of the scales: both objects share storage, and dequantizing either gives
 the same values bit for bit in fp32 and bf16, for every scale byte and code. In fp16 too,
 but where torchao casts the scale to fp16 before multiplying and the scale leaves fp16's
-range: scale bytes 100-102 (torchao's values 0, portable_mx's the fp16 subnormals) and
-143-254 (code 0 gives NaN in torchao: 0 * inf). torchao's ``to_mx`` writes portable_mx's
+range: scale bytes 100-102 (torchao's values 0, portable_mx's the fp16 subnormals), 143
+(+-0.5 gives +-inf in torchao, +-32768 in portable_mx) and 143-254 (code 0 gives NaN in
+torchao: 0 * inf). torchao's ``to_mx`` writes portable_mx's
 bytes for each of its four scale rules (FLOOR, RCEIL, EVEN, CEIL = portable_mx's floor,
 rceil, even, ceil; the tests check it), except the codes inside a NaN block (scale
 0xFF), which torchao leaves as junk and portable_mx writes as 0 (both decode to NaN), a

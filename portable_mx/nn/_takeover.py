@@ -9,7 +9,7 @@ from collections.abc import Collection
 
 import torch
 
-__all__ = ["HOOK_TABLES", "carry_additions", "give_back_hooks", "refuse_compiled", "take_hooks"]
+__all__ = ["HOOK_TABLES", "carry_additions", "hand_over", "refuse_compiled", "take_hooks"]
 
 HOOK_TABLES = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
@@ -21,32 +21,25 @@ has)."""
 
 def take_hooks(old: torch.nn.Module, new: torch.nn.Module) -> None:
     """``new`` gets ``old``'s hook tables, the same dicts: a handle returned by a
-    ``register_*_hook`` on ``old`` removes the hook from ``new``. A load-state-dict
-    pre-hook registered by ``register_load_state_dict_pre_hook`` holds the module it was
-    registered on (a weak reference, passed to the hook as its first argument): it is
-    rebound to ``new`` under the same key. Left bound to ``old``, the hook was handed the
-    replaced layer, and once that was collected ``load_state_dict``, ``copy.deepcopy`` and
-    ``torch.load`` of the model raised ("the hook of a dead Module")."""
+    ``register_*_hook`` on ``old`` removes the hook from ``new``. Nothing else changes:
+    a load-state-dict pre-hook registered by ``register_load_state_dict_pre_hook`` is still
+    handed ``old`` until :func:`hand_over` (the swap's) binds it to ``new``."""
     for table in HOOK_TABLES:
         if hasattr(old, table):
             setattr(new, table, getattr(old, table))
-    _rebind(new, old, new)
 
 
-def give_back_hooks(old: torch.nn.Module, new: torch.nn.Module) -> None:
-    """Undo :func:`take_hooks`' rebinding where ``new`` is not used after all (a later
-    layer of the same conversion failed): the shared load-state-dict pre-hooks are
-    ``old``'s again."""
-    _rebind(old, new, old)
-
-
-def _rebind(module: torch.nn.Module, frm: torch.nn.Module, to: torch.nn.Module) -> None:
-    """The load-state-dict pre-hooks of ``module`` registered with ``frm`` are bound to
-    ``to`` instead, under their keys (the hook table is shared: both modules see it)."""
-    hooks = getattr(module, "_load_state_dict_pre_hooks", {})
+def hand_over(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Where ``new`` has taken ``old``'s place (the swap is done): the load-state-dict
+    pre-hooks registered with ``old`` (``register_load_state_dict_pre_hook`` keeps the
+    module in the hook, a weak reference, and hands it to the hook) are bound to ``new``,
+    under their keys in the shared table. Left bound to ``old``, they were handed the
+    replaced layer, and once it was collected ``load_state_dict``, ``copy.deepcopy`` and
+    ``torch.load`` of the model raised ("the hook of a dead Module")."""
+    hooks = getattr(new, "_load_state_dict_pre_hooks", {})
     for key, hook in list(hooks.items()):
-        if getattr(hook, "with_module", False) and hook.module() is frm:
-            hooks[key] = type(hook)(hook.hook, to)
+        if getattr(hook, "with_module", False) and hook.module() is old:
+            hooks[key] = type(hook)(hook.hook, new)
 
 
 def refuse_compiled(old: torch.nn.Module, what: str) -> None:

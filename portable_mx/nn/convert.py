@@ -13,7 +13,7 @@ import torch
 
 from .. import ops
 from .._sharding import has_dtensor_parameters as sharded, is_fsdp_module
-from ._takeover import give_back_hooks
+from ._takeover import hand_over
 from .hf_experts import expert_class, expert_like, experts_from_module, known_family
 from .linear import MXLinear
 
@@ -155,15 +155,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             modules.setdefault(id(child), (child, []))[1].append(name)
             places.append((parent, child_name, id(child)))
     swapped: dict[int, torch.nn.Module] = {}
-    try:
-        for key, (child, names) in modules.items():
-            if not any([keep(name, child) for name in names]):  # (every name asked: patterns match through any)
-                swapped[key] = converted(child, names[0])
-    except BaseException:
-        for key, new in swapped.items():  # (the hooks the new layers took are the old ones' again)
-            if new is not None:
-                give_back_hooks(modules[key][0], new)
-        raise
+    for key, (child, names) in modules.items():
+        if not any([keep(name, child) for name in names]):  # (every name asked: patterns match through any)
+            swapped[key] = converted(child, names[0])
+    for key, new in swapped.items():
+        hand_over(modules[key][0], new)
     for parent, child_name, key in places:
         if key in swapped:
             # a child of a converted layer (its new layer holds the same children) goes

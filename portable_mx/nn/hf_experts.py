@@ -183,9 +183,11 @@ def experts_from_module(module: torch.nn.Module, recipe: Any, *,
 
     Either way the new module takes over ``module``'s hooks (the same hook tables, as
     :meth:`MXLinear.from_linear` does: hook calls get the same arguments, the forward's
-    are transformers' order) and the Parameters, buffers and child modules a user added
-    to it, as the same objects (a name MXExperts uses itself is refused with a
-    TypeError); its plain attributes (config, sizes) are not carried. A module with a
+    are transformers' order; the load-state-dict pre-hooks registered with ``module`` are
+    bound to the new one when convert or load_experts swaps it in) and the Parameters,
+    buffers and child modules a user added to it, as the same objects (a name MXExperts
+    uses itself is refused with a TypeError); its plain attributes (config, sizes) are not
+    carried. A module with a
     ``forward`` set on the instance (by a wrapper) or compiled in place
     (``module.compile()``) is refused with a TypeError.
     """

@@ -128,7 +128,10 @@ class MXLinear(torch.nn.Linear):
     def from_linear(cls, linear: torch.nn.Linear, recipe: Any = None) -> "MXLinear":
         """An MXLinear that shares ``linear``'s weight and bias Parameters (no copy), its
         training mode and its hooks (forward, pre-forward, backward and state-dict hooks:
-        the same hook tables, so their handles remove them from the new layer).
+        the same hook tables, so their handles remove them from the new layer). A hook
+        registered by ``linear.register_load_state_dict_pre_hook`` is handed the module it
+        was registered with: :func:`~portable_mx.nn.convert` binds it to the new layer
+        when it swaps the layer in; a layer swapped in by hand keeps handing it ``linear``.
 
         A Linear whose weight or bias is not a Parameter (computed before each forward by
         a pre-forward hook: the old ``torch.nn.utils.weight_norm`` / ``spectral_norm``)
@@ -163,8 +166,8 @@ class MXLinear(torch.nn.Linear):
         new.weight = linear.weight
         new.bias = bias
         new.train(linear.training)
-        take_hooks(linear, new)
         carry_additions(linear, new, "from_linear", own=("weight", "bias"), plain=_PLAIN_LINEAR_KEYS)
+        take_hooks(linear, new)
         return new
 
     def quantized_weight(self) -> MXTensor:

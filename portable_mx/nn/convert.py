@@ -66,8 +66,9 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     a transformers expert module: convert first, then parametrize the MXLinear or
     MXExperts. A converted layer takes over the hooks registered on the one it replaces
     and the Parameters, buffers and child modules a user added to it
-    (:meth:`MXLinear.from_linear`, :func:`portable_mx.nn.hf_experts.experts_from_module`). A model already sharded by FSDP2's ``fully_shard`` (a Linear of its becomes
-    an ``FSDPLinear``, or holds DTensor parameters) is refused with a TypeError unless a
+    (:meth:`MXLinear.from_linear`, :func:`portable_mx.nn.hf_experts.experts_from_module`).
+    A model already sharded by FSDP2's ``fully_shard`` (a Linear of its becomes an
+    ``FSDPLinear``, or holds DTensor parameters) is refused with a TypeError unless a
     skip rule keeps each sharded layer: convert before ``fully_shard``. Predicates are
     asked about the expert modules too; one written for Linear layers that fails on an
     expert module (reads ``out_features``) skips nothing there. When

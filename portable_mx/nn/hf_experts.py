@@ -187,9 +187,8 @@ def experts_from_module(module: torch.nn.Module, recipe: Any, *,
     bound to the new one when convert or load_experts swaps it in) and the Parameters,
     buffers and child modules a user added to it, as the same objects (a name MXExperts
     uses itself is refused with a TypeError); its plain attributes (config, sizes) are not
-    carried. A module with a
-    ``forward`` set on the instance (by a wrapper) or compiled in place
-    (``module.compile()``) is refused with a TypeError.
+    carried. A module with a ``forward`` set on the instance (by a wrapper) or compiled in
+    place (``module.compile()``) is refused with a TypeError.
     """
     if isinstance(module, MXExperts):
         if weights is None:

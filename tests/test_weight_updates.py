@@ -382,6 +382,39 @@ def test_a_block_in_one_thread_does_not_cache_for_another():
     assert not errors
 
 
+def _broadcast_inside_weight_cache(rank: int, world_size: int) -> dict:
+    torch.manual_seed(rank)  # a different weight on each rank
+    layer = MXLinear(64, 32, bias=False)  # (a bias is read as it is at every forward)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7))
+    out = {}
+    with torch.no_grad(), pmx.nn.weight_cache(layer):
+        out["before"] = layer(x)
+        torch.distributed.broadcast(layer.weight, src=0)  # (the trainer's weights, rank 0's)
+        out["unseen"] = layer(x)
+        for p in layer.parameters():
+            torch.autograd.graph.increment_version(p)
+        out["seen"] = layer(x)
+    with torch.no_grad():
+        out["fresh"] = layer(x)  # outside the block: quantized from the weight as it is
+    return out
+
+
+def test_a_collective_write_inside_weight_cache_is_seen_after_increment_version():
+    """torch.distributed collectives write a tensor in place without bumping its version
+    counter (gloo, checked here; audit): a rollout model that receives the trainer's
+    weights by broadcast inside a weight_cache block keeps its old quantized weight, as the
+    module doc and the README say. The remedy they give, increment_version on the
+    weights after the collective, makes the next forward use the new weights."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_broadcast_inside_weight_cache, world_size=2)
+    receiver = results[1]
+    assert torch.equal(receiver["fresh"], results[0]["fresh"])  # rank 1 holds rank 0's weights now
+    assert not torch.equal(receiver["fresh"], receiver["before"])
+    assert torch.equal(receiver["unseen"], receiver["before"])  # the write the cache cannot see
+    assert torch.equal(receiver["seen"], receiver["fresh"])
+
+
 def test_weight_cache_keeps_its_weights_under_inference_mode(monkeypatch):
     """torch.inference_mode, the usual serving context: the value built there was made of
     inference tensors, which have no version counters, so the entry was dropped and every

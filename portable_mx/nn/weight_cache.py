@@ -26,7 +26,12 @@ it: no writes through ``.data``, numpy views or any other tensor that shares a w
 storage with a version counter of its own (after
 ``torch.nn.utils.vector_to_parameters(vec, params)`` the weights are views of ``vec``
 made through ``.data``: an in-place write to ``vec`` is not seen), no code running under
-``torch.autograd._unsafe_preserve_version_counter``. Layers managed by FSDP (FSDP2's
+``torch.autograd._unsafe_preserve_version_counter``, and no ``torch.distributed``
+collective into a weight (``broadcast``, ``all_reduce``, ``recv``, ...: they write in
+place without a version bump, so a rollout model that receives the trainer's weights
+that way keeps its old quantized ones). After such a write, call
+``torch.autograd.graph.increment_version(p)`` for each written weight ``p`` before the
+next forward (or leave the block). Layers managed by FSDP (FSDP2's
 ``fully_shard``, FSDP1) never cache, in or out of the block: FSDP refills their unsharded
 weights in place without a version bump. ``torch.compile``d code never consults the
 cache (it quantizes inside its graph), and neither does a forward captured into a CUDA

@@ -141,7 +141,10 @@ def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Te
     Returned in ``dtype`` (default: the original dtype). Values are decoded in fp32,
     where every MXFP4 value is exact except those beyond fp32's range (a block whose amax
     is within 1.5x of the fp32 maximum can round up to 2**128), which become +-inf; a
-    narrower dtype (bf16, fp16) rounds each value once. NaN-scale blocks decode to NaN.
+    narrower dtype (bf16, fp16) rounds each value once, and a value past its maximum
+    becomes +-inf there: fp16 input quantized under rceil, even or ceil (which round the
+    scale up) dequantizes to inf in fp16 from |x| of about 57344 (60000 -> 65536; floor
+    gives 49152). NaN-scale blocks decode to NaN.
     The result requires no gradient (see :func:`quantize`).
     """
     if not isinstance(mx, MXTensor):

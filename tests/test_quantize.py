@@ -325,3 +325,15 @@ def test_recipe_given_as_mapping():
     x = randn(2, 64)
     assert torch.equal(pmx.quantize(x, {"scale_rule": "rceil"}).scales,
                        pmx.quantize(x, pmx.QuantRecipe(scale_rule="rceil")).scales)
+
+
+@pytest.mark.parametrize("rule,want", [("floor", 49152.0), ("rceil", 65536.0), ("even", 65536.0), ("ceil", 65536.0)])
+def test_fp16_input_near_its_maximum_can_dequantize_past_it(rule, want):
+    """The dequantize docstring: a block of 60000 (fp16) gets the scale 2**13 under floor
+    (60000 / 2**13 = 7.3 clips to 6: 49152) and 2**14 under rceil, even and ceil, which
+    round the scale up (60000 / 2**14 = 3.66 rounds to 4: 65536, past fp16's maximum of
+    65504): inf in fp16, exact in fp32."""
+    x = torch.full((1, 32), 60000.0, dtype=torch.float16)
+    mx = pmx.quantize(x, pmx.QuantRecipe(scale_rule=rule))
+    assert pmx.dequantize(mx, dtype=torch.float32)[0, 0].item() == want
+    assert pmx.dequantize(mx)[0, 0].item() == (float("inf") if want > 65504 else want)

@@ -163,19 +163,23 @@ def test_a4w4_outliers_beyond_the_fp16_range(gemm_kernel):
         assert_accumulation_close(out, a, b, k)
 
 
-def test_an_infinite_outlier_on_either_side_of_a_two_sided_of_gemm(gemm_kernel):
-    """OF on both operands: a finite fp32 value past bfloat16's maximum (3.4e38) is kept
-    as an outlier of inf (the README, dequantize). The reference's product of the
-    dequantized operands gives +-inf in its row (left) and column (right); the kernels add
-    the outlier products apart from the codes' and may meet inf * 0 there (NaN; audit: the
-    README says so). Every other output is finite and within the accumulation bound."""
+@pytest.mark.parametrize("left,big", [(QR(outliers_per_block=1), 3.4e38), (QR(scale_rule="rceil"), 3.0e38)],
+                         ids=["inf-outlier", "code-rounded-to-2**128"])
+def test_an_infinite_dequantized_value_against_an_operand_with_outliers(gemm_kernel, left, big):
+    """A finite fp32 value whose dequantized value is inf: an outlier past bfloat16's
+    maximum (3.4e38, stored as an inf outlier) or a block whose rceil scale rounds 3.0e38
+    up to 2**128. The right operand has outliers, one of them inf too. The reference's
+    product of the dequantized operands gives +-inf in that row (left) and column (right);
+    the kernels add the outlier products apart from the codes' and may meet inf * 0 there
+    (NaN; audit: the README says so). Every other output is finite and within the
+    accumulation bound."""
     backend, device = gemm_kernel
     m, n, k = 4, 6, 96
     # (in [1, 5): no code is 0 and no sum has inf - inf, so the reference gives no NaN)
     x, w = randn(m, k, seed=90).abs().clamp(max=4) + 1, randn(n, k, seed=91).abs().clamp(max=4) + 1
-    x[1, 40], w[3, 70] = 3.4e38, 3.4e38
+    x[1, 40], w[3, 70] = big, 3.4e38
     of = QR(outliers_per_block=1)
-    a, b = rows_mx(x, of), rows_mx(w, of)
+    a, b = rows_mx(x, left), rows_mx(w, of)
     assert dequantized(a, k)[1, 40] == float("inf") and dequantized(b, k)[3, 70] == float("inf")
     hit = torch.zeros(m, n, dtype=torch.bool)
     hit[1, :], hit[:, 3] = True, True
@@ -184,7 +188,7 @@ def test_an_infinite_outlier_on_either_side_of_a_two_sided_of_gemm(gemm_kernel):
     out = backend.matmul(a.to(device), b.to(device)).cpu()
     assert not out[hit].isfinite().any()
     rows, cols = [i for i in range(m) if i != 1], [j for j in range(n) if j != 3]
-    assert_accumulation_close(out[rows][:, cols], rows_mx(x[rows], of), rows_mx(w[cols], of), k)
+    assert_accumulation_close(out[rows][:, cols], rows_mx(x[rows], left), rows_mx(w[cols], of), k)
 
 
 def test_w4a16_strided_left_operand(gemm_kernel):

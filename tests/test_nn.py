@@ -699,3 +699,42 @@ def test_a_parametrized_linear_is_named_not_silently_kept():
     torch.nn.utils.parametrizations.weight_norm(layer)
     x = torch.randn(3, 64)
     assert torch.equal(layer(x).detach(), pmx.matmul(x, layer.weight.detach().T) + layer.bias.detach())
+
+
+def test_a_weight_or_input_the_gemm_cannot_take_is_refused_not_misread():
+    """A converted model cast to complex ran on the Triton backends with the imaginary
+    parts dropped (off by up to 14.6 from nn.Linear, only torch's generic cast warning),
+    and float8 ran there but failed on the reference (audit). Both are refused by name.
+    Under autocast an fp64 or integer x, which autocast does not cast, is refused as
+    F.linear fails on it (the message blamed the bias's dtype)."""
+    for dtype in (torch.complex64, torch.float8_e4m3fn):
+        layer = convert(nn.Sequential(nn.Linear(64, 8)))
+        layer = layer.to(dtype)
+        x = torch.randn(2, 64).to(dtype)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad), pytest.raises(TypeError, match=rf"the weight is {dtype}; it must be"):
+                layer(x)
+    layer = MXLinear(64, 8)
+    for x in (torch.randn(2, 64, dtype=torch.float64), torch.ones(2, 64, dtype=torch.int64)):
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                pytest.raises(TypeError, match=rf"x is {x.dtype}, which torch.autocast leaves as it is"):
+            layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError):
+            nn.functional.linear(x, layer.weight, layer.bias)  # (what nn.Linear does with it)
+
+
+def test_nn_mx_matmul_checks_its_operands_as_matmul_does():
+    """pmx.nn.mx_matmul exported the internal op, which trusted its operands: an MXTensor
+    quantized along the wrong axis gave wrong products (off by up to 28), a None recipe
+    an AttributeError (audit). It is pmx.matmul now: the same checks, the same result."""
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 64), torch.randn(64, 16)
+    with pytest.raises(ValueError, match="MXTensor b must be quantized along axis 0"):
+        pmx.nn.mx_matmul(a, pmx.quantize(b, axis=1), pmx.QuantRecipe())
+    with pytest.raises(ValueError, match="MXTensor a must be quantized along its last axis"):
+        pmx.nn.mx_matmul(pmx.quantize(a, axis=0), b, pmx.QuantRecipe())
+    for recipe in (None, {"scale_rule": "rceil"}):
+        assert torch.equal(pmx.nn.mx_matmul(a, b, recipe), pmx.matmul(a, b, recipe))
+    x = a.clone().requires_grad_()
+    pmx.nn.mx_matmul(x, b).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

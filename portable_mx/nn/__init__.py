@@ -7,17 +7,16 @@
   GptOss / Qwen3-MoE experts for MXExperts (:mod:`.convert`, :mod:`.hf_experts`).
 - :func:`weight_cache`: a block inside which MX layers reuse their quantized weights
   (:mod:`.weight_cache`: when that is safe, and what it asks of the caller).
-- :func:`mx_matmul`, :func:`mx_parts`: the differentiable GEMM and an MXTensor's tensors
-  in the order the custom ops take them.
+- :func:`mx_matmul`, :func:`mx_parts`: :func:`portable_mx.matmul` under its older name, and
+  an MXTensor's tensors in the order the custom ops take them.
 - :func:`enable_fsdp_mx_all_gather`, :func:`gathered_bytes`: the MXFP4 all-gather of
   MXLinear weights under FSDP2 (:mod:`portable_mx.distributed.fsdp`, loaded with
   ``torch.distributed`` on first use, never on the single-process path).
 """
 
-from .._custom_ops import mx_matmul
 from .convert import convert
 from .experts import MXExperts
-from .linear import MXLinear, mx_parts
+from .linear import MXLinear, mx_matmul, mx_parts
 from .weight_cache import weight_cache
 
 __all__ = ["MXAllGatherFallback", "MXExperts", "MXLinear", "convert", "enable_fsdp_mx_all_gather", "gathered_bytes",

@@ -26,7 +26,7 @@ from .. import _dispatch, ops
 from .._transforms import refuse_func_transforms
 from .._custom_ops import recipe_json
 from ..recipe import QuantRecipe
-from ..tensor import MXTensor
+from ..tensor import FLOAT_DTYPES, MXTensor
 from ._autocast import any_enabled as any_autocast, autocast_dtype, cast
 from ._members import member as _member
 from ._takeover import carry_additions, refuse_compiled, take_hooks
@@ -35,6 +35,7 @@ from .weight_cache import WeightCache
 Operand = Union[Tensor, MXTensor]
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
+_FLOATS = frozenset(FLOAT_DTYPES)
 
 __all__ = ["MXLinear", "mx_parts"]
 
@@ -45,6 +46,15 @@ def mx_parts(mx: MXTensor) -> list[Tensor]:
     if not isinstance(mx, MXTensor):
         raise TypeError(f"mx_parts expects an MXTensor; got {type(mx).__name__}")
     return [p.detach() for p in mx.parts()]
+
+
+def mx_matmul(a: Any, b: Any, recipe: Any = None) -> Tensor:
+    """:func:`portable_mx.matmul` (``a @ b``, MXFP4, differentiable in the float operands),
+    under the name this package has exported it by: the same checks of the operands
+    (shapes, dtypes, devices, an MXTensor's axis) and the recipe (a QuantRecipe, a mapping
+    of its fields, or None), the same result. It exported the internal op, which took
+    unchecked operands: an MXTensor quantized along the wrong axis came out wrong (audit)."""
+    return ops.matmul(a, b, recipe)
 
 
 _PLAIN_LINEAR_KEYS = frozenset(torch.nn.Linear(1, 1, device="meta").__dict__)
@@ -69,7 +79,8 @@ class MXLinear(torch.nn.Linear):
     the cached weight.
 
     Under ``torch.autocast`` (dtype D) x and the bias are cast to D first, as
-    ``F.linear``'s autocast casts them (fp64 excepted); the weight is quantized from its
+    ``F.linear``'s autocast casts them (an fp64 or non-float x, which autocast leaves as it
+    is, is refused, as ``F.linear`` fails on it); the weight is quantized from its
     own values (fp32 master weights are not rounded to D first, as torchao's float8 and
     MX layers do), the output is D, and the weight's gradient comes back in the weight's
     dtype (computed in D, as ``nn.Linear``'s under autocast;
@@ -196,9 +207,14 @@ class MXLinear(torch.nn.Linear):
             raise ValueError(f"MXLinear: x must be [..., {k}] (the weight is {tuple(w.shape)}); got shape "
                              f"{tuple(x.shape)}")
         bias = _member(self, params, "bias")
+        if w.dtype not in _FLOATS:  # (a model cast to complex or float8: the kernels would drop or misread it)
+            raise TypeError(f"MXLinear: the weight is {w.dtype}; it must be float32, bfloat16, float16 or float64")
         amp = any_autocast() and autocast_dtype(x.device)
         if amp:  # F.linear's autocast casts of x and bias (nn._autocast); the weight is quantized as it is
             x, bias = cast(x, amp), cast(bias, amp)
+            if x.dtype != amp:  # (fp64 or non-float x: F.linear fails on it under autocast too)
+                raise TypeError(f"MXLinear: x is {x.dtype}, which torch.autocast leaves as it is (it casts "
+                                f"float32, float16 and bfloat16 x to {amp}); cast x first")
         elif x.dtype != w.dtype:
             raise TypeError(f"MXLinear: x is {x.dtype} but the weight is {w.dtype}; cast one of them, or run the "
                             "layer under torch.autocast")

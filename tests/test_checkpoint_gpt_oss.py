@@ -66,6 +66,25 @@ def test_wrap_is_a_view_and_decodes_like_gpt_oss():
     assert b2.data_ptr() == blocks.data_ptr() and torch.equal(b2, blocks) and torch.equal(s2, scales)
 
 
+def test_the_checkpoint_helpers_take_a_recipe_as_the_ops_do():
+    """A mapping of the recipe's fields (or None) works as everywhere else; it raised an
+    AttributeError ('dict' object has no attribute 'macro_block'; audit)."""
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (2, 3, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (2, 3, 2), dtype=torch.uint8, generator=g)
+    assert gpt_oss.wrap(blocks, scales, recipe={"scale_rule": "rceil"}).recipe == pmx.QuantRecipe(scale_rule="rceil")
+    assert gpt_oss.wrap(blocks, scales, recipe=None).recipe == pmx.QuantRecipe()
+    sd = state_dict()
+    got = gpt_oss.quantize_experts(sd, recipe={"scale_rule": "rceil"})
+    want = gpt_oss.quantize_experts(sd, recipe=pmx.QuantRecipe(scale_rule="rceil"))
+    name = PREFIX.format(0) + ".gate_up_proj"
+    assert torch.equal(got[name].qdata, want[name].qdata) and torch.equal(got[name].scales, want[name].scales)
+    with pytest.raises(ValueError, match="cannot hold"):
+        gpt_oss.wrap(blocks, scales, recipe={"macro_block": 64})
+    with pytest.raises(TypeError, match="recipe must be a QuantRecipe"):
+        gpt_oss.wrap(blocks, scales, recipe="rceil")
+
+
 def test_quantize_experts_is_pmx_quantize_of_the_out_in_weight():
     """[E, in, out] quantized along in = the [E, out, in] weight quantized along its last
     axis: the checkpoint bytes are pmx.quantize(w, axis=-1) of W [E, N, K]."""

@@ -5,6 +5,7 @@ against torch.nn.functional.grouped_mm; straight-through gradients against float
 formulas and autograd; clear errors; the custom op under opcheck, meta tensors and
 torch.compile(fullgraph=True). The Triton kernel's tests are tests/test_triton_grouped.py."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,9 @@ def test_route_defaults_and_errors():
         pmx.route(ids, None, 0)
     with pytest.raises(ValueError, match="tile_m"):
         pmx.route(ids, None, 4, tile_m=48)
+    for tile_m in (16.0, np.int64(16), True):  # (16.0 and numpy's 16 compared equal; the kernel failed on them)
+        with pytest.raises(ValueError, match="tile_m must be one of the ints"):
+            pmx.route(ids, None, 4, tile_m=tile_m)
 
 
 # ----------------------------------------------------------------------------- activations

@@ -102,8 +102,12 @@ def _safetensors() -> Any:
     return require("safetensors", "reading and writing gpt-oss checkpoints")
 
 
-def _stored_recipe(recipe: Optional[QuantRecipe]) -> QuantRecipe:
-    recipe = QuantRecipe() if recipe is None else recipe
+def _stored_recipe(recipe: Any) -> QuantRecipe:
+    """``recipe`` (a QuantRecipe, a mapping of its fields, or None: the default) as a
+    QuantRecipe, refused where a gpt-oss checkpoint cannot hold what it makes."""
+    from ..ops import _recipe
+
+    recipe = _recipe(recipe)
     if recipe.macro_block is not None or recipe.outliers_per_block:
         raise ValueError(
             f"a gpt-oss checkpoint stores plain MXFP4 (codes and E8M0 scales only); recipe {recipe.describe()} "

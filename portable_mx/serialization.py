@@ -21,6 +21,7 @@ and :func:`load_safetensors` raise an ImportError saying so where it is missing.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -107,6 +108,9 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ValueError(f"load_state_dict: {name!r}: unreadable MXTensor metadata ({e})") from None
     parts = {p: state.get(f"{name}.{p}") for p in _PARTS}
+    for p, v in parts.items():
+        if v is not None and not isinstance(v, torch.Tensor):
+            raise ValueError(f"load_state_dict: {name}.{p} is a {type(v).__name__}, not a tensor")
     device = parts["qdata"].device if parts["qdata"] is not None else torch.device("cpu")
     expected = MXTensor.zeros(shape, dtype, axis, recipe, torch.device("meta"))
     for p in _PARTS:
@@ -199,11 +203,17 @@ def load_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
     or tensor (everything else), sharing the tensors' storage."""
     if not isinstance(state, Mapping):
         raise TypeError(f"load_state_dict takes a mapping of names to tensors; got {type(state).__name__}")
+    for k in state:
+        if not isinstance(k, str):
+            raise TypeError(f"load_state_dict: names must be strings; got {k!r}")
     names = [k[: -len(META) - 1] for k in state if k.endswith("." + META)]
     taken = {f"{n}.{p}" for n in names for p in (*_PARTS, META)}
     out: dict[str, Entry] = {n: _mx_from(n, state) for n in names}
     for k, v in state.items():
         if k not in taken:
+            if k in out:  # (two dicts merged by hand: the MXTensor was replaced without a word)
+                raise ValueError(f"load_state_dict: {k!r} is both a tensor and the MXTensor whose parts are "
+                                 f"{k}.qdata, {k}.scales, ...; rename one")
             out[k] = v
     orphans = sorted(k[: -len(".qdata")] for k in state if k.endswith(".qdata") and k not in taken
                      and _is_uint8(state[k]) and _is_uint8(state.get(k[: -len(".qdata")] + ".scales")))
@@ -228,13 +238,26 @@ def _safetensors() -> Any:
     return safetensors.torch
 
 
+def _path(path: Any) -> str:
+    """A file path given as a str or an ``os.PathLike`` (None and bytes were made into
+    files named 'None' and "b'...'")."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"path must be a non-empty str or os.PathLike; got {path!r}")
+    return path
+
+
 def save_safetensors(tensors: Mapping[str, Entry], path: Any, metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``tensors`` (names -> MXTensor or tensor) to a safetensors file."""
+    """Write ``tensors`` (names -> MXTensor or tensor) to a safetensors file at ``path``
+    (a str or ``os.PathLike``)."""
+    path = _path(path)
     st = _safetensors()
-    st.save_file({k: v.contiguous() for k, v in state_dict(tensors).items()}, str(path),
+    st.save_file({k: v.contiguous() for k, v in state_dict(tensors).items()}, path,
                  metadata=dict(metadata) if metadata else None)
 
 
 def load_safetensors(path: Any, device: Any = "cpu") -> dict[str, Entry]:
-    """Read a file written by :func:`save_safetensors`: names -> MXTensor or tensor."""
-    return load_state_dict(_safetensors().load_file(str(path), device=str(device)))
+    """Read a file written by :func:`save_safetensors` at ``path`` (a str or
+    ``os.PathLike``): names -> MXTensor or tensor."""
+    return load_state_dict(_safetensors().load_file(_path(path), device=str(device)))

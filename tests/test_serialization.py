@@ -132,6 +132,25 @@ def test_a_tensor_named_like_an_mxtensors_part_is_refused_on_saving():
     assert_same(serialization.load_state_dict(serialization.state_dict(fine)), fine)
 
 
+def test_careless_state_dicts_and_paths_are_refused_by_name(tmp_path):
+    """A plain tensor named like an MXTensor beside its parts (two dicts merged by hand)
+    replaced the MXTensor without a word; a non-string name and a part that is no tensor
+    raised AttributeErrors; the safetensors helpers wrote None and bytes paths as files
+    named 'None' and "b'...'" (audit)."""
+    sd = serialization.state_dict(weights())
+    with pytest.raises(ValueError, match=r"'layer.weight' is both a tensor and the MXTensor"):
+        serialization.load_state_dict(dict(sd, **{"layer.weight": torch.zeros(3)}))
+    with pytest.raises(TypeError, match="names must be strings; got 3"):
+        serialization.load_state_dict({**sd, 3: torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"layer.weight.scales is a list, not a tensor"):
+        serialization.load_state_dict(dict(sd, **{"layer.weight.scales": [1, 2]}))
+    for path in (None, b"w.safetensors", ""):
+        with pytest.raises(TypeError, match="path must be a non-empty str or os.PathLike"):
+            serialization.save_safetensors(weights(), path)
+        with pytest.raises(TypeError, match="path must be a non-empty str or os.PathLike"):
+            serialization.load_safetensors(path)
+
+
 def test_damaged_outlier_positions_are_refused_at_load():
     """A position >= 32 or one repeated within a block used to load: the reference then
     raised in the GEMM and the Triton kernels skipped it (a silently different product)."""

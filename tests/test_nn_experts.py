@@ -369,6 +369,17 @@ def test_frozen_experts_follow_new_bytes_in_the_same_buffer_objects(how):
     assert torch.equal(m(x, ids, wts), src(x, ids, wts))
 
 
+def test_a_float8_dtype_and_an_mxtensor_input_are_refused_by_name():
+    """dtype=float8 passed the float check and failed inside reset_parameters; an
+    MXTensor x was refused as 'got torch.float32', its original dtype (audit)."""
+    with pytest.raises(TypeError, match=r"dtype must be a float dtype, one of .* got torch.float8_e4m3fn"):
+        MXExperts(E, H, I, dtype=torch.float8_e4m3fn)
+    experts = frozen_experts("swiglu")
+    ids, wts = routing(3)
+    with pytest.raises(TypeError, match="expects a float tensor x; got MXTensor"):
+        experts(pmx.quantize(torch.randn(T, H)), ids, wts)
+
+
 def test_bad_input_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="activation must be one of"):
         MXExperts(E, H, I, activation="gelu")

@@ -108,8 +108,8 @@ class MXExperts(torch.nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"MXExperts: dtype must be a float dtype (the float weights'); got {dtype!r}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:  # (float8 passed is_floating_point, then failed in init)
+            raise TypeError(f"MXExperts: dtype must be a float dtype, one of {FLOAT_DTYPES} (the float weights'); got {dtype!r}")
         for what, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("intermediate_size", intermediate_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -367,7 +367,8 @@ class MXExperts(torch.nn.Module):
         # from its dicts (_member), no reshape of inputs that are already [T, H] / [T, k]
         h, k_ids = self.hidden_size, top_k_index
         if not isinstance(x, Tensor) or not x.is_floating_point():
-            raise TypeError(f"MXExperts expects a float tensor x; got {getattr(x, 'dtype', type(x).__name__)}")
+            got = type(x).__name__ if not isinstance(x, Tensor) or isinstance(x, MXTensor) else x.dtype
+            raise TypeError(f"MXExperts expects a float tensor x; got {got}")
         shape = x.shape
         if not shape or shape[-1] != h:
             raise ValueError(f"MXExperts: x must be [..., {h}]; got shape {tuple(shape)}")

@@ -435,6 +435,11 @@ def test_bad_inputs():
         gm(x, w, offsets=offs, routing=r)
     with pytest.raises(ValueError, match="need a routing"):
         gm(x, w, offsets=offs, gather=True)
+    for flag in ("no", 1, None):  # ("no" was taken as True; audit)
+        with pytest.raises(TypeError, match="gather and scatter must be bools"):
+            gm(x, w, routing=r, gather=flag)
+        with pytest.raises(TypeError, match="gather and scatter must be bools"):
+            gm(x, w, routing=r, scatter=flag)
     with pytest.raises(ValueError, match="int32 tensor"):
         gm(x, w, offsets=offs.long())
     with pytest.raises(ValueError, match="non-decreasing"):

@@ -133,6 +133,8 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
         if bias.device != device:
             _fail(f"bias must be on w's device {device}; got {bias.device}")
 
+    if type(gather) is not bool or type(scatter) is not bool:  # ("no" was taken as True)
+        raise TypeError(f"grouped_matmul: gather and scatter must be bools; got {gather!r}, {scatter!r}")
     if (offsets is None) == (routing is None):
         _fail("give exactly one of offsets (rows already sorted by expert) and routing (pmx.route)")
     if offsets is not None:

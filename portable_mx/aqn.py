@@ -22,6 +22,7 @@ Contract
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -51,6 +52,10 @@ class AQNSchedule:
             raise ValueError(f"total_steps must be a positive int; got {self.total_steps!r}")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2 (one silent stage, then noisy ones); got {self.stages!r}")
+        for name in ("sigma_start", "sigma_end"):  # (a str compared with 0 raised a TypeError; True was 1.0)
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ValueError(f"{name} must be a real number; got {v!r}")
         if not (0 < self.sigma_start < math.inf and 0 < self.sigma_end < math.inf):
             raise ValueError(f"sigma_start and sigma_end must be finite and > 0; got {self.sigma_start}, "
                              f"{self.sigma_end}")
@@ -111,8 +116,10 @@ def add_rmsnorm_noise(
     and adds nothing. A weight that several norms share (tied) gets one draw of noise,
     and stays shared (a 16-bit one becomes one fp32 Parameter of them all). Returns the
     number of distinct norm weights touched."""
-    if not math.isfinite(sigma) or sigma < 0:
-        raise ValueError(f"sigma must be finite and >= 0; got {sigma!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"add_rmsnorm_noise expects a torch.nn.Module; got {type(model).__name__}")
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma < 0:
+        raise ValueError(f"sigma must be a finite real number >= 0; got {sigma!r}")
     became: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, what it became)
     for _, module in rmsnorm_weights(model, match):
         w = module.weight
@@ -177,6 +184,9 @@ def refresh_rollout_copy(
     :func:`add_rmsnorm_noise`. Call it after every optimizer step. ``trained`` is only
     read. Returns the number of distinct norm weights refreshed (:func:`add_rmsnorm_noise`;
     at sigma = 0 they are refreshed and get no noise)."""
+    for what, m in (("trained", trained), ("rollout", rollout)):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"refresh_rollout_copy: {what} must be a torch.nn.Module; got {type(m).__name__}")
     if trained is rollout:
         raise ValueError("the rollout copy must be a different module from the trained model")
     src = dict(trained.named_parameters())

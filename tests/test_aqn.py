@@ -228,3 +228,19 @@ def test_schedule_refuses_infinite_sigmas():
         AQNSchedule(10, sigma_start=float("inf"))
     with pytest.raises(ValueError, match="finite"):
         AQNSchedule(10, sigma_end=float("inf"))
+
+
+def test_careless_sigmas_and_models_are_refused_by_name():
+    """A str sigma raised "'<' not supported between 'int' and 'str'", True was taken as
+    1.0, None gave "must be real number", and a list of modules an AttributeError (audit)."""
+    for bad in ("1e-2", True, None):
+        with pytest.raises(ValueError, match="sigma_start must be a real number"):
+            AQNSchedule(10, sigma_start=bad)
+        with pytest.raises(ValueError, match="sigma must be a finite real number"):
+            add_rmsnorm_noise(torch.nn.Sequential(torch.nn.RMSNorm(8)), bad)
+    norm = torch.nn.Sequential(torch.nn.RMSNorm(8))
+    with pytest.raises(TypeError, match="expects a torch.nn.Module; got list"):
+        add_rmsnorm_noise([norm], 0.1)
+    with pytest.raises(TypeError, match="rollout must be a torch.nn.Module; got list"):
+        refresh_rollout_copy(norm, [copy.deepcopy(norm)], 0.1)
+    assert add_rmsnorm_noise(norm, 0) == 1  # (an int sigma is a real number)

@@ -87,7 +87,7 @@ class MXExperts(torch.nn.Module):
     """E experts with MXFP4 weights (see the module doc for the math and the two ways
     the weights are held).
 
-    ``MXExperts(num_experts, hidden_size, intermediate_size, bias=True,
+    ``MXExperts(num_experts, hidden_size, intermediate_size, *, bias=True,
     activation="swiglu_oai", transposed=False, recipe=None, device=None, dtype=None)``
     makes float Parameters, initialised like ``nn.Linear`` per expert (uniform in
     ±1/sqrt(in)). ``recipe``: the :class:`QuantRecipe` of the GEMMs (default A4W4;

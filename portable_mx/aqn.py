@@ -25,7 +25,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,9 +53,7 @@ class AQNSchedule:
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"stages must be an int >= 2 (one silent stage, then noisy ones); got {self.stages!r}")
         for name in ("sigma_start", "sigma_end"):  # (a str compared with 0 raised a TypeError; True was 1.0)
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise ValueError(f"{name} must be a real number; got {v!r}")
+            _real(getattr(self, name), name)
         if not (0 < self.sigma_start < math.inf and 0 < self.sigma_end < math.inf):
             raise ValueError(f"sigma_start and sigma_end must be finite and > 0; got {self.sigma_start}, "
                              f"{self.sigma_end}")
@@ -100,6 +98,26 @@ def rmsnorm_weights(
             yield name, module
 
 
+def _real(value: Any, what: str) -> float:
+    """``value`` (a real number: an int, a float, a numpy scalar, a Fraction or a
+    one-element real tensor; not a bool) as a float; a TypeError naming ``what`` for
+    anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
+            and value.dtype is not torch.bool:
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number; got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _sigma(sigma: Any) -> float:
+    """A noise level: a finite real number >= 0, as a float."""
+    sigma = _real(sigma, "sigma")
+    if not math.isfinite(sigma) or sigma < 0:
+        raise ValueError(f"sigma must be finite and >= 0; got {sigma!r}")
+    return sigma
+
+
 @torch.no_grad()
 def add_rmsnorm_noise(
     model: torch.nn.Module,
@@ -118,8 +136,7 @@ def add_rmsnorm_noise(
     number of distinct norm weights touched."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"add_rmsnorm_noise expects a torch.nn.Module; got {type(model).__name__}")
-    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or sigma < 0:
-        raise ValueError(f"sigma must be a finite real number >= 0; got {sigma!r}")
+    sigma = _sigma(sigma)
     became: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, what it became)
     for _, module in rmsnorm_weights(model, match):
         w = module.weight
@@ -187,6 +204,7 @@ def refresh_rollout_copy(
     for what, m in (("trained", trained), ("rollout", rollout)):
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"refresh_rollout_copy: {what} must be a torch.nn.Module; got {type(m).__name__}")
+    sigma = _sigma(sigma)  # (before anything is copied)
     if trained is rollout:
         raise ValueError("the rollout copy must be a different module from the trained model")
     src = dict(trained.named_parameters())

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _custom_ops, _dispatch, registry
+from ._flags import as_bool
 from ._sharding import is_dtensor
 from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
@@ -197,10 +198,7 @@ def decompose(
     x, recipe, axis = _prepare("decompose", x, recipe, axis, _is_compiling())
     if definition not in DEFINITIONS:
         raise ValueError(f"definition must be one of {DEFINITIONS}; got {definition!r}")
-    if full is not True and full is not False:
-        if type(full).__name__ != "bool_":  # numpy's bool
-            raise TypeError(f"full must be a bool; got {type(full).__module__}.{type(full).__name__}")
-        full = bool(full)
+    full = as_bool(full, "full")  # (numpy's bool too: its type's name is 'bool' in numpy 2, 'bool_' before)
     if definition == "counterfactual" and recipe.rounding == "stochastic" and not _is_compiling():
         warnings.warn("decompose(definition='counterfactual') rounds Q* = s* g(x / s*) to nearest, so under "
                       "stochastic rounding scale_bias (Q - Q*) also holds the rounding's noise (with s = s* it is "

@@ -233,14 +233,27 @@ def test_schedule_refuses_infinite_sigmas():
 def test_careless_sigmas_and_models_are_refused_by_name():
     """A str sigma raised "'<' not supported between 'int' and 'str'", True was taken as
     1.0, None gave "must be real number", and a list of modules an AttributeError (audit)."""
-    for bad in ("1e-2", True, None):
-        with pytest.raises(ValueError, match="sigma_start must be a real number"):
-            AQNSchedule(10, sigma_start=bad)
-        with pytest.raises(ValueError, match="sigma must be a finite real number"):
-            add_rmsnorm_noise(torch.nn.Sequential(torch.nn.RMSNorm(8)), bad)
     norm = torch.nn.Sequential(torch.nn.RMSNorm(8))
+    for bad in ("1e-2", True, None):
+        with pytest.raises(TypeError, match="sigma_start must be a real number"):
+            AQNSchedule(10, sigma_start=bad)
+        with pytest.raises(TypeError, match="sigma must be a real number"):
+            add_rmsnorm_noise(norm, bad)
+        rollout = copy.deepcopy(norm)
+        with torch.no_grad():
+            rollout[0].weight.fill_(3.0)
+        with pytest.raises(TypeError, match="sigma must be a real number"):
+            refresh_rollout_copy(norm, rollout, bad)
+        assert (rollout[0].weight == 3.0).all()  # refused before anything was copied
     with pytest.raises(TypeError, match="expects a torch.nn.Module; got list"):
         add_rmsnorm_noise([norm], 0.1)
     with pytest.raises(TypeError, match="rollout must be a torch.nn.Module; got list"):
         refresh_rollout_copy(norm, [copy.deepcopy(norm)], 0.1)
-    assert add_rmsnorm_noise(norm, 0) == 1  # (an int sigma is a real number)
+    # real numbers of every kind: an int, a Fraction, a numpy float, a 0-d tensor
+    from fractions import Fraction
+
+    import numpy as np
+
+    for sigma in (0, Fraction(1, 100), np.float32(0.01), torch.tensor(0.01)):
+        assert add_rmsnorm_noise(norm, sigma, generator=torch.Generator().manual_seed(0)) == 1
+        assert AQNSchedule(10, sigma_start=sigma or 0.01).sigma(9) > 0

@@ -535,6 +535,8 @@ def test_full_must_be_a_bool_and_axis_any_integer():
     for bad in ("False", 0, None):
         with pytest.raises(TypeError, match="full must be a bool"):
             pmx.decompose(x, full=bad)
+    # numpy's bool is a bool (the check read its type's name, 'bool_', which numpy 2 renamed 'bool')
+    assert pmx.decompose(x, full=np.False_).dequantized is None
     want = pmx.decompose(x.t().contiguous(), axis=0)
     got = pmx.decompose(x.t().contiguous(), axis=np.int64(0))
     assert torch.equal(got.beta, want.beta) and torch.equal(got.dequantized, want.dequantized)

@@ -118,9 +118,11 @@ def test_route_defaults_and_errors():
         pmx.route(ids, None, 0)
     with pytest.raises(ValueError, match="tile_m"):
         pmx.route(ids, None, 4, tile_m=48)
-    for tile_m in (16.0, np.int64(16), True):  # (16.0 and numpy's 16 compared equal; the kernel failed on them)
+    for tile_m in (16.0, True, "16"):  # (16.0 compared equal to a choice; the kernel failed on it)
         with pytest.raises(ValueError, match="tile_m must be one of the ints"):
             pmx.route(ids, None, 4, tile_m=tile_m)
+    assert torch.equal(pmx.route(ids, None, 4, tile_m=np.int64(16)).tile_schedule,
+                       pmx.route(ids, None, 4, tile_m=16).tile_schedule)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -436,10 +438,13 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="need a routing"):
         gm(x, w, offsets=offs, gather=True)
     for flag in ("no", 1, None):  # ("no" was taken as True; audit)
-        with pytest.raises(TypeError, match="gather and scatter must be bools"):
+        with pytest.raises(TypeError, match="gather must be a bool"):
             gm(x, w, routing=r, gather=flag)
-        with pytest.raises(TypeError, match="gather and scatter must be bools"):
+        with pytest.raises(TypeError, match="scatter must be a bool"):
             gm(x, w, routing=r, scatter=flag)
+    xt = rand(3, k)  # (numpy's bools are bools)
+    assert torch.equal(gm(xt, w, routing=r, gather=np.True_, scatter=np.True_),
+                       gm(xt, w, routing=r, gather=True, scatter=True))
     with pytest.raises(ValueError, match="int32 tensor"):
         gm(x, w, offsets=offs.long())
     with pytest.raises(ValueError, match="non-decreasing"):

@@ -721,6 +721,13 @@ def test_a_weight_or_input_the_gemm_cannot_take_is_refused_not_misread():
             layer(x)
         with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError):
             nn.functional.linear(x, layer.weight, layer.bias)  # (what nn.Linear does with it)
+    # an fp64 model under autocast runs in fp64, as nn.Linear does (autocast leaves fp64 alone)
+    layer64 = MXLinear(64, 8).double()
+    x64 = torch.randn(2, 64, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer64(x64)
+        assert nn.functional.linear(x64, layer64.weight, layer64.bias).dtype == torch.float64
+    assert y.dtype == torch.float64 and torch.equal(y, layer64(x64))
 
 
 def test_nn_mx_matmul_checks_its_operands_as_matmul_does():

@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 import torch
 
+from .._flags import as_bool
 from .._sharding import is_dtensor
 from .._transforms import refuse_func_transforms
 from ..ops import _recipe, dense_error, refuse_distributed
@@ -133,8 +134,7 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
         if bias.device != device:
             _fail(f"bias must be on w's device {device}; got {bias.device}")
 
-    if type(gather) is not bool or type(scatter) is not bool:  # ("no" was taken as True)
-        raise TypeError(f"grouped_matmul: gather and scatter must be bools; got {gather!r}, {scatter!r}")
+    gather, scatter = as_bool(gather, "grouped_matmul: gather"), as_bool(scatter, "grouped_matmul: scatter")
     if (offsets is None) == (routing is None):
         _fail("give exactly one of offsets (rows already sorted by expert) and routing (pmx.route)")
     if offsets is not None:

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from .. import registry
+from .._flags import exact_int
 from .._transforms import refuse_func_transforms
 
 TILE_M_CHOICES = (16, 32, 64, 128)
@@ -235,9 +236,11 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     elif topk_weights.device != topk_ids.device:
         raise ValueError(f"topk_weights and topk_ids must be on the same device; got "
                          f"{topk_weights.device} and {topk_ids.device}")
-    if tile_m is not None and (type(tile_m) is not int or tile_m not in TILE_M_CHOICES):
-        # (exactly an int: 16.0 or a numpy int compared equal, and the Triton kernel failed on it)
-        raise ValueError(f"tile_m must be one of the ints {TILE_M_CHOICES}; got {tile_m!r}")
+    if tile_m is not None:
+        count = exact_int(tile_m)  # (16.0 compared equal to a choice, and the Triton kernel failed on it)
+        if count is None or count not in TILE_M_CHOICES:
+            raise ValueError(f"tile_m must be one of the ints {TILE_M_CHOICES}; got {tile_m!r}")
+        tile_m = count
     refuse_func_transforms("route", topk_ids, topk_weights)  # (vmap reached the CPU id check: torch's error)
 
     t, k = topk_ids.shape

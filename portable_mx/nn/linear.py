@@ -79,8 +79,9 @@ class MXLinear(torch.nn.Linear):
     the cached weight.
 
     Under ``torch.autocast`` (dtype D) x and the bias are cast to D first, as
-    ``F.linear``'s autocast casts them (an fp64 or non-float x, which autocast leaves as it
-    is, is refused, as ``F.linear`` fails on it); the weight is quantized from its
+    ``F.linear``'s autocast casts them (autocast leaves fp64 as it is: an fp64 x runs with an
+    fp64 weight, and is refused with any other, as a non-float x is, where ``F.linear``
+    fails too); the weight is quantized from its
     own values (fp32 master weights are not rounded to D first, as torchao's float8 and
     MX layers do), the output is D, and the weight's gradient comes back in the weight's
     dtype (computed in D, as ``nn.Linear``'s under autocast;
@@ -212,9 +213,12 @@ class MXLinear(torch.nn.Linear):
         amp = any_autocast() and autocast_dtype(x.device)
         if amp:  # F.linear's autocast casts of x and bias (nn._autocast); the weight is quantized as it is
             x, bias = cast(x, amp), cast(bias, amp)
-            if x.dtype != amp:  # (fp64 or non-float x: F.linear fails on it under autocast too)
+            if x.dtype != amp and (x.dtype != w.dtype or x.dtype is not torch.float64):
+                # (autocast leaves fp64 as it is: an fp64 x runs with an fp64 weight, as F.linear's does;
+                # against another weight, and for a non-float x, F.linear fails too)
                 raise TypeError(f"MXLinear: x is {x.dtype}, which torch.autocast leaves as it is (it casts "
-                                f"float32, float16 and bfloat16 x to {amp}); cast x first")
+                                f"float32, float16 and bfloat16 x to {amp}), and the weight is {w.dtype}; cast x "
+                                "first")
         elif x.dtype != w.dtype:
             raise TypeError(f"MXLinear: x is {x.dtype} but the weight is {w.dtype}; cast one of them, or run the "
                             "layer under torch.autocast")

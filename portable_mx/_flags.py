@@ -5,9 +5,11 @@ True, 16.0 equal to 16)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
+import torch
 
 __all__ = ["as_bool", "exact_int"]
 
@@ -23,11 +25,11 @@ def as_bool(value: Any, what: str) -> bool:
 
 
 def exact_int(value: Any) -> Any:
-    """``value`` as an int where it is one (a Python int, a numpy integer, or a symbolic
-    size under tracing, which passes as it is), else None: a bool, a float or anything
-    else is no count."""
-    if type(value) is int:
+    """``value`` as an int where it is one (a Python int, or an integer of another kind:
+    numpy's, anything with ``__index__``), else None: a bool, a tensor, a float or a string
+    is no count."""
+    if value.__class__ is int:
         return value
-    if isinstance(value, np.integer):
-        return int(value)
-    return None
+    if isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
+        return None
+    return operator.index(value)

@@ -9,7 +9,6 @@ its custom op, so that a compiled graph holds one node per call (no graph break)
 
 from __future__ import annotations
 
-import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -17,7 +16,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _custom_ops, _dispatch, registry
-from ._flags import as_bool
+from ._flags import as_bool, exact_int
 from ._sharding import is_dtensor
 from ._transforms import refuse_func_transforms
 from .decompose import DEFINITIONS, Decomposition
@@ -89,10 +88,11 @@ def dense_error(name: str, x: torch.Tensor) -> str:
 
 
 def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
-    if axis.__class__ is not int:  # numpy's integers too (operator.index), never a bool or a tensor
-        if isinstance(axis, (bool, torch.Tensor)) or not hasattr(type(axis), "__index__"):
+    if axis.__class__ is not int:  # numpy's integers too, never a bool or a tensor
+        index = exact_int(axis)
+        if index is None:
             raise TypeError(f"{name} must be an int; got {type(axis).__name__}")
-        axis = operator.index(axis)
+        axis = index
     if not -ndim <= axis < ndim:
         raise ValueError(f"{name}={axis} is out of range for a tensor with {ndim} dims")
     return axis % ndim

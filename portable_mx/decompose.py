@@ -16,7 +16,9 @@ The math is written once here, on blocked tensors ``[..., n_blocks, 32]``; backe
 it (or reproduce it in a kernel and are tested against it).
 
 Range. The statistics are right for every finite x, from fp32 subnormals to the fp32
-maximum, on every backend: here every component is computed in float64 from x and Q
+maximum, on every backend (one exception: "counterfactual"'s Q* is an fp32 value, so in a
+block of fp32 subnormals it is a multiple of 2**-149 and its scale and grid parts carry
+that rounding, :func:`ideal_quantize`): here every component is computed in float64 from x and Q
 (fp32 values, so each product is exact and no square overflows or underflows), beta is
 that float64 gain rounded once to fp32, and the per-block energies are float64 (a block's
 energy spans 2**-298 .. 2**261, beyond fp32's range). The element tensors are the float64
@@ -200,7 +202,10 @@ def ideal_quantize(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     Computed in fp32 (the definition every backend reproduces bit for bit): s = fl(A / 6),
     y = fl(X / s), Q* = fl(fl(s g) * 2**-p), with A = amax * 2**p and X = x * 2**p (exact)
     for p = 64 where amax < 2**-100, else p = 0: so that s is never an fp32 subnormal (which
-    keeps fewer bits: with amax about 1e-41 Q* was off by up to 17% of amax)."""
+    keeps fewer bits: with amax about 1e-41 Q* was off by up to 17% of amax). Q* itself is
+    rounded to fp32: in a block of fp32 subnormals (amax < 2**-126) to a multiple of
+    2**-149, a visible share of amax when amax is a few such steps (a block [5, 1, ..., 1]
+    * 2**-149 gets a scale energy 20% above the real s*'s, and Q* = 0 for its 1s)."""
     up = torch.where(amax < 2.0**-100, 2.0**64, 1.0).to(torch.float32)
     s = (amax * up / 6.0).unsqueeze(-1)
     safe = torch.where(s > 0, s, torch.ones_like(s))

@@ -4,8 +4,10 @@ command may run 600 s), the benchmarks run first, then the GPU tests, then parit
 is left of the budget), and nothing runs outside a step with a limit. No GPU needed:
 `--plan` runs nothing."""
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,48 @@ def test_a_mistyped_argument_stops_the_script_before_anything_runs(tmp_path, arg
     res = subprocess.run(["bash", str(SCRIPT), *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert res.returncode == 2 and words in res.stderr, res.stdout + res.stderr
     assert not list(tmp_path.iterdir()) and not (ROOT / "out-a").exists()
+
+
+def test_the_small_parity_corpus_runs_apart_from_the_gpu_tests_in_parts():
+    """As one pytest test the small corpus outran the GPU tests' step on the H200 (the
+    tests queued behind it on its worker never ran): every mode deselects it from the GPU
+    tests, whose one command names a test that exists, and runs the corpus as the step
+    parity-small (benchmarks/gpu_parity.sh) right after them."""
+    text = SCRIPT.read_text()
+    command = _function_body(text, "gpu_pytest_command")
+    deselected = re.findall(r"--deselect (\S+)", command)
+    assert deselected == ["tests/test_parity.py::test_reference_vs_gpu_backend_small_corpus"]
+    path, name = deselected[0].split("::")
+    assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M)  # a rename would run it again
+    assert len(re.findall(r"-m pytest -m gpu", text)) == 1  # one command for every mode
+    for mode in MODES:
+        names = [name for name, _, _ in _declared(mode)]
+        assert names[names.index("tests-gpu") + 1] == "parity-small", names
+    assert len(re.findall(r'parity-small 150 bash benchmarks/gpu_parity.sh "\$PY" "\$out/results/parity" small',
+                          text)) == len(MODES)
+
+
+def test_gpu_parity_fails_each_part_that_only_the_reference_served(tmp_path):
+    """gpu_parity.sh on a device no GPU backend serves (here the CPU, with the interpreter
+    and a forced backend unset by the script): every part's reports are written and
+    compared, and each part fails saying why: the reference checked against itself proves
+    nothing about the kernels."""
+    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_parity.sh"), sys.executable, str(tmp_path), "small"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "GPU_PARITY_DEVICE": "cpu", "TRITON_INTERPRET": "1",
+                              "PORTABLE_MX_BACKEND": "triton-interpret"})
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert res.stderr.count("gpu_parity: only the reference backend served the GPU") == 3, res.stderr
+    for part in ("quantize", "decompose-gain", "decompose-counterfactual"):
+        for side in ("reference", "gpu"):
+            assert (tmp_path / f"parity-{part}-{side}.json").is_file()
+    assert "gpu_parity: 3 of 3 part(s) failed" in res.stdout
+
+
+def test_a_budget_given_by_the_caller_is_a_number():
+    res = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "GPU_CHECK_BUDGET_S": "5m"})
+    assert res.returncode == 2 and "GPU_CHECK_BUDGET_S must be a number of seconds" in res.stderr
+    res = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "GPU_CHECK_BUDGET_S": "1000"})
+    assert res.returncode == 0 and re.search(r"^worst case \d+ s \(budget 1000 s\)$", res.stdout, re.M), res.stdout

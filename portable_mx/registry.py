@@ -172,7 +172,8 @@ class Backend:
         None (all 1) -> [T, N] in ``out_dtype``, ``out[t] = sum over j = 0, 1, ..., k-1
         in this order of fp32(weights[t, j]) * rows[index[t*k + j]]``, each product and
         sum an fp32 operation (no fused multiply-add), rounded once. Bit-exact across
-        backends."""
+        backends. fp64 rows (the high-precision dX of fp64 operands) are summed in fp64,
+        each product and sum an fp64 operation."""
         raise NotImplementedError
 
     def ragged_rows(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -421,6 +421,27 @@ def test_frozen_mxtensor_weight_and_router_gradient():
     torch.testing.assert_close(x.grad.double(), want_x, rtol=1e-5, atol=1e-5)
 
 
+def test_fp64_high_precision_dx_of_a_gathering_call_sums_in_fp64(mx_backend):
+    """grad_input="high" with fp64 operands: dX is each row's dY @ W_e in fp64, and a
+    gathering call sums each token's k rows in fp64 too, as the offsets path and the dense
+    matmul keep fp64 (the k-way sum ran in fp32: errors of fp32's epsilon times |dX|;
+    audit). Against the float64 definition, to fp64 rounding."""
+    r = QR(grad_input="high", grad_weight="high")
+    t, k, e, n, kk = 6, 2, 3, 18, 40
+    x = rand(t, kk, seed=30, dtype=torch.float64).requires_grad_()
+    w = rand(e, n, kk, seed=31, dtype=torch.float64)
+    rt = pmx.route(ids_of(t, k, e, seed=32), None, e)
+    y = pmx.grouped_matmul(x, w, routing=rt, gather=True, recipe=r)
+    g = rand(*y.shape, seed=33, dtype=torch.float64)
+    y.backward(g)
+    gather, ends = rt.gather_index.long(), [0] + rt.offsets.tolist()
+    want = torch.zeros_like(x, requires_grad=False)
+    for i in range(e):
+        want.index_add_(0, gather[ends[i]:ends[i + 1]], g[ends[i]:ends[i + 1]] @ w[i])
+    assert x.grad.dtype == torch.float64
+    torch.testing.assert_close(x.grad, want, rtol=1e-13, atol=1e-13)
+
+
 # ----------------------------------------------------------------------------- errors, op, compile
 
 

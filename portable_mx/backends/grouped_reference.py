@@ -77,7 +77,7 @@ def grouped_matmul(a: MXTensor | torch.Tensor, w: MXTensor, num_experts: int, of
 def combine(rows: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor], k: int,
             out_dtype: torch.dtype) -> torch.Tensor:
     """:meth:`portable_mx.registry.Backend.combine` in plain torch: the k terms added in
-    slot order, each product and sum one fp32 operation."""
+    slot order, each product and sum one fp32 operation (fp64 for fp64 rows)."""
     idx = index.to(torch.int64).view(-1, k)
     w = None if weights is None else weights.to(torch.float32)
     acc = None

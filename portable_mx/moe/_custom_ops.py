@@ -232,8 +232,9 @@ def _grad_x(dh, x, w, w_op, r: QuantRecipe, offsets, gather_index, scatter_index
                                   lambda tile_m: tile_schedule(offsets, rows, tile_m))
     else:
         da = moe_dispatch.ragged_rows(dh, wv, offsets)
-    if gather:
-        return moe_dispatch.combine(da.to(torch.float32), scatter_index, None, k, x.dtype)
+    if gather:  # (fp64 products, of fp64 operands' high-precision dX, are summed in fp64)
+        da = da if da.dtype == torch.float64 else da.to(torch.float32)
+        return moe_dispatch.combine(da, scatter_index, None, k, x.dtype)
     return da.to(x.dtype)
 
 

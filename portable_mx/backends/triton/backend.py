@@ -852,7 +852,12 @@ class TritonBackend(Backend):
         return made[:-1] + (None,) if plan.options.get("debug") else made
 
     def combine(self, rows, index, weights, k, out_dtype):
-        """:meth:`Backend.combine` with grouped_gemm.combine_kernel (one launch)."""
+        """:meth:`Backend.combine` with grouped_gemm.combine_kernel (one launch); fp64 rows
+        take the torch form (the reference's)."""
+        if rows.dtype == torch.float64:
+            from .. import grouped_reference
+
+            return grouped_reference.combine(rows, index, weights, k, out_dtype)
         st = self._devices.get(rows.device) or self._device(rows.device)
         weights = None if weights is None else materialized(weights)  # the router's (rows and index are ours)
         return _module(".grouped_gemm").run_combine(self, st, rows, index, weights, k, out_dtype, STORE_DTYPES)

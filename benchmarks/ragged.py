@@ -10,7 +10,10 @@ Products (R = 4 T expert-sorted rows):
   weights, a "high" weight gradient);
 - ``dW1 fp32xbf16``: the same against bf16 tokens (W4A16's weight gradient);
 - ``dW1 bf16``: bf16 by bf16 into bf16 (the quantized weight gradient's values with bf16
-  weights; torch's grouped_mm has a kernel of its own for it on sm_90 / sm_100);
+  weights; torch's grouped_mm has a kernel of its own for it on sm_90 / sm_100), each
+  expert's rows padded to a multiple of 32 as the library pads them (moe/_ragged.py
+  pad_experts): torch's kernel asserts on the device unless every expert's row count is a
+  multiple of 8, which 2 rows an expert at T = 16 are not (a dead CUDA context);
 - ``dX2 fp32``: dH [R, 2880] fp32 by W2 [32, 2880, 2880] fp32 -> [R, 2880] (a "high"
   input gradient);
 - ``db1 fp32``: the column sums of dH [R, 5760] per expert (the bias gradient).
@@ -66,13 +69,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def uniform_offsets(rows: int, experts: int, device) -> "Any":
+def uniform_offsets(rows: int, experts: int, device, multiple: int = 1) -> "Any":
     """int32 [E] cumulative ends of ``rows`` rows spread over the experts as evenly as
-    they divide (a uniform router's counts)."""
+    they divide (a uniform router's counts), each count rounded up to a multiple of
+    ``multiple`` (padded rows)."""
     import torch
 
     base, extra = divmod(rows, experts)
-    counts = torch.tensor([base + (e < extra) for e in range(experts)])
+    counts = torch.tensor([-(-(base + (e < extra)) // multiple) * multiple for e in range(experts)])
     return torch.cumsum(counts, 0).to(torch.int32).to(device)
 
 
@@ -102,8 +106,9 @@ def measure(product: str, tokens: int, device, backend, st, sizes: dict, timer) 
     from portable_mx.backends.triton.backend import STORE_DTYPES
     from portable_mx.moe import _ragged
 
-    rows = tokens * TOP_K
-    offsets = uniform_offsets(rows, sizes["experts"], device)
+    # (bf16 into bf16: padded as the library pads it, and as torch's own kernel needs)
+    offsets = uniform_offsets(tokens * TOP_K, sizes["experts"], device, 32 if product == "dW1 bf16" else 1)
+    rows = int(offsets[-1])
     kind, a, b, out_dtype, flops = operands(product, rows, sizes["experts"], sizes["hidden"], sizes["inter2"], device)
     if kind == "rows":
         def kernel():
@@ -157,6 +162,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device, name, timer = run
     if args.cpu:
         backend, sizes = registry.get("triton-interpret"), SMOKE
+        problem = backend.op_problem("grouped_matmul")
+        if problem:  # (triton 3.6, 3.7: the interpreter runs no GEMM; the ragged kernels fail in it)
+            print(f"benchmarks/ragged.py --cpu-smoke: the Triton interpreter here cannot run it: {problem}",
+                  file=sys.stderr)
+            return 1
     else:
         backend, sizes = registry.select("grouped_matmul", device), {"experts": EXPERTS, "hidden": HIDDEN,
                                                                      "inter2": INTER2}

@@ -198,7 +198,11 @@ class Backend:
         without TF32 (fp64 where an operand is fp64), up to accumulation order, rounded
         once to ``out_dtype`` (None: left fp32). R, P, Q > 0. Default: the torch form
         (moe/_ragged.py), which on a GPU reads the offsets on the host (except bf16 with
-        a bf16 result on sm_90 / sm_100)."""
+        a bf16 result on sm_90 / sm_100). bf16 a and b with a bf16 result need every
+        expert's row count a multiple of 8 on a CUDA GPU (torch's grouped_mm kernel, which
+        takes them on sm_90 / sm_100, asserts on the device otherwise, and the process's
+        CUDA context is lost): the grouped GEMM's backward pads its experts to 32 rows
+        (moe/_ragged.py pad_experts) for it."""
         from .moe import _ragged
 
         if b is None:

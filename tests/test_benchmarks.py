@@ -1196,3 +1196,10 @@ def test_ragged_args_and_cpu_smoke_end_to_end(tmp_path, monkeypatch, capsys):
     for r in result["rows"]:
         assert r["rel_err"] < (2.0**-8 if "bf16" in r["product"] and "x" not in r["product"] else 1e-5), r
         assert r["kernel_ms"] > 0 and r["torch_ms"] > 0 and r["kernel_without_host_sync"] is None
+        # bf16 into bf16 on experts padded to 32 rows (torch's own kernel for it asserts on
+        # the device unless each expert's rows are a multiple of 8: T = 16 gave 2 an expert);
+        # the smoke's 3 tokens give 3 rows an expert, unpadded elsewhere
+        assert r["rows"] == (ragged.SMOKE["experts"] * 32 if r["product"] == "dW1 bf16" else 3 * ragged.TOP_K), r
+    offsets = ragged.uniform_offsets(16 * ragged.TOP_K, ragged.EXPERTS, "cpu", 32)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    assert (counts % 8 == 0).all() and (counts >= 2).all()

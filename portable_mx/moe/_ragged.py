@@ -105,7 +105,9 @@ def column_sums(a: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 def grouped_k_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> Optional[torch.Tensor]:
     """:func:`k_product` of bf16 ``a`` and ``b`` into bf16 by grouped_mm (fp32
-    accumulation, one rounding), or None where grouped_mm refuses them."""
+    accumulation, one rounding), or None where grouped_mm refuses them. On a CUDA GPU
+    every expert's row count must be a multiple of 8 (grouped_mm's kernel asserts on the
+    device otherwise): :func:`pad_experts`."""
     return _k_grouped(a, b, offsets)
 
 

@@ -874,7 +874,8 @@ class TritonBackend(Backend):
     def ragged_k(self, a, b, offsets, out_dtype=None):
         """:meth:`Backend.ragged_k` with ragged.ragged_k_kernel (one launch, no host sync);
         fp64 operands, and bf16 ones with a bf16 result where torch's grouped_mm runs its
-        own kernel for them (:data:`GROUPED_MM_BF16_TARGETS`), take the torch form."""
+        own kernel for them (:data:`GROUPED_MM_BF16_TARGETS`), take the torch form (whose
+        experts must hold multiples of 8 rows there: :meth:`Backend.ragged_k`)."""
         ragged = _module(".ragged")
         if not ragged.takes(a, b):
             return super().ragged_k(a, b, offsets, out_dtype)
@@ -882,7 +883,8 @@ class TritonBackend(Backend):
         if (out_dtype is torch.bfloat16 and a.dtype is torch.bfloat16 and b is not None and b.dtype is torch.bfloat16
                 and st.target is not None and st.target.name in GROUPED_MM_BF16_TARGETS):
             out = _module("...moe._ragged").grouped_k_product(a, b, offsets)
-            if out is not None:  # (None: grouped_mm refused the operands, e.g. their alignment)
+            if out is not None:  # (None: grouped_mm refused the operands' shapes or strides; an
+                # expert's row count off a multiple of 8 is no refusal but a device assert)
                 return out
         return ragged.run_k(self, st, a, b, offsets, out_dtype, STORE_DTYPES)
 

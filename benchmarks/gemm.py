@@ -10,7 +10,10 @@ a weight w ``[K, N]`` bf16, the weight quantized once beforehand as a model does
 
 - **kernel-only**: ``triton.testing.do_bench`` (median; it flushes the L2 before every
   run, and the host's launch overlaps that flush) around the GEMM alone on prequantized
-  operands in the backend's rows layout: ``backend.matmul(a, w_rows)``, with ``a`` the
+  operands in the backend's rows layout: ``backend.matmul(a, w_rows, bf16)`` (the output
+  stored in bf16 by the kernel, as a model's call and the baseline store it; before
+  2026-11-28 this figure stored fp32, 2x the output bytes, and missed sm_90's held decode
+  tile, which applies to bf16 stores), with ``a`` the
   bf16 x (W4A16) or ``quantize(x)`` (A4W4; on sm_90 and gfx942 where ``Backend.left_values``
   says so, the bf16 values of ``quantize(x)``, which that backend multiplies there, the
   quantize kernel not in the figure; at decode sizes, where the upcast kernel quantizes
@@ -41,8 +44,8 @@ a step of its own after the GPU tests, with the file committed in benchmarks/pee
 
 Before timing, each portable_mx result (kernel and eager) is checked against the float64
 product of the dequantized operands on up to 256 evenly spaced rows: ``|C - C64| <= K *
-2**-24 * (|A| @ |B|)`` elementwise (fp32 accumulation), plus half a bf16 ulp of C for the
-bf16 eager output; otherwise it exits with status 3, leaving no result file (it removes
+2**-24 * (|A| @ |B|)`` elementwise (fp32 accumulation), plus half a bf16 ulp of C (both
+outputs are bf16); otherwise it exits with status 3, leaving no result file (it removes
 the one it wrote for the earlier shapes). Every result (torch and gemlite too) also gets its
 relative error against the float64 product of the unquantized bf16 operands (``rel_err``,
 what a user sees).
@@ -575,8 +578,10 @@ def measure_shape(
         a64 = x.double() if variant == "w4a16" else pmx.dequantize(pmx.quantize(x, recipe), dtype=torch.float64)
         label = f"{shape_name(shape)} {variant}"
         try:
-            kernel_out = backend.matmul(a, w_rows[0]) if quant is None else backend.matmul(a, w_rows[0], quant=quant)
-            checks[variant] = {"kernel": spot_check(kernel_out, a64, w64, bf16_output=False),
+            out = x.dtype  # (stored by the kernel as a model's call stores it: bf16, like the baseline's)
+            kernel_out = backend.matmul(a, w_rows[0], out) if quant is None else backend.matmul(a, w_rows[0], out,
+                                                                                                quant=quant)
+            checks[variant] = {"kernel": spot_check(kernel_out, a64, w64),
                                "eager": spot_check(pmx.matmul(x, w_mx[0], recipe), a64, w64)}
         except CheckFailed as err:
             raise CheckFailed(f"{label}: {err}") from None
@@ -585,9 +590,10 @@ def measure_shape(
             log(f"check {label + ' ' + part:<31} max rel err {c['max_rel_err']:.2e}  "
                 f"({c['max_err_over_bound']:.2f} of the bound, {c['rows_checked']} rows)  ok")
         if quant is None:
-            kernel_fns[variant] = _cycling(lambda wi, a=a: backend.matmul(a, wi), w_rows, prime)
+            kernel_fns[variant] = _cycling(lambda wi, a=a, o=out: backend.matmul(a, wi, o), w_rows, prime)
         else:
-            kernel_fns[variant] = _cycling(lambda wi, a=a, q=quant: backend.matmul(a, wi, quant=q), w_rows, prime)
+            kernel_fns[variant] = _cycling(lambda wi, a=a, o=out, q=quant: backend.matmul(a, wi, o, quant=q), w_rows,
+                                           prime)
         eager_fns[variant] = _cycling(lambda wi, r=recipe: pmx.matmul(x, wi, r), w_mx, prime)
         del w64, a64
         if peer is not None:

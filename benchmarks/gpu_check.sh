@@ -91,7 +91,8 @@ mode=$(case $sweeps in 1) echo sweeps ;; 2) echo tune ;; *) echo default ;; esac
 #                                   budget (at most MAX s), skipped when under 20 s are left;
 #                                   it adds nothing to the worst case
 # peer_rest NAME MAX COMMAND...     a step_rest for a peer: cut at its limit, it is recorded
-#                                   as such, not counted as a failed step
+#                                   as such, not counted as a failed step; skipped when
+#                                   under 60 s are left
 
 gpu_tests() {  # gpu_tests LIMIT: what the compiled kernels do on this GPU, against the reference
   step tests-gpu "$1" "$PY" "${gpu_pytest[@]}"
@@ -262,13 +263,13 @@ step_rest() {
   local name=$1 limit=$2 left; shift 2
   left=$(( BUDGET_S - ($(date +%s) - t_all) ))
   if [ "$left" -lt "$limit" ]; then limit=$left; fi
-  if [ "$limit" -ge 20 ]; then step "$name" "$limit" "$@"
+  if [ "$limit" -ge "${rest_min:-20}" ]; then step "$name" "$limit" "$@"
   else printf '%-22s %-26s\n' "$name" "skipped (${left}s of budget left)" | tee -a "$out/summary.txt"; fi
 }
-peer_rest() {
-  peer_step=1
+peer_rest() {  # (under 60 s left a peer is skipped: its first calls alone compile and autotune longer)
+  peer_step=1 rest_min=60
   step_rest "$@"
-  peer_step=""
+  peer_step="" rest_min=""
 }
 
 {

@@ -155,10 +155,11 @@ def test_gpu_parity_fails_each_part_that_only_the_reference_served(tmp_path):
                          env={**os.environ, "GPU_PARITY_DEVICE": "cpu", "TRITON_INTERPRET": "1",
                               "PORTABLE_MX_BACKEND": "triton-interpret"})
     assert res.returncode == 3, res.stdout + res.stderr
-    assert res.stderr.count("gpu_parity: only the reference backend served the GPU") == 3, res.stderr
-    for part in ("quantize", "decompose-gain", "decompose-counterfactual"):
+    assert res.stdout.count("gpu_parity: only the reference backend served the GPU") == 3, res.stdout
+    for part in ("quantize", "decompose-gain", "decompose-counterfactual"):  # (run at once, each logged)
         for side in ("reference", "gpu"):
             assert (tmp_path / f"parity-{part}-{side}.json").is_file()
+        assert f"== {part} (small corpus)" in (tmp_path / f"parity-{part}.log").read_text()
     assert "gpu_parity: 3 of 3 part(s) failed" in res.stdout
 
 

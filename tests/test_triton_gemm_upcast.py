@@ -409,14 +409,16 @@ def test_small_m_gemm_on_both_decodes(gemm_kernel, magnitude):
 def test_w4a16_sparse_outliers_at_decode(gemm_kernel, layout, rb):
     """W4A16 with M <= 4 tokens takes the weight's outliers as a sparse correction (the
     x values at their columns): M = 1..4 (SPARSE_M 1, 2, 4 with masked rows), K off the
-    block (an outlier column past K reads nothing), bf16 and fp16 tokens, split-K, MBS;
-    within the accumulation bound of the dequantized product, as the dense path is."""
+    block (an outlier column past K reads nothing), bf16 tokens, split-K, MBS; within the
+    accumulation bound of the dequantized product, as the dense path is. fp16 tokens take
+    the dense outlier tile (its two bf16 MMAs; the sparse form serialized sm_90's wgmmas)."""
     from portable_mx.backends.triton.gemm_upcast import sparse_rows
     from portable_mx.backends.triton.gemm import Operand
     from portable_mx.backends.triton.launch import GemmConfig
 
     assert [sparse_rows(Operand(torch.bfloat16, None, 0), Operand(None, None, 2), m) for m in (1, 2, 3, 4, 5)] == \
         [1, 2, 4, 4, 0]
+    assert sparse_rows(Operand(torch.float16, None, 0), Operand(None, None, 2), 1) == 0
     for i, (m, n, k, dtype) in enumerate([(1, 70, 250, torch.bfloat16), (2, 64, 256, torch.float16),
                                           (3, 130, 300, torch.bfloat16), (4, 65, 96, torch.bfloat16)]):
         a = randn(m, k, seed=i).to(dtype)
@@ -572,7 +574,7 @@ def test_public_matmul_through_the_upcast_route(gemm_kernel, monkeypatch):
     monkeypatch.setattr(type(backend), "gemm_route",
                         lambda self, target, a, b: GemmRoute("upcast", upcast=_routes()["hopper"]))
     monkeypatch.setattr(type(backend), "default_gemm_config",
-                        lambda self, target, m, a_format, heavy: GemmConfig(16, 64, 128, split_k=2))
+                        lambda self, target, m, a_format, heavy, **_: GemmConfig(16, 64, 128, split_k=2))
     x, w = randn(2, 9, 100, seed=3), randn(100, 70, seed=4)
     for recipe in (QR(), QR(activations="bf16")):
         w_mx = pmx.quantize(w.to(device), recipe, axis=0)
@@ -599,7 +601,7 @@ def _split_k_matmuls(backend, device, monkeypatch, split: int = 3):
     monkeypatch.setattr(backend, "_devices", {})
     monkeypatch.setattr(splitk, "_BUFFERS", {})
     monkeypatch.setattr(type(backend), "default_gemm_config",
-                        lambda self, target, m, a_format, heavy: GemmConfig(16, 64, 64, split_k=split))
+                        lambda self, target, m, a_format, heavy, **_: GemmConfig(16, 64, 64, split_k=split))
     recipe = QR(activations="bf16")
     w_mx = pmx.quantize(randn(300, 70, seed=11).to(device), recipe, axis=0)
     return recipe, w_mx
@@ -1137,7 +1139,7 @@ def test_public_matmul_sees_an_in_place_write_of_the_weight(gemm_kernel, monkeyp
     monkeypatch.setattr(type(backend), "gemm_route",
                         lambda self, target, a, b: GemmRoute("upcast", upcast=_routes()["hopper"]))
     monkeypatch.setattr(type(backend), "default_gemm_config",
-                        lambda self, target, m, a_format, heavy: GemmConfig(16, 64, 64, split_k=1))
+                        lambda self, target, m, a_format, heavy, **_: GemmConfig(16, 64, 64, split_k=1))
     recipe = QR(activations="bf16")
     x = randn(4, 128, seed=21)
     w_mx = pmx.quantize(randn(128, 64, seed=22, scale=0.5).to(device), recipe, axis=0)

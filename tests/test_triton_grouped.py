@@ -166,7 +166,7 @@ def test_offsets_split_k_and_counters(gemm_kernel, monkeypatch, route):
     x = rand(sum(counts), kk, seed=45, dtype=torch.bfloat16)
     w_mx = pmx.quantize(rand(e, n, kk, seed=46), axis=-1)
     original = backend.grouped_config
-    split = lambda *args: dataclasses.replace(original(*args), split_k=3)  # noqa: E731
+    split = lambda *args, **kw: dataclasses.replace(original(*args, **kw), split_k=3)  # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backend, "grouped_config", split)
         mp.setenv(registry.ENV_BACKEND, backend.name)
@@ -192,7 +192,7 @@ def test_split_k_buffers_are_the_launch_streams(gemm_kernel, monkeypatch):
     x = rand(27, 400, seed=45, dtype=torch.bfloat16).to(device)
     w_mx = pmx.quantize(rand(5, 64, 400, seed=46), axis=-1).to(device)
     original = backend.grouped_config
-    monkeypatch.setattr(backend, "grouped_config", lambda *args: dataclasses.replace(original(*args), split_k=3))
+    monkeypatch.setattr(backend, "grouped_config", lambda *args, **kw: dataclasses.replace(original(*args, **kw), split_k=3))
     monkeypatch.setenv(registry.ENV_BACKEND, backend.name)
     monkeypatch.setattr(splitk, "_BUFFERS", {})
     stream, capturing, got = ["A"], [False], []

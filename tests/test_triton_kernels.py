@@ -887,3 +887,45 @@ def test_quantized_values_refuse_macro_blocks_and_outliers(kernel):
     for recipe in (QR(macro_block=64), QR(outliers_per_block=1)):
         with pytest.raises(ValueError, match="macro blocks or outliers"):
             backend.quantized_values(x, recipe)
+
+
+def test_bf16_pair_splits_every_fp16_exactly(tmp_path):
+    """numerics.bf16_pair (fp16 tokens times a weight's bf16 outliers as two bf16 MMAs):
+    for every finite fp16 value, subnormals and +-65504 included, hi and lo are bf16
+    numbers and hi + lo is the value exactly (float64 arithmetic on the outputs); an
+    infinite value gives hi = inf. Run by the interpreter in a process of its own."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, torch, triton, triton.language as tl
+        from portable_mx.backends.triton.numerics import bf16_pair
+        @triton.jit
+        def k(x_ptr, hi_ptr, lo_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            hi, lo = bf16_pair(tl.load(x_ptr + offs, mask=m, other=0.0))
+            tl.store(hi_ptr + offs, hi, mask=m)
+            tl.store(lo_ptr + offs, lo, mask=m)
+        x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+        hi, lo = torch.empty(x.shape, dtype=torch.bfloat16), torch.empty(x.shape, dtype=torch.bfloat16)
+        k[(x.numel() // 1024,)](x, hi, lo, x.numel(), BLOCK=1024)
+        torch.save({"x": x, "hi": hi, "lo": lo}, sys.argv[1])
+        """
+    )
+    path = tmp_path / "pairs.pt"
+    res = subprocess.run([sys.executable, "-c", code, str(path)], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = torch.load(path)
+    x, hi, lo = got["x"], got["hi"], got["lo"]
+    assert hi.dtype == lo.dtype == torch.bfloat16  # (stored as bf16: the exactness is the sum's)
+    finite = torch.isfinite(x)
+    assert int(finite.sum()) == 65536 - 2 * 1024  # every bit pattern but the 2 x 1024 of exponent 31
+    assert torch.equal(hi.double()[finite] + lo.double()[finite], x.double()[finite])
+    assert (x[finite].abs() == 65504).sum() == 2 and (x[finite] == 0).sum() == 2  # (+-0)
+    inf = torch.isinf(x)
+    assert torch.equal(hi[inf].double(), x[inf].double())

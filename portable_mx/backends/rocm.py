@@ -39,7 +39,10 @@ TARGET_TILES = {"gfx942": {"decompose": TileConfig(4, 256, num_warps=4)}}
 # Triton 3.6 ("Unsupported DotScaleOp"): every launch there is the upcast kernel
 # (gemm_upcast.py, canonical layout, decode in registers, tl.dot in bf16 or fp16, the
 # tokens on the MFMA's N). split_k=0 (small M): as many programs per output tile as fill
-# the GPU.
+# the GPU. "w4a16-pair" (fp16 tokens times the weight's outliers, as two bf16 parts: two
+# more MFMAs a K step): the prefill tiles above spilled with them (compile matrix,
+# triton 3.6: gfx942 128 bytes of scratch per lane at 64x128x128, gfx950 480 at
+# 128x128x128); these compile with none (gfx942 256 VGPRs, gfx950 242).
 _AMD = (("kpack", 1), ("matrix_instr_nonkdim", 16))
 GEMM_TILES = {
     "gfx950": {
@@ -47,6 +50,7 @@ GEMM_TILES = {
         "a4w4-heavy": GemmConfig(64, 64, 128, num_warps=4, num_stages=2, extra=_AMD),
         "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD, split_k=0),
         "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=2, extra=_AMD),
+        "w4a16-pair": GemmConfig(64, 128, 128, num_warps=8, num_stages=2, extra=_AMD),
         "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD, split_k=0),
     },
     "gfx942": {
@@ -55,6 +59,7 @@ GEMM_TILES = {
         "a4w4-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD, split_k=0),
         "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=2, extra=_AMD),
         "w4a16-heavy": GemmConfig(64, 128, 128, num_warps=8, num_stages=2, extra=_AMD),
+        "w4a16-pair": GemmConfig(64, 64, 128, num_warps=4, num_stages=2, extra=_AMD),
         "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=2, extra=_AMD, split_k=0),
     },
 }

@@ -468,7 +468,8 @@ def plan(
     None skips the stage)."""
     problem = problem.launched(backend, target)
     a_op, b_op = problem.operands()
-    default = backend.default_gemm_config(target, problem.m, a_op.format, a_op.heavy or b_op.heavy)
+    default = backend.default_gemm_config(target, problem.m, a_op.format, a_op.heavy or b_op.heavy,
+                                          pair=a_op.pairs_with(b_op))
     if getattr(default, "split_k", 1) == 0 and hasattr(backend, "resolve_split_k"):
         # split_k 0 ("fill the GPU"): the split the backend would launch for this problem
         sms = props.sm_count if props is not None else (

@@ -61,7 +61,7 @@ def _aot_gemms():
     """The operand kinds the compile matrix compiles the GEMM for, with the dtype each
     stores: A4W4 plain (fp32), MBS (per tile and in the epilogue) and OF on both sides
     (bf16); W4A16 in bf16 and fp16, with MBS and with weight outliers (the activations'
-    dtype)."""
+    dtype; fp16 tokens multiply bf16 outliers as two bf16 parts, numerics.bf16_pair)."""
     from .gemm import Operand
 
     mx, bf16 = Operand(None, None, 0), Operand(torch.bfloat16, None, 0)
@@ -70,7 +70,7 @@ def _aot_gemms():
         (mx, mx, f32), (Operand(None, 128, 0), Operand(None, 128, 0), b16),
         (Operand(None, 8192, 0), Operand(None, 8192, 0), b16), (Operand(None, None, 1), Operand(None, 128, 2), b16),
         (bf16, mx, b16), (Operand(torch.float16, None, 0), mx, f16), (bf16, Operand(None, 128, 0), b16),
-        (bf16, Operand(None, None, 2), b16),
+        (bf16, Operand(None, None, 2), b16), (Operand(torch.float16, None, 0), Operand(None, None, 2), f16),
     )
 
 
@@ -386,7 +386,7 @@ class TritonBackend(Backend):
     block-scaled tcgen05 MMA needs 128 rows); 16 where absent."""
 
     def grouped_config(self, target: Optional[Target], rows: int, num_experts: int, a_format: Optional[torch.dtype],
-                       heavy: bool) -> GemmConfig:
+                       heavy: bool, *, pair: bool = False) -> GemmConfig:
         """The grouped GEMM's config for ``rows`` expert-sorted rows over ``num_experts``
         experts: the default for the mean rows per expert (``grouped_tiles`` over
         ``gemm_tiles``), its BLOCK_M lowered to
@@ -397,26 +397,29 @@ class TritonBackend(Backend):
         mean = -(-rows // num_experts)
         name = target.name if target is not None else "interpret"
         tiles = {**self.gemm_tiles[name], **self.grouped_tiles.get(name, {})}
-        config = self.default_gemm_config(target, mean, a_format, heavy, tiles)
+        config = self.default_gemm_config(target, mean, a_format, heavy, tiles, pair=pair)
         floor = self.grouped_min_block_m.get(target.name, 16) if target is not None and a_format is None else 16
         block_m = max(min(config.block_m, default_tile_m(rows, num_experts)), floor)
         return config if block_m == config.block_m else dataclasses.replace(config, block_m=block_m)
 
     def default_gemm_config(self, target: Optional[Target], m: int, a_format: Optional[torch.dtype],
-                            heavy: bool, tiles: Optional[dict[str, GemmConfig]] = None) -> GemmConfig:
+                            heavy: bool, tiles: Optional[dict[str, GemmConfig]] = None, *,
+                            pair: bool = False) -> GemmConfig:
         """The heuristic GEMM config for an M-row left operand of ``a_format`` (None:
-        MXFP4), ``heavy`` when an operand has macro factors or outliers: the first that
+        MXFP4), ``heavy`` when an operand has macro factors or outliers, ``pair`` when fp16
+        tokens meet the weight's outliers (``gemm.Operand.pairs_with``): the first that
         ``gemm_tiles`` has of "<kind>-small" (M <= SMALL_M; "-small-heavy" first when
         heavy) or "<kind>-mid" (M <= MID_M; "-mid-heavy" and "-heavy" first when heavy),
-        then "<kind>" ("-heavy" first when heavy). ``tiles``: another table than
-        ``gemm_tiles``' for the target (the grouped GEMM's)."""
+        then "<kind>" ("-heavy" first when heavy); above SMALL_M "<kind>-pair" before all
+        when pair. ``tiles``: another table than ``gemm_tiles``' for the target (the
+        grouped GEMM's)."""
         base = "a4w4" if a_format is None else "w4a16"
         if m <= self.SMALL_M:
             keys = [base + "-small-heavy", base + "-small"] if heavy else [base + "-small"]
-        elif m <= self.MID_M:
-            keys = [base + "-mid-heavy", base + "-heavy", base + "-mid"] if heavy else [base + "-mid"]
         else:
-            keys = []
+            keys = [base + "-pair"] if pair else []
+            if m <= self.MID_M:
+                keys += [base + "-mid-heavy", base + "-heavy", base + "-mid"] if heavy else [base + "-mid"]
         keys += [base + "-heavy", base] if heavy else [base]
         if tiles is None:
             tiles = self.gemm_tiles[target.name if target is not None else "interpret"]
@@ -966,7 +969,7 @@ class TritonBackend(Backend):
         tuned = config_cache.lookup(arch, name, config_cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp))
         if tuned is not None:
             return GemmConfig(**{**tuned, "extra": tuple(tuple(kv) for kv in tuned.get("extra", ()))})
-        return self.default_gemm_config(target, m, a.format, a.heavy or b.heavy)
+        return self.default_gemm_config(target, m, a.format, a.heavy or b.heavy, pair=a.pairs_with(b))
 
     def run_gemm(self, a: MXTensor | torch.Tensor, b: MXTensor, config: GemmConfig, target: Optional[Target],
                  out_dtype: torch.dtype = torch.float32, quant: Optional[int] = None) -> torch.Tensor:
@@ -1057,7 +1060,7 @@ class TritonBackend(Backend):
             # decode (M = 1), the edges of the small and mid classes and a large M: every
             # tile config, split and output dtype the defaults launch at N = K = 8192
             for m in (1, self.SMALL_M, self.SMALL_M + 1, self.MID_M, self.MID_M + 1, 4096):
-                config = self.default_gemm_config(target, m, a.format, heavy)
+                config = self.default_gemm_config(target, m, a.format, heavy, pair=a.pairs_with(b))
                 launch = self.gemm_launch_spec(target, a, b, config, m=m, out_dtype=store)
                 if launch.label not in seen:
                     seen.add(launch.label)
@@ -1095,7 +1098,7 @@ class TritonBackend(Backend):
         from ...moe.routing import max_tiles
         from . import grouped_gemm
 
-        config = self.grouped_config(target, rows, num_experts, a.format, a.heavy or b.heavy)
+        config = self.grouped_config(target, rows, num_experts, a.format, a.heavy or b.heavy, pair=a.pairs_with(b))
         slots = max_tiles(rows, num_experts, config.block_m)
         config = self.resolve_split_k(config, slots * config.block_m, n, kp, self.gemm_sms.get(target.name, 132))
         route = self.gemm_route(target, a, b)

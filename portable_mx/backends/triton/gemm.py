@@ -45,6 +45,7 @@ from ...tensor import MXTensor
 from . import splitk
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 from .layouts import PLAIN, ScaleLayout, prepared, scale_offset
+from .numerics import bf16_pair
 
 FORMATS = {None: "e2m1", torch.bfloat16: "bf16", torch.float16: "fp16"}
 """The ``tl.dot_scaled`` format of the left operand: MXFP4 (None), bf16 or fp16."""
@@ -120,18 +121,27 @@ def _tile_product(
             part = tl.dot_scaled(sa, None, "bf16", b, b_s, "e2m1", part)
     if B_OUT > 0:
         sbt = tl.trans(outlier_tile(bov_ptr, boi_ptr, rn, N, k0, NB, B_OUT, BLOCK_N, BLOCK_K))
-        if A_FORMAT == "fp16":  # no fp16 x bf16 dot: both sides widened (exactly) to fp32
-            corr = tl.dot(a.to(tl.float32), sbt.to(tl.float32), input_precision="ieee")
+        if A_FORMAT == "fp16":  # (no macro factor, no outliers: A is not MXFP4)
+            # no fp16 x bf16 MMA: a as two bf16 parts (exact), two bf16 MMAs into the sum
+            # (a tile of their own spilled at prefill; tl.dot_scaled, whose bf16 form the
+            # interpreter multiplies right: its tl.dot of bf16 does not, numerics.md s. 5)
+            a_hi, a_lo = bf16_pair(a)
+            if PROMOTE:
+                acc = tl.dot_scaled(a_hi, None, "bf16", sbt, None, "bf16", acc)
+                acc = tl.dot_scaled(a_lo, None, "bf16", sbt, None, "bf16", acc)
+            else:
+                part = tl.dot_scaled(a_hi, None, "bf16", sbt, None, "bf16", part)
+                part = tl.dot_scaled(a_lo, None, "bf16", sbt, None, "bf16", part)
         else:
             corr = tl.dot_scaled(a, a_s, A_FORMAT, sbt, None, "bf16")
-        if A_MACRO:
-            corr = corr * ma[:, None]
-        if A_OUT > 0:  # S_A S_B: exact bf16 values, no macro factor
-            corr = corr + tl.dot_scaled(sa, None, "bf16", sbt, None, "bf16")
-        if PROMOTE:
-            acc += corr
-        else:
-            part += corr
+            if A_MACRO:
+                corr = corr * ma[:, None]
+            if A_OUT > 0:  # S_A S_B: exact bf16 values, no macro factor
+                corr = corr + tl.dot_scaled(sa, None, "bf16", sbt, None, "bf16")
+            if PROMOTE:
+                acc += corr
+            else:
+                part += corr
     return part, acc
 
 
@@ -267,6 +277,11 @@ class Operand:
     def heavy(self) -> bool:
         """Whether the operand has macro factors or outliers (the backends' "-heavy" tiles)."""
         return bool(self.macro_block or self.outliers)
+
+    def pairs_with(self, b: "Operand") -> bool:
+        """Whether these are fp16 tokens that the kernels multiply by ``b``'s outliers as two
+        bf16 parts (numerics.bf16_pair: two more MMAs a K step; the backends' "-pair" tiles)."""
+        return self.format is torch.float16 and self.quant is None and b.outliers > 0
 
     def tag(self) -> str:
         """The operand's part of a config-cache key (``tuning.cache.operand_tag``)."""

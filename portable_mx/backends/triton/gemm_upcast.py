@@ -46,6 +46,7 @@ from . import splitk
 from .gemm import FORMATS, Operand, _parts, bias_row, macro_factors, outlier_tile
 from .launch import POINTER_TYPES, GemmConfig, KernelLaunch
 from .layouts import HOPPER, HOPPER_VALUES, PLAIN, PLAIN_VALUES, ValueLayout, largest_scale, prepared
+from .numerics import bf16_pair
 from .quantize import value_words
 from .upcast import decode_words, e8m0_scale, folded_scale, folded_scales_of_words, hopper_asm, hopper_twin
 
@@ -297,11 +298,16 @@ def upcast_k_loop(
             if B_MACRO:
                 corr = corr * mb[:, None]
             acc += corr
-        if B_OUT > 0 and not FOLD_B and not SPARSE_B:  # A times B's outliers
-            if DOT == "fp16":  # no fp16 x bf16 dot: both sides widened (exactly) to fp32
-                corr = tl.dot(sb.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-            else:
-                corr = _dot(sb.to(w.dtype), xt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
+        if B_OUT > 0 and not FOLD_B and not SPARSE_B and DOT == "fp16":
+            # A times B's outliers, fp16 tokens (no macro factor, no outliers: A is not MXFP4),
+            # with no fp16 x bf16 MMA: the tokens as two bf16 parts (exact), two bf16 MMAs
+            # into acc (a tile of its own for them spilled at prefill); tl.dot_scaled, whose
+            # bf16 form the interpreter multiplies right (its tl.dot of bf16 does not)
+            x_hi, x_lo = bf16_pair(xt)
+            acc = tl.dot_scaled(sb, None, "bf16", x_hi, None, "bf16", acc)
+            acc = tl.dot_scaled(sb, None, "bf16", x_lo, None, "bf16", acc)
+        elif B_OUT > 0 and not FOLD_B and not SPARSE_B:  # A times B's outliers
+            corr = _dot(sb.to(w.dtype), xt, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT)
             if A_MACRO:
                 corr = corr * ma[None, :]
             acc += corr
@@ -530,9 +536,12 @@ dense expansion's)."""
 
 
 def sparse_rows(a: Operand, b: Operand, m: Optional[int]) -> int:
-    """SPARSE_M: for W4A16 with a weight with outliers and M <= SPARSE_MAX_M tokens, M
-    rounded up to a power of two; else 0."""
-    if m is None or not b.outliers or a.format is None or a.quant is not None or not 0 < m <= SPARSE_MAX_M:
+    """SPARSE_M: for W4A16 with bf16 tokens, a weight with outliers and M <= SPARSE_MAX_M
+    tokens, M rounded up to a power of two; else 0. fp16 tokens take the dense outlier
+    tile (two bf16 MMAs, numerics.bf16_pair): beside the fp16 MMA the sparse correction
+    made ptxas serialize sm_90's wgmma chain (C7515; triton 3.6 and 3.9)."""
+    if (m is None or not b.outliers or a.format is not torch.bfloat16 or a.quant is not None
+            or not 0 < m <= SPARSE_MAX_M):
         return 0  # (the sparse correction reads the tokens as they are in memory: not quantized ones)
     return 1 << (m - 1).bit_length()
 

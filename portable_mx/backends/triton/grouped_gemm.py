@@ -424,7 +424,8 @@ def plan(backend, st, key, a, wop, num_experts: int, rows: int, xr: int, stride_
     ob = Operand(*wop.kind)
     _, k, kp, nt, _ = wop.key
     n = nt // num_experts
-    config = backend.grouped_config(st.target, rows, num_experts, oa.format, oa.heavy or ob.heavy)
+    config = backend.grouped_config(st.target, rows, num_experts, oa.format, oa.heavy or ob.heavy,
+                                    pair=oa.pairs_with(ob))
     from ...moe.routing import max_tiles
 
     slots = max_tiles(rows, num_experts, config.block_m)

@@ -185,6 +185,19 @@ PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
 
 
 @triton.jit
+def bf16_pair(x):
+    """fp16 ``x`` as two bf16 tensors (hi, lo) with hi + lo == x exactly: hi is x rounded to
+    bf16 (8 of its 11 significant bits), lo = x - hi (exact in fp32) the rest, at most
+    three significant bits at or above x's ulp: an exact bf16, fp16's subnormals included
+    (bf16 has fp32's exponent range). A product of fp16 x and a bf16 operand is then two
+    bf16 MMAs with exactly the fp32 product's terms, where there is no fp16 x bf16 MMA.
+    (An infinite x gives lo = NaN.)"""
+    hi = x.to(tl.bfloat16)
+    lo = (x.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
 def philox4x32(seed, counter):
     """The four 32-bit words (uint32 tensors) of Philox4x32-10 at counters ``counter``
     (int64 >= 0 or int32 >= 0) with key ``seed`` (int64): format.philox4x32, the stream of

@@ -785,6 +785,30 @@ def test_routes_and_default_configs():
         assert backend.gemm_sms[target] <= ctas <= 2 * backend.gemm_sms[target]
 
 
+@pytest.mark.triton
+def test_fp16_tokens_with_weight_outliers_take_the_pair_tiles_above_decode():
+    """fp16 tokens times a weight's outliers run two more MMAs a K step (numerics.bf16_pair):
+    on AMD, whose prefill tiles spilled with them, the "-pair" tile is taken above the
+    decode class (M > 16), and only for that operand pair; the compile matrix compiles the
+    operand kind at every M class (it spilled nowhere there since)."""
+    from portable_mx.backends.triton.backend import _aot_gemms
+    from portable_mx.backends.triton.gemm import Operand
+
+    rocm = registry.get("rocm")
+    f16, bf16, of2, mbs = (Operand(torch.float16, None, 0), Operand(torch.bfloat16, None, 0),
+                           Operand(None, None, 2), Operand(None, 128, 0))
+    assert f16.pairs_with(of2) and not f16.pairs_with(mbs) and not bf16.pairs_with(of2)
+    assert not Operand(torch.float16, None, 0, 1).pairs_with(of2)  # (tokens the kernel quantizes: bf16 values)
+    for name in ("gfx942", "gfx950"):
+        t = TARGETS[name]
+        pair = rocm.gemm_tiles[name]["w4a16-pair"]
+        for m in (17, 128, 4096):
+            assert rocm.default_gemm_config(t, m, torch.float16, True, pair=f16.pairs_with(of2)) == pair
+            assert rocm.default_gemm_config(t, m, torch.bfloat16, True, pair=bf16.pairs_with(of2)) != pair
+        assert rocm.default_gemm_config(t, 1, torch.float16, True, pair=True) == rocm.gemm_tiles[name]["w4a16-small"]
+    assert (f16, of2, torch.float16) in _aot_gemms()
+
+
 def test_resolve_split_k():
     """split_k = 0 fills one wave (2 programs per SM for small M tiles, 1 otherwise), at
     most 16 splits and at least 2 K tiles each; explicit splits are kept."""

@@ -41,7 +41,8 @@
 # Budget: every step has a time limit, and the worst case of each mode stays under
 # BUDGET_S (540 s: a 600 s call with a minute to spare), which tests/test_gpu_check.py
 # checks. A call given less than 600 s sets GPU_CHECK_BUDGET_S (its limit less a minute):
-# the steps limited to what is left of the budget then end in time for the archive. Adding a step is one `step` or `bench` line in the mode's function below, with
+# the steps limited to what is left of the budget then end in time for the archive (a
+# budget below the mode's fixed steps, their worst case in --plan, is refused). Adding a step is one `step` or `bench` line in the mode's function below, with
 # a limit that keeps the sum under the budget (`--plan` shows it).
 #
 # Python: $PYTHON, else the project's .venv, else python3. Packages the machine lacks
@@ -61,7 +62,7 @@ if [ -n "${GPU_CHECK_BUDGET_S:-}" ]; then
   case "$GPU_CHECK_BUDGET_S" in
     ''|*[!0-9]*) echo "gpu_check: GPU_CHECK_BUDGET_S must be a number of seconds; got $GPU_CHECK_BUDGET_S" >&2; exit 2 ;;
   esac
-  BUDGET_S=$GPU_CHECK_BUDGET_S
+  BUDGET_S=$((10#$GPU_CHECK_BUDGET_S))  # (base 10: a leading 0 is no octal)
 fi
 out=""
 sweeps=0
@@ -210,6 +211,15 @@ if [ $plan -eq 1 ]; then
 fi
 
 # ----------------------------------------------------------------------------- a real run
+if [ -n "${GPU_CHECK_BUDGET_S:-}" ]; then  # a budget the fixed steps alone could overrun: the
+  # call would be cut before the archive is written (the budget caps only the last steps)
+  mode_flag=$(case $mode in sweeps) echo --sweeps ;; tune) echo --tune ;; esac)
+  if ! worst=$(bash "$0" --plan $mode_flag | sed -n 's/^worst case \([0-9]*\) s .*/\1/p') || [ -z "$worst" ] ||
+      [ "$worst" -gt "$BUDGET_S" ]; then
+    echo "gpu_check: GPU_CHECK_BUDGET_S=$BUDGET_S is below the $mode mode's fixed steps (${worst:-?} s, --plan)" >&2
+    exit 2
+  fi
+fi
 out=${out:-gpu-check-$(date +%Y%m%d-%H%M%S)}
 if ! { mkdir -p "$out/results" && out=$(cd "$out" && pwd); }; then
   echo "gpu_check: cannot use $out as the output folder" >&2

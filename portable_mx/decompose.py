@@ -205,7 +205,8 @@ def ideal_quantize(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     keeps fewer bits: with amax about 1e-41 Q* was off by up to 17% of amax). Q* itself is
     rounded to fp32: in a block of fp32 subnormals (amax < 2**-126) to a multiple of
     2**-149, a visible share of amax when amax is a few such steps (a block [5, 1, ..., 1]
-    * 2**-149 gets a scale energy 20% above the real s*'s, and Q* = 0 for its 1s)."""
+    * 2**-149 gets Q* = 2**-149 for its 1s, where the real s* gives 5/6 of that: a scale
+    energy 20% above the real s*'s)."""
     up = torch.where(amax < 2.0**-100, 2.0**64, 1.0).to(torch.float32)
     s = (amax * up / 6.0).unsqueeze(-1)
     safe = torch.where(s > 0, s, torch.ones_like(s))

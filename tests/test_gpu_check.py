@@ -170,3 +170,17 @@ def test_a_budget_given_by_the_caller_is_a_number():
     res = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "GPU_CHECK_BUDGET_S": "1000"})
     assert res.returncode == 0 and re.search(r"^worst case \d+ s \(budget 1000 s\)$", res.stdout, re.M), res.stdout
+    res = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "GPU_CHECK_BUDGET_S": "0540"})  # (base 10, not octal 352)
+    assert re.search(r"^worst case \d+ s \(budget 540 s\)$", res.stdout, re.M), res.stdout
+
+
+def test_a_budget_below_the_fixed_steps_stops_a_real_run_before_anything_runs(tmp_path):
+    """The budget caps only the steps limited to what is left: one below the mode's fixed
+    steps (their worst case, --plan) would let the call be cut before the archive is
+    written, so a real run refuses it, writing nothing."""
+    for budget, mode in (("300", []), ("450", ["--tune"])):
+        res = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), *mode], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT, env={**os.environ, "GPU_CHECK_BUDGET_S": budget})
+        assert res.returncode == 2 and f"GPU_CHECK_BUDGET_S={budget} is below" in res.stderr, res.stderr
+        assert not (tmp_path / "out").exists()

@@ -793,6 +793,7 @@ def test_fp16_tokens_with_weight_outliers_take_the_pair_tiles_above_decode():
     operand kind at every M class (it spilled nowhere there since)."""
     from portable_mx.backends.triton.backend import _aot_gemms
     from portable_mx.backends.triton.gemm import Operand
+    from portable_mx.tuning import search
 
     rocm = registry.get("rocm")
     f16, bf16, of2, mbs = (Operand(torch.float16, None, 0), Operand(torch.bfloat16, None, 0),
@@ -806,6 +807,13 @@ def test_fp16_tokens_with_weight_outliers_take_the_pair_tiles_above_decode():
             assert rocm.default_gemm_config(t, m, torch.float16, True, pair=f16.pairs_with(of2)) == pair
             assert rocm.default_gemm_config(t, m, torch.bfloat16, True, pair=bf16.pairs_with(of2)) != pair
         assert rocm.default_gemm_config(t, 1, torch.float16, True, pair=True) == rocm.gemm_tiles[name]["w4a16-small"]
+        # the grouped GEMM's config (gpt-oss's 32 experts at prefill) and the tuner's default
+        g = rocm.grouped_config(t, 4096 * 4, 32, torch.float16, True, pair=True)
+        assert (g.block_n, g.block_k, g.num_warps) == (pair.block_n, pair.block_k, pair.num_warps)
+        p = search.plan(search.Problem(4096, 4096, 4096, QR(activations="fp16", outliers_per_block=2)), rocm, t,
+                        static_target=None)
+        assert (p.default.block_m, p.default.block_n, p.default.block_k, p.default.num_warps) == (
+            pair.block_m, pair.block_n, pair.block_k, pair.num_warps)
     assert (f16, of2, torch.float16) in _aot_gemms()
 
 

@@ -53,12 +53,17 @@ CASES = [
     (QR(activations="bf16"), QR(macro_block=64, outliers_per_block=1), True, False, None, "swiglu", 40, 2, 5, True),
     (QR(macro_block=64), QR(outliers_per_block=2), False, False, torch.bfloat16, None, 12, 3, 7, True),
     (QR(activations="fp16"), QR(), True, True, None, "swiglu_oai", 1, 4, 16, False),
+    # fp16 tokens times the weight's outliers (numerics.bf16_pair), into the plain sum and,
+    # with macro factors, into the promoted one
+    (QR(activations="fp16"), QR(outliers_per_block=2), True, False, None, None, 9, 2, 5, True),
+    (QR(activations="fp16"), QR(macro_block=64, outliers_per_block=1), True, True, None, "swiglu", 40, 2, 5, True),
 ]
 
 
-# every case on the target's route; on the forced upcast routes, two cases each
+# every case on the target's route; on the forced upcast routes, two or three cases each
 ROUTED = [("default", c) for c in CASES] + [("upcast-hopper", CASES[0]), ("upcast-hopper", CASES[2]),
-                                            ("upcast-plain", CASES[1]), ("upcast-plain", CASES[3])]
+                                            ("upcast-plain", CASES[1]), ("upcast-plain", CASES[3]),
+                                            ("upcast-plain", CASES[5])]
 
 
 @pytest.mark.parametrize("route, case", ROUTED, ids=lambda v: v if isinstance(v, str) else

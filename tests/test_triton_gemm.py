@@ -121,6 +121,31 @@ def test_w4a16_tokens_beyond_the_fp16_range(gemm_kernel, rb):
     assert_accumulation_close(out, a, b, k)
 
 
+@pytest.mark.parametrize("variant", ["w4a16", "a4w4"])
+def test_weight_scale_bytes_down_to_zero(gemm_kernel, variant):
+    """Weight blocks whose E8M0 scale byte is 0 .. 7 (2**-127 .. 2**-120: scales below
+    fp32's normals) against tokens of about 2**100, which keep the products normal: within
+    the fp32 accumulation bound of the exact product, on every target's scale path (on
+    gfx950 Triton builds the MMA's fp32 scale as byte << 23, +0.0 for byte 0: a target
+    reading that value rather than its exponent would give 0 for the whole block)."""
+    backend, device = gemm_kernel
+    m, n, k = 5, 40, 256
+    w = randn(n, k, seed=71)
+    blocks = w.view(n, k // 32, 32)
+    # floor: a block's byte is floor(log2 amax) - 2 + 127, so amax in [2**(e - 125), 2**(e - 124)) gives byte e
+    amax = blocks.abs().amax(-1, keepdim=True)
+    byte = torch.arange(n * (k // 32)).view(n, k // 32, 1) % 8
+    blocks.mul_(1.5 * torch.exp2(byte.float() - 125) / amax)
+    b = rows_mx(w, QR())
+    assert sorted(set(b.scales.flatten().tolist())) == list(range(8))
+    a = (randn(m, k, seed=72) * 2.0**100).to(torch.bfloat16)
+    if variant == "a4w4":
+        a = rows_mx(a.float(), QR())
+    out = backend.matmul(a.to(device), b.to(device))
+    assert out.isfinite().all() and (out != 0).any()
+    assert_accumulation_close(out, a, b, k)
+
+
 @pytest.mark.parametrize("rb", [QR(), QR(outliers_per_block=1)], ids=lambda r: r.describe())
 def test_w4a16_fp16_subnormal_tokens(gemm_kernel, rb):
     """fp16 tokens below fp16's normal range (2**-24 .. 2**-15, subnormals, beside normal

@@ -15,14 +15,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["capturing", "refill"]
+__all__ = ["capturing", "refill", "stream_capturing"]
 
 
 def capturing(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a CUDA (or ROCm) tensor and the current stream of the current
-    device is being captured into a CUDA graph. One driver query where ``t`` is on a GPU,
-    none elsewhere."""
-    return t.is_cuda and torch._C._cuda_isCurrentStreamCapturing()
+    """Whether ``t`` is a CUDA (or ROCm) tensor and the current stream of ``t``'s device is
+    being captured into a CUDA graph. Two cheap queries where ``t`` is on the current GPU,
+    none elsewhere; ``t``'s device is asked under a device switch where another one is
+    current (a capture on cuda:1's stream with cuda:0 made current inside it: the current
+    device's answer kept memory of the graph's pool in the caches)."""
+    return t.is_cuda and stream_capturing(t.device.index, torch._C._cuda_getDevice())
+
+
+def stream_capturing(index, current: int) -> bool:
+    """Whether the current stream of CUDA device ``index`` (None: the current one) is being
+    captured, ``current`` being the current device's index."""
+    if index is None or index == current:
+        return torch._C._cuda_isCurrentStreamCapturing()
+    with torch.cuda.device(index):
+        return torch._C._cuda_isCurrentStreamCapturing()
 
 
 def refill(old: tuple, new: tuple, parts: tuple) -> bool:

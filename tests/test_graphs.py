@@ -201,6 +201,41 @@ def test_refill_never_writes_into_the_weights_own_parts():
     assert not _graphs.refill((torch.zeros(3),), (torch.ones(3, dtype=torch.float64),), parts)
     assert not _graphs.refill((torch.zeros(6)[::2],), (torch.ones(3),), parts)
 
+def test_capturing_asks_the_tensors_own_device(monkeypatch):
+    """A capture on cuda:1's stream with cuda:0 made current inside it (a user's
+    torch.cuda.device(0) in the captured code, the layer's tensors on cuda:1): the caches
+    must see cuda:1's capture, as the split-K buffers do; the current device was asked,
+    and memory of the graph's pool was kept (audit). Simulated: which device is current,
+    and whose stream is being captured."""
+    import contextlib
+    import types
+
+    from portable_mx.backends.triton import splitk
+
+    state = {"current": 0, "capturing": {0: False, 1: True}}
+
+    @contextlib.contextmanager
+    def device(index):
+        before, state["current"] = state["current"], index
+        try:
+            yield
+        finally:
+            state["current"] = before
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: state["current"], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: state["capturing"][state["current"]],
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    on = {i: types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", i)) for i in (0, 1)}
+    assert _graphs.capturing(on[1]) and not _graphs.capturing(on[0])
+    assert splitk._stream(torch.device("cuda", 1))[1] and not splitk._stream(torch.device("cuda", 0))[1]
+    assert state["current"] == 0  # (asked under a switch, and back)
+    state["current"] = 1  # the other way round: the current device's own answer
+    assert _graphs.capturing(on[1]) and not _graphs.capturing(on[0])
+    assert not _graphs.capturing(torch.zeros(1))  # a CPU tensor: no query
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_captured_forward_neither_reads_nor_fills_the_weight_cache(capture, monkeypatch, grad):
     layer = MXLinear(64, 16, recipe=pmx.QuantRecipe(activations="bf16"))

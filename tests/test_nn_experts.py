@@ -562,3 +562,21 @@ def test_a_move_to_where_the_buffers_are_keeps_the_prepared_weight():
     experts._apply(lambda t: t.clone())
     assert experts.quantized_weight("gate_up_proj") is not kept
 
+
+
+def test_new_expert_weights_go_to_a_bias_less_frozen_modules_own_device():
+    """A frozen MXExperts without biases, given new weights (gpt_oss.load_experts' path:
+    checkpoint tensors read on the CPU) is replaced on its own device, as one with biases
+    is; its device was read from its bias, None, and the weights' device taken instead
+    (a model on a GPU got CPU experts; audit). Here the module is on the CPU and the new
+    weights on the meta device: the module's device means a copy out of meta, which
+    torch refuses, both with and without biases."""
+    from portable_mx.nn.hf_experts import experts_from_module
+
+    w1, w2 = pmx.quantize(torch.randn(E, 2 * I, H), axis=2), pmx.quantize(torch.randn(E, H, I), axis=2)
+    new = {"gate_up_proj": w1.to("meta"), "down_proj": w2.to("meta"),
+           "gate_up_proj_bias": torch.zeros(E, 2 * I, device="meta"), "down_proj_bias": torch.zeros(E, H, device="meta")}
+    for module in (MXExperts.from_mx(w1, w2), MXExperts.from_mx(w1, w2, torch.zeros(E, 2 * I), torch.zeros(E, H))):
+        assert module.frozen and module.gate_up_proj_blocks.device.type == "cpu"
+        with pytest.raises(NotImplementedError, match="meta"):
+            experts_from_module(module, None, weights=new)

@@ -194,8 +194,9 @@ def experts_from_module(module: torch.nn.Module, recipe: Any, *,
         if weights is None:
             return None
         activation = module.activation
-        device = (module.gate_up_proj_bias if module.frozen else module.gate_up_proj)
-        device = None if device is None else device.device
+        # (a frozen module's codes: its biases may be None, and a bias-less module's
+        # device was then taken from the weights')
+        device = (module.gate_up_proj_blocks if module.frozen else module.gate_up_proj).device
         e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
     else:
         family = family_of(module)

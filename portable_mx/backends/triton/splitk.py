@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import _graphs
+
 
 @triton.jit
 def program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -115,12 +117,7 @@ def _stream(device: torch.device) -> tuple[tuple, bool]:
     current, index = torch._C._cuda_getDevice(), device.index
     if index is None:
         index, device = current, torch.device("cuda", current)
-    if index == current:
-        capturing = torch._C._cuda_isCurrentStreamCapturing()
-    else:
-        with torch.cuda.device(index):
-            capturing = torch._C._cuda_isCurrentStreamCapturing()
-    return (device, torch._C._cuda_getCurrentRawStream(index)), capturing
+    return (device, torch._C._cuda_getCurrentRawStream(index)), _graphs.stream_capturing(index, current)
 
 
 def buffers(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:

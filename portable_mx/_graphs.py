@@ -24,7 +24,8 @@ def capturing(t: torch.Tensor) -> bool:
     none elsewhere; ``t``'s device is asked under a device switch where another one is
     current (a capture on cuda:1's stream with cuda:0 made current inside it: the current
     device's answer kept memory of the graph's pool in the caches)."""
-    return t.is_cuda and stream_capturing(t.device.index, torch._C._cuda_getDevice())
+    return t.is_cuda and stream_capturing(t.get_device(), torch._C._cuda_getDevice())  # (get_device: no
+    # torch.device object made on the hot path)
 
 
 def stream_capturing(index, current: int) -> bool:

@@ -201,6 +201,7 @@ def test_refill_never_writes_into_the_weights_own_parts():
     assert not _graphs.refill((torch.zeros(3),), (torch.ones(3, dtype=torch.float64),), parts)
     assert not _graphs.refill((torch.zeros(6)[::2],), (torch.ones(3),), parts)
 
+
 def test_capturing_asks_the_tensors_own_device(monkeypatch):
     """A capture on cuda:1's stream with cuda:0 made current inside it (a user's
     torch.cuda.device(0) in the captured code, the layer's tensors on cuda:1): the caches
@@ -227,7 +228,8 @@ def test_capturing_asks_the_tensors_own_device(monkeypatch):
                         raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
     monkeypatch.setattr(torch.cuda, "device", device)
-    on = {i: types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", i)) for i in (0, 1)}
+    on = {i: types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", i), get_device=lambda i=i: i)
+          for i in (0, 1)}
     assert _graphs.capturing(on[1]) and not _graphs.capturing(on[0])
     assert splitk._stream(torch.device("cuda", 1))[1] and not splitk._stream(torch.device("cuda", 0))[1]
     assert state["current"] == 0  # (asked under a switch, and back)

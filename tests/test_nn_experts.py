@@ -563,7 +563,6 @@ def test_a_move_to_where_the_buffers_are_keeps_the_prepared_weight():
     assert experts.quantized_weight("gate_up_proj") is not kept
 
 
-
 def test_new_expert_weights_go_to_a_bias_less_frozen_modules_own_device():
     """A frozen MXExperts without biases, given new weights (gpt_oss.load_experts' path:
     checkpoint tensors read on the CPU) is replaced on its own device, as one with biases

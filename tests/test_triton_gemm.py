@@ -125,7 +125,8 @@ def test_w4a16_tokens_beyond_the_fp16_range(gemm_kernel, rb):
 def test_weight_scale_bytes_down_to_zero(gemm_kernel, variant):
     """Weight blocks whose E8M0 scale byte is 0 .. 7 (2**-127 .. 2**-120: scales below
     fp32's normals) against tokens of about 2**100, which keep the products normal: within
-    the fp32 accumulation bound of the exact product, on every target's scale path (on
+    the fp32 accumulation bound of the exact product, on each backend's scale path for this
+    shape (on
     gfx950 Triton builds the MMA's fp32 scale as byte << 23, +0.0 for byte 0: a target
     reading that value rather than its exponent would give 0 for the whole block)."""
     backend, device = gemm_kernel

@@ -807,14 +807,25 @@ def test_fp16_tokens_with_weight_outliers_take_the_pair_tiles_above_decode():
             assert rocm.default_gemm_config(t, m, torch.float16, True, pair=f16.pairs_with(of2)) == pair
             assert rocm.default_gemm_config(t, m, torch.bfloat16, True, pair=bf16.pairs_with(of2)) != pair
         assert rocm.default_gemm_config(t, 1, torch.float16, True, pair=True) == rocm.gemm_tiles[name]["w4a16-small"]
-        # the grouped GEMM's config (gpt-oss's 32 experts at prefill) and the tuner's default
+        # the grouped GEMM's config (gpt-oss's 32 experts at prefill: its own "-pair" tile
+        # where it has one) and the tuner's default
         g = rocm.grouped_config(t, 4096 * 4, 32, torch.float16, True, pair=True)
-        assert (g.block_n, g.block_k, g.num_warps) == (pair.block_n, pair.block_k, pair.num_warps)
+        gp = rocm.grouped_tiles.get(name, {}).get("w4a16-pair", pair)
+        assert (g.block_n, g.block_k, g.num_warps) == (gp.block_n, gp.block_k, gp.num_warps)
         p = search.plan(search.Problem(4096, 4096, 4096, QR(activations="fp16", outliers_per_block=2)), rocm, t,
                         static_target=None)
         assert (p.default.block_m, p.default.block_n, p.default.block_k, p.default.num_warps) == (
             pair.block_m, pair.block_n, pair.block_k, pair.num_warps)
     assert (f16, of2, torch.float16) in _aot_gemms()
+    cuda = registry.get("cuda")  # NVIDIA: the grouped GEMM's own pair tiles (the dense ones compile clean)
+    for name in ("sm_90", "sm_100", "sm_120"):
+        gp = cuda.grouped_tiles[name]["w4a16-pair"]
+        g = cuda.grouped_config(TARGETS[name], 4096 * 4, 32, torch.float16, True, pair=True)
+        assert (g.block_n, g.block_k, g.num_warps, g.num_stages) == (gp.block_n, gp.block_k, gp.num_warps,
+                                                                     gp.num_stages)
+        assert cuda.grouped_config(TARGETS[name], 4096 * 4, 32, torch.bfloat16, True) != g  # (pair only)
+    labels = [launch.label for launch in cuda.grouped_launches(TARGETS["sm_90"])]
+    assert any(label.startswith("W4A16-fp16 b:OF-2") for label in labels)  # compiled by the matrix
 
 
 def test_resolve_split_k():

@@ -126,10 +126,16 @@ class CudaBackend(CompiledTritonBackend):
     # 3.9) becomes 128 x 128 x 128 (163-190 registers, no serialized wgmma chain); on
     # sm_120 under Triton 3.6, the W4A16 prefill 128 x 64 x 128 (32 bytes with an fp32
     # store) takes K steps of 64 and the heavy decode 16 x 64 x 128 (8 bytes) too
+    # "w4a16-pair" (fp16 tokens times the weight's outliers, two more MMAs a K step, with
+    # the gather, bias and activation epilogue): the dense tiles spilled 4-48 bytes there
+    # (triton 3.6); these compile with none under 3.6 and 3.9
     grouped_tiles = {
         "sm_90": {"a4w4": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
-                  "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3)},
+                  "w4a16": GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+                  "w4a16-pair": GemmConfig(128, 64, 64, num_warps=8, num_stages=3)},
+        "sm_100": {"w4a16-pair": GemmConfig(128, 64, 64, num_warps=8, num_stages=3)},
         "sm_120": {"w4a16": GemmConfig(128, 64, 64, num_warps=8, num_stages=2),
+                   "w4a16-pair": GemmConfig(64, 32, 64, num_warps=4, num_stages=2),
                    # (the dense decode's K 128 spills with the grouped GEMM's index vectors under 3.6)
                    "w4a16-small": GemmConfig(16, 64, 256, num_warps=4, num_stages=3, split_k=0),
                    "w4a16-small-heavy": GemmConfig(16, 64, 64, num_warps=4, num_stages=2)},

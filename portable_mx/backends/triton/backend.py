@@ -1112,8 +1112,8 @@ class TritonBackend(Backend):
         fp32 rows of the scattering one) at decode (T = 1) and prefill (T = 4096), W4A16
         and A4W4 (the native block-scaled MMA where the target has one), Qwen3-30B-A3B's
         first at prefill (E = 128, top-8, N = 1536, K = 2048, concatenated swiglu), MBS
-        and OF on both kinds; the k-way combine (top-8); and the backward's ragged
-        products (ragged.launch_specs)."""
+        and OF on both kinds, fp16 tokens against OF weights (with and without MBS); the
+        k-way combine (top-8); and the backward's ragged products (ragged.launch_specs)."""
         from . import grouped_gemm
         from .gemm import Operand
 
@@ -1129,6 +1129,10 @@ class TritonBackend(Backend):
         cases += [(bf16, mx, qwen, 4096 * 8, 128, 1536, 2048, torch.bfloat16),
                   (Operand(None, 128, 0), heavy, first, 512 * 4, 32, 5760, 2880, torch.bfloat16),
                   (bf16, heavy, second, 4, 32, 2880, 2880, torch.float32)]
+        # fp16 tokens times the weight's outliers (numerics.bf16_pair; the "-pair" tiles)
+        f16, first16 = Operand(torch.float16, None, 0), grouped_gemm.Epilogue(True, torch.float16, "swiglu_oai")
+        for b in (Operand(None, None, 2), Operand(None, 128, 1)):
+            cases += [(f16, b, first16, tokens * 4, 32, 5760, 2880, torch.float16) for tokens in (1, 4096)]
         out, seen = [], set()
         for a, b, epi, rows, experts, n, kp, store in cases:
             launch = self.grouped_launch_spec(target, a, b, epi, rows, experts, n, kp, store)

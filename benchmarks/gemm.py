@@ -579,8 +579,8 @@ def measure_shape(
         label = f"{shape_name(shape)} {variant}"
         try:
             out = x.dtype  # (stored by the kernel as a model's call stores it: bf16, like the baseline's)
-            kernel_out = backend.matmul(a, w_rows[0], out) if quant is None else backend.matmul(a, w_rows[0], out,
-                                                                                                quant=quant)
+            kw = {} if quant is None else {"quant": quant}  # (the reference backend's matmul takes no quant)
+            kernel_out = backend.matmul(a, w_rows[0], out, **kw)
             checks[variant] = {"kernel": spot_check(kernel_out, a64, w64),
                                "eager": spot_check(pmx.matmul(x, w_mx[0], recipe), a64, w64)}
         except CheckFailed as err:
@@ -589,11 +589,7 @@ def measure_shape(
         for part, c in checks[variant].items():
             log(f"check {label + ' ' + part:<31} max rel err {c['max_rel_err']:.2e}  "
                 f"({c['max_err_over_bound']:.2f} of the bound, {c['rows_checked']} rows)  ok")
-        if quant is None:
-            kernel_fns[variant] = _cycling(lambda wi, a=a, o=out: backend.matmul(a, wi, o), w_rows, prime)
-        else:
-            kernel_fns[variant] = _cycling(lambda wi, a=a, o=out, q=quant: backend.matmul(a, wi, o, quant=q), w_rows,
-                                           prime)
+        kernel_fns[variant] = _cycling(lambda wi, a=a, o=out, kw=kw: backend.matmul(a, wi, o, **kw), w_rows, prime)
         eager_fns[variant] = _cycling(lambda wi, r=recipe: pmx.matmul(x, wi, r), w_mx, prime)
         del w64, a64
         if peer is not None:

@@ -235,3 +235,22 @@ def test_parts_whose_metadata_was_lost_are_warned_about():
         warnings.simplefilter("error")
         serialization.load_state_dict(serialization.state_dict(weights()))  # whole: silent
         serialization.load_state_dict({"norm.qdata": torch.zeros(3), "norm.scales": torch.ones(3)})  # floats: silent
+
+
+def test_parts_on_the_meta_device_beside_a_readable_mx_meta_load_as_meta_mxtensors():
+    """Shapes without bytes (a model built on the meta device, its state dict's parts moved
+    there, mx_meta kept readable): the damaged-file checks have no bytes to read and are
+    skipped; the MXTensor keeps the file's shape, recipe and parts. They raised torch's
+    "Tensor.item() cannot be called on meta tensors" for an OF or MBS recipe or a ragged K."""
+    gen = torch.Generator().manual_seed(3)
+    for shape, recipe in [((8, 100), pmx.QuantRecipe()), ((8, 128), pmx.QuantRecipe(macro_block=64)),
+                          ((8, 70), pmx.QuantRecipe(outliers_per_block=2))]:
+        mx = pmx.quantize(torch.randn(*shape, generator=gen), recipe)
+        sd = {k: v if k.endswith(".mx_meta") else v.to("meta") for k, v in serialization.state_dict({"w": mx}).items()}
+        got = serialization.load_state_dict(sd)["w"]
+        assert got.qdata.is_meta and got.shape == mx.shape and got.recipe == mx.recipe
+        for part in ("qdata", "scales", "macro_scales", "outlier_values", "outlier_indices"):
+            want = getattr(mx, part)
+            assert (getattr(got, part) is None) == (want is None)
+            if want is not None:
+                assert getattr(got, part).shape == want.shape and getattr(got, part).dtype == want.dtype

@@ -30,9 +30,13 @@ with |x| <= 2**-129 are deadzoned (Q = 0, e_dead = -x): the statistics count the
 element tensors show them (a block of such values has relative error 1, all deadzone).
 
 The one finite x without finite statistics is one whose Q is itself infinite: Q is the
-fp32 value dequantize produces, and under rceil/even/ceil scales (or macro factors) a block
-whose largest |x| is at least 3.5 * 2**126 (about 2.98e38, 7/8 of the fp32 maximum;
-with stochastic rounding, above 3 * 2**126) can quantize its largest values to 2**128, which fp32 holds as +-inf, as an outlier past bfloat16's maximum is stored as +-inf. The error is
+fp32 value dequantize produces: under rceil/even/ceil scales a block whose largest |x|
+is at least 3.5 * 2**126 (about 2.98e38, 7/8 of the fp32 maximum; with stochastic
+rounding, above 3 * 2**126) can quantize its largest values to 2**128, which fp32 holds as
++-inf; with macro blocks, a macro block whose largest |x| is at least about 3.39e38 gets a
+factor m = 171/128 or more, m * 6 * 2**125 passes the fp32 maximum, and that value and any
+of its macro block's from about 2.84e38 up are +-inf; an outlier of at least
+2**128 - 2**119 (about 3.396e38; bfloat16's maximum is 3.389e38) is stored as +-inf. The error is
 then infinite, as the ``dequantized`` elements show: that block's error energy is inf,
 its beta, scale and grid statistics inf or NaN, and so are the whole-tensor figures
 (relative MSE inf, shares NaN).
@@ -117,7 +121,8 @@ class Decomposition:
         values = torch.stack(sums).tolist()  # the one synchronisation
         if values[-1]:
             raise ValueError(f"decompose needs finite input; x holds {int(values[-1])} NaN/Inf value(s) in fp32, "
-                             "the precision it quantizes (a float64 |x| above 3.4e38 is Inf there)")
+                             "the precision it quantizes (a float64 |x| of 2**128 - 2**103, about 3.4028236e38, "
+                             "or more is Inf there)")
         return dict(zip(self._ENERGIES + ("beta_sum", "dead_count", "clip_count"), values))
 
     def totals(self) -> dict[str, float]:

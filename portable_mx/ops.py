@@ -187,9 +187,12 @@ def decompose(
     ``relative_mse``, ``summary``) raise ValueError. The statistics are right for every
     finite x from the subnormals up (per-block energies are float64), save blocks whose Q
     is inf (rceil/even/ceil scales round a largest |x| >= 3.5 * 2**126 to 2**128, and
-    stochastic rounding can from 3 * 2**126; see :mod:`portable_mx.decompose`). float64 x is decomposed as the fp32 values it rounds to,
-    as it is quantized: a value below fp32's range (|x| <= 2**-150) counts as 0 (no signal,
-    no error, not deadzoned), one above it is Inf there (the whole-tensor figures raise).
+    stochastic rounding can from 3 * 2**126; macro blocks whose largest |x| is at least
+    about 3.39e38 give inf from about 2.84e38; see :mod:`portable_mx.decompose`). float64
+    x is decomposed as the fp32 values it rounds to, as it is quantized: a value below
+    fp32's range (|x| <= 2**-150) counts as 0 (no signal, no error, not deadzoned), one
+    that rounds past it (|x| >= 2**128 - 2**103, half an ulp above fp32's maximum) is Inf
+    there (the whole-tensor figures raise).
     Under ``torch.compile`` (``fullgraph=True`` too) the
     call traces as one ``portable_mx::decompose`` op; the whole-tensor figures read the
     device, so call them outside the compiled function. A measurement, not a

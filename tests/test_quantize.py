@@ -301,6 +301,47 @@ def test_corrections_beat_floor_and_match_simulation(dist):
             assert errs[name] < errs["floor"], (dist, name)
 
 
+def _f32_next(v: float, up: bool) -> float:
+    """The fp32 neighbour of the fp32 value v (upward or downward)."""
+    t = torch.tensor([v], dtype=torch.float32)
+    return torch.nextafter(t, torch.tensor([math.inf if up else -math.inf])).item()
+
+
+def test_the_documented_points_where_quantized_values_become_inf():
+    """Where dequantize gives +-inf for finite fp32 input (decompose's and README's text),
+    from the format's arithmetic, not the code: fp32's maximum is (2 - 2**-23) * 2**127.
+    Without macro blocks, rceil's scale for a largest |x| above 6 * 2**125 is 2**126 and
+    |x| / 2**126 >= 3.5 rounds to 4: 4 * 2**126 = 2**128 (the first point, 3.5 * 2**126).
+    With macro blocks: m = ceil(128 (A / 6) / 2**125) / 128 for a macro amax A in
+    [6 * 2**125, 2**128); m * 6 * 2**125 passes fp32's maximum once m >= 171/128, i.e.
+    A > 6 * 2**125 * 170 / 128; a value v of that macro block gives inf once v / m rounds
+    to 6 at scale 2**125, i.e. v / m > 5 * 2**125 (5 is a tie, to the even 4). An outlier
+    is stored as bf16: inf from the midpoint of bfloat16's maximum and 2**128, 2**128 - 2**119."""
+    def deq(values, recipe, at):
+        x = torch.zeros(1, 64)
+        for col, v in values.items():
+            x[0, col] = v
+        return pmx.dequantize(pmx.quantize(x, recipe))[0, at].item()
+
+    rceil = pmx.QuantRecipe(scale_rule="rceil")
+    first = 3.5 * 2.0**126
+    assert deq({0: first}, rceil, 0) == math.inf and math.isfinite(deq({0: _f32_next(first, up=False)}, rceil, 0))
+
+    mbs = pmx.QuantRecipe(macro_block=64)
+    a_min = 6 * 2.0**125 * 170 / 128  # m = 171/128 for every A above it
+    above, below = _f32_next(a_min, up=True), a_min
+    assert deq({0: above}, mbs, 0) == math.inf and math.isfinite(deq({0: below}, mbs, 0))
+    v_min = 5 * (171 / 128) * 2.0**125  # exactly an fp32 value (171 * 5 fits in 24 bits)
+    assert deq({0: above, 32: _f32_next(v_min, up=True)}, mbs, 32) == math.inf
+    assert math.isfinite(deq({0: above, 32: v_min}, mbs, 32))
+    assert math.isfinite(deq({0: below, 32: 3.0e38}, mbs, 32))  # m = 170/128: 170 * 6 * 2**125 / 128 < max
+
+    of = pmx.QuantRecipe(outliers_per_block=1)
+    edge = 2.0**128 - 2.0**119
+    assert deq({5: -edge}, of, 5) == -math.inf
+    assert deq({5: -_f32_next(edge, up=False)}, of, 5) == -(2 - 2.0**-7) * 2.0**127  # bfloat16's maximum
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

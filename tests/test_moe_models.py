@@ -10,6 +10,7 @@ Qwen3MoeSparseMoeBlock with quantized experts against the block's own forward on
 dequantized weights. Needs transformers and safetensors (the `hf` extra)."""
 
 import hashlib
+import json
 import warnings
 
 import pytest
@@ -383,3 +384,26 @@ def test_mx_experts_bad_arguments_are_clear():
         m(torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), [[0.5, 0.5], [0.5, 0.5]])
     with pytest.raises(ValueError, match="num_experts must be a positive int"):
         MXExperts(True, 64, 32)
+
+
+def test_save_pretrained_after_load_experts_reloads_in_transformers_as_the_checkpoint(gpt_oss_checkpoint, tmp_path):
+    """transformers drops quantization_config when it dequantizes gpt-oss; load_experts puts
+    MXFP4 experts back, so the model's save_pretrained writes _blocks / _scales, and without
+    the config transformers' from_pretrained took them for unknown tensors and initialized
+    every expert at random (its log only). load_experts gives the model the checkpoint's
+    quantization_config: the folder loads in transformers to exactly the model it loads
+    from the original checkpoint (its own dequantized experts, logits bit for bit)."""
+    cfg, path = gpt_oss_checkpoint
+    model = load(path)
+    assert getattr(model.config, "quantization_config", None) is None  # (what transformers leaves)
+    gpt_oss.load_experts(model, path)
+    model.save_pretrained(tmp_path / "resaved")
+    saved = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert saved["quantization_config"]["quant_method"] == "mxfp4"
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "resaved")(ids).logits, load(path)(ids).logits)
+    # and the folder is a checkpoint portable_mx reads back to the same bytes
+    again = gpt_oss.GptOssCheckpoint(tmp_path / "resaved").experts(1)["down_proj"]
+    want = gpt_oss.GptOssCheckpoint(path).experts(1)["down_proj"]
+    assert torch.equal(again.qdata, want.qdata) and torch.equal(again.scales, want.scales)

@@ -711,7 +711,12 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
     ``QuantRecipe(activations="bf16")``, W4A16: the activations rounded to bf16, the
     checkpoint's weights exact). The converted model's ``state_dict()`` holds the
     checkpoint's names, dtypes and bytes for the experts, so :func:`save` of it writes
-    them back unchanged.
+    them back unchanged. Where the model has a transformers config (``model.config``
+    with ``to_dict``) without a ``quantization_config`` (transformers drops it when it
+    dequantizes the experts), it gets the checkpoint's (or :data:`QUANTIZATION_CONFIG`,
+    as :func:`save` writes it): the model's ``save_pretrained`` then writes MXFP4
+    experts that transformers reads as such (without it, its ``from_pretrained`` took
+    them for unknown tensors and re-initialized every expert, saying so only in its log).
     """
     from ..nn._takeover import hand_over
     from ..nn.hf_experts import experts_from_module
@@ -750,5 +755,9 @@ def load_experts(model: torch.nn.Module, checkpoint: Union[str, os.PathLike, Gpt
         parent_name, _, child = qualified.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
         hand_over(old, new)
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_dict") and getattr(config, "quantization_config", None) is None:
+        quantization = (ckpt.config or {}).get("quantization_config") or QUANTIZATION_CONFIG  # (as save writes it)
+        config.quantization_config = json.loads(json.dumps(quantization))  # (a copy)
     return model
 

@@ -382,6 +382,48 @@ def test_convert_warns_once_about_skip_patterns_that_match_no_module():
         convert(Net())
 
 
+def test_a_converted_models_state_dict_is_its_float_model_and_converts_back_to_the_same_outputs():
+    """README: a converted model's state dict holds the float master weights under the
+    Linear's names (no recipe): a float model loads it, and converted with the same recipe
+    gives the same outputs bit for bit."""
+    torch.manual_seed(0)
+    recipe = pmx.QuantRecipe(macro_block=64, outliers_per_block=1)
+    model = convert(Net(), recipe)
+    sd = model.state_dict()
+    assert set(sd) == set(Net().state_dict()) and all(v.is_floating_point() for v in sd.values())
+    fresh = Net()
+    fresh.load_state_dict(sd)
+    tokens = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(convert(fresh, recipe)(tokens), model(tokens))
+
+
+class _MyLinear(nn.Linear):
+    """A user's Linear subclass (its forward may differ: convert must not swap it)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_convert_names_the_linear_layers_it_leaves_as_they_are():
+    """A model whose projections are not nn.Linear itself (a subclass, transformers' Conv1D
+    of GPT-2) was left in float by convert with no word: the user trained in fp32 thinking
+    it MXFP4. One warning names them; a skip rule silences it; nn.MultiheadAttention's
+    out_proj (a Linear subclass its parent reads directly) and converted layers are not named."""
+    model = nn.Sequential(_MyLinear(64, 64), nn.Linear(64, 64), nn.MultiheadAttention(64, 2))
+    with pytest.warns(UserWarning, match=r"1 linear layer\(s\) of another type.*'0' \(_MyLinear\)") as record:
+        convert(model)
+    assert len(record) == 1 and type(model[0]) is _MyLinear and type(model[1]) is MXLinear
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(nn.Sequential(model[1], model[2]))  # (a converted layer and out_proj: nothing to say)
+        convert(nn.Sequential(_MyLinear(64, 64)), skip=["0"])
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64,
+                                                                bos_token_id=0, eos_token_id=0))
+    with pytest.warns(UserWarning, match=r"4 linear layer\(s\).*'transformer\.h\.0\.attn\.c_attn' \(Conv1D\)"):
+        convert(gpt2)
+
+
 def test_convert_skip_pattern_naming_a_container_keeps_every_layer_inside_it():
     net = convert(Net(), skip=["blocks.0"])
     assert kinds(net) == {"embed": "Embedding", "blocks.0.0": "Linear", "blocks.1.0": "MXLinear",

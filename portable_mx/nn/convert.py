@@ -47,7 +47,9 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
 
     Only modules whose type is exactly ``nn.Linear`` (or one of those expert classes)
     are swapped (a subclass may override ``forward``; existing MXLinear and MXExperts
-    layers are left as they are, so converting twice is a no-op); ``skip`` rules apply
+    layers are left as they are, so converting twice is a no-op); the other linear layers
+    (a subclass of nn.Linear, transformers' ``Conv1D`` of GPT-2) stay as they are, with one
+    ``UserWarning`` naming them (unless ``skip`` keeps them); ``skip`` rules apply
     to expert modules too (e.g. ``"*.experts"``). Embeddings, norms etc. are not Linear and stay. ``skip`` excludes layers: a
     fnmatch pattern matched against the qualified module name (as in
     ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``) and
@@ -97,6 +99,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     parametrized: list[str] = []
     float_experts: dict[int, tuple[str, str]] = {}  # expert modules no family maps: (first name, class)
     kept_experts: set[int] = set()  # ... of which a skip rule names one place: nothing to say
+    other_linear: dict[int, tuple[str, str]] = {}  # linear layers of another type: (first name, class)
 
     def skipped(name: str, module: torch.nn.Module) -> bool:
         """Whether a rule skips ``module`` at ``name``. Predicates are asked about expert
@@ -136,6 +139,8 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 float_experts.setdefault(id(module), (name, expert_class(module)))
                 if skipped(name, module):
                     kept_experts.add(id(module))
+            elif _linear_like(module) and not skipped(name, module):
+                other_linear.setdefault(id(module), (name, type(module).__name__))
             return True
         linear_names.append(name)
         return skipped(name, module)
@@ -173,6 +178,13 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                       "their layout or activation is not one MXExperts maps (portable_mx.nn.hf_experts); "
                       "skip=[...] silences this, pmx.nn.MXExperts.from_mx takes their weights directly",
                       UserWarning, stacklevel=2)
+    if other_linear:
+        found = list(other_linear.values())
+        warnings.warn(f"convert: {len(found)} linear layer(s) of another type than nn.Linear stay as they are "
+                      f"({', '.join(f'{n!r} ({c})' for n, c in found[:6])}{', ...' if len(found) > 6 else ''}): "
+                      "convert swaps only modules of type exactly nn.Linear (a subclass may override forward; "
+                      "transformers' Conv1D, GPT-2's, stores its weight [in, out]); skip=[...] silences this",
+                      UserWarning, stacklevel=2)
     if parametrized:
         warnings.warn(f"convert: {len(parametrized)} parametrized layer(s) (nn.Linear or transformers experts) "
                       f"stay in float ({', '.join(repr(n) for n in parametrized[:6])}"
@@ -185,6 +197,16 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     if unmatched:
         _warn_unmatched(unmatched, [n for n in linear_names if n])
     return model
+
+
+def _linear_like(module: torch.nn.Module) -> bool:
+    """A layer that computes a linear map but that convert does not swap: a subclass of
+    nn.Linear (not an MXLinear, nor the out_proj of nn.MultiheadAttention, whose parent reads
+    its weight directly) or transformers' Conv1D (GPT-2's projections)."""
+    if isinstance(module, torch.nn.Linear):
+        return not isinstance(module, (MXLinear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear))
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
 
 
 def _every_name(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

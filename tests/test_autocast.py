@@ -12,6 +12,7 @@ fp32 layer itself is held to float64 in test_matmul.py / test_nn.py; one forward
 also checked against float64 directly."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -221,6 +222,30 @@ def test_grouped_matmul_takes_weights_of_another_float_dtype(mx_backend):
     assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, x32.grad.bfloat16())
     assert w.grad.dtype == torch.float32 and torch.equal(w.grad, w32.grad)
     assert bias.grad.dtype == torch.bfloat16 and torch.equal(bias.grad, b32.grad.bfloat16())
+
+
+def test_fp16_outputs_where_rceil_rounds_a_value_up_to_65536(mx_backend):
+    """README's fp16 range note, from the format's arithmetic: a 32-block whose largest
+    value is 60000 gets, under rceil, the scale 2**ceil(log2(60000 / 6)) = 2**14, and
+    60000 / 2**14 = 3.66 rounds to 4: 65536, past fp16's largest finite value (65504,
+    and 65536 >= 65520 rounds to inf); floor's scale 2**(15 - 2) clips 7.32 to 6:
+    49152; with activations "fp16" an x past 65504 is inf on the way in."""
+    eye = torch.eye(32)
+    x = torch.ones(2, 32)
+    x[0, 0] = 60000.0
+    want = {"rceil": math.inf, "floor": 6 * 2.0**13}
+    for rule, value in want.items():
+        layer = MXLinear(32, 32, bias=False, recipe=pmx.QuantRecipe(scale_rule=rule))
+        with torch.no_grad():
+            layer.weight.copy_(eye)
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = layer(x)
+        assert y.dtype == torch.float16 and y[0, 0].item() == value, rule
+    layer = MXLinear(32, 32, bias=False, recipe=pmx.QuantRecipe(activations="fp16"))
+    with torch.no_grad():
+        layer.weight.copy_(eye)
+    x[0, 0] = 70000.0
+    assert layer(x)[0, 0].item() == math.inf
 
 
 def test_meta_tensors_under_autocast_are_left_alone():

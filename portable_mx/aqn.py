@@ -155,7 +155,9 @@ def add_rmsnorm_noise(
             w.copy_(w32)
             became[id(w)] = (w, w)
         else:
-            new = torch.nn.Parameter(w32, requires_grad=w.requires_grad)
+            with torch.inference_mode(False):  # (made inside inference_mode it would be an inference tensor,
+                # which the next refresh outside it could not write: torch's "Inplace update to inference tensor")
+                new = torch.nn.Parameter(w32.clone() if w32.is_inference() else w32, requires_grad=w.requires_grad)
             became[id(w)] = became[id(new)] = (w, new)  # (a norm seen later may hold either)
             module.weight = new
             _hook_cast(module)
@@ -220,7 +222,12 @@ def refresh_rollout_copy(
             raise ValueError(f"the rollout copy shares {name!r} with the trained model; deep-copy it first")
         if t.shape != s.shape:
             raise ValueError(f"{name}: shape {tuple(t.shape)} in the rollout copy, {tuple(s.shape)} trained")
-        t.copy_(s.to(t.dtype))
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{name}: the rollout copy holds an inference tensor there (made inside "
+                             "torch.inference_mode), which cannot be written outside it; make the copy outside "
+                             "inference_mode, or refresh inside it")
+    for name, t in dst.items():
+        t.copy_(src[name].to(t.dtype))
     # a norm weight that an earlier refresh turned into fp32 is refilled from the trained
     # weight above in fp32 (exact); the noise is then drawn fresh
     return add_rmsnorm_noise(rollout, sigma, generator=generator, match=match)

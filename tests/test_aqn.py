@@ -257,3 +257,27 @@ def test_careless_sigmas_and_models_are_refused_by_name():
     for sigma in (0, Fraction(1, 100), np.float32(0.01), torch.tensor(0.01)):
         assert add_rmsnorm_noise(norm, sigma, generator=torch.Generator().manual_seed(0)) == 1
         assert AQNSchedule(10, sigma_start=sigma or 0.01).sigma(9) > 0
+
+
+def test_a_16_bit_rollout_copy_refreshed_inside_inference_mode_refreshes_outside_it():
+    """A rollout function under @torch.inference_mode() that refreshes the copy made each
+    16-bit norm weight an fp32 inference tensor; the next refresh after the optimizer step
+    (outside inference mode) raised torch's "Inplace update to inference tensor outside
+    InferenceMode", naming neither AQN nor the norm. Now the new weights are normal
+    tensors, and each refresh gives the bits of the same refresh made outside inference mode
+    (the trained weight in fp32 plus the seed's noise)."""
+    trained = torch.nn.Sequential(LlamaRMSNorm(64, torch.bfloat16), torch.nn.Linear(64, 8, dtype=torch.bfloat16))
+    inside, outside = copy.deepcopy(trained), copy.deepcopy(trained)
+    for step in range(3):
+        with torch.no_grad():
+            trained[0].weight.add_(0.125)  # (an optimizer step)
+        with torch.inference_mode(step % 2 == 0):
+            refresh_rollout_copy(trained, inside, 1e-2, generator=torch.Generator().manual_seed(step))
+        refresh_rollout_copy(trained, outside, 1e-2, generator=torch.Generator().manual_seed(step))
+        assert not inside[0].weight.is_inference()
+        assert torch.equal(inside[0].weight, outside[0].weight)
+        assert torch.equal(inside[1].weight, trained[1].weight)
+    with torch.inference_mode():
+        made_inside = copy.deepcopy(trained).to(torch.float32)  # (fp32: its parameters are inference tensors)
+    with pytest.raises(ValueError, match=r"0\.weight: the rollout copy holds an inference tensor"):
+        refresh_rollout_copy(trained, made_inside, 1e-2)

@@ -424,6 +424,51 @@ def test_convert_names_the_linear_layers_it_leaves_as_they_are():
         convert(gpt2)
 
 
+class _LoraLinear(nn.Module):
+    """peft's LoRA layer as it holds its parts: base_layer, lora_A / lora_B module dicts."""
+
+    def __init__(self, n=64, r=8):
+        super().__init__()
+        self.base_layer = nn.Linear(n, n)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(n, r, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, n, bias=False)})
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+def test_convert_keeps_a_peft_models_lora_adapters_in_float_and_says_so():
+    """Converting a peft model quantized its rank-r adapters along r (padded to a 32-block:
+    the LoRA term 0.29 off in the audit's test) without a word; the base layer is what
+    MXFP4 is for. Now the adapters stay in float, named in one warning (skip silences it),
+    and converting the adapter dicts themselves quantizes them."""
+    model = nn.Sequential(_LoraLinear(), _LoraLinear())
+    with pytest.warns(UserWarning, match=r"4 LoRA adapter layer\(s\) stay in float \('0\.lora_A\.default'"):
+        convert(model)
+    assert all(type(m.base_layer) is MXLinear for m in model)
+    assert all(type(m.lora_A["default"]) is nn.Linear and type(m.lora_B["default"]) is nn.Linear for m in model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(nn.Sequential(_LoraLinear()), skip=["*.lora_A", "*.lora_B"])
+        convert(model[0].lora_A)
+    assert type(model[0].lora_A["default"]) is MXLinear
+
+
+def test_convert_says_when_mx_layers_keep_another_recipe():
+    """convert(copy, W4A16) of a model converted A4W4 (a W4A16 rollout copy) kept A4W4
+    without a word (converting twice is a no-op): one warning names the layers and their
+    recipe; the same recipe again is silent."""
+    a4w4, w4a16 = pmx.QuantRecipe(), pmx.QuantRecipe(activations="bf16")
+    model = convert(Net(), a4w4)
+    with pytest.warns(UserWarning, match=r"4 layer\(s\) are MXLinear or MXExperts already and keep their recipe"):
+        convert(model, w4a16)
+    assert all(m.recipe == a4w4 for m in model.modules() if isinstance(m, MXLinear))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(model, a4w4)
+        convert(model, w4a16, skip=["blocks", "proj", "lm_head"])
+
+
 def test_convert_skip_pattern_naming_a_container_keeps_every_layer_inside_it():
     net = convert(Net(), skip=["blocks.0"])
     assert kinds(net) == {"embed": "Embedding", "blocks.0.0": "Linear", "blocks.1.0": "MXLinear",

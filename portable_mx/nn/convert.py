@@ -14,6 +14,7 @@ import torch
 from .. import ops
 from .._sharding import has_dtensor_parameters as sharded, is_fsdp_module
 from ._takeover import hand_over
+from .experts import MXExperts
 from .hf_experts import expert_class, expert_like, experts_from_module, known_family
 from .linear import MXLinear
 
@@ -49,7 +50,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     are swapped (a subclass may override ``forward``; existing MXLinear and MXExperts
     layers are left as they are, so converting twice is a no-op); the other linear layers
     (a subclass of nn.Linear, transformers' ``Conv1D`` of GPT-2) stay as they are, with one
-    ``UserWarning`` naming them (unless ``skip`` keeps them); ``skip`` rules apply
+    ``UserWarning`` naming them (unless ``skip`` keeps them), and so do the LoRA adapters
+    of a peft model (Linear layers inside its ``lora_A`` / ``lora_B``: quantizing a
+    rank-r adapter rounds it along r; ``convert(layer.lora_A)`` quantizes them if meant),
+    and MX layers already converted with another recipe keep theirs (set
+    ``layer.recipe``); ``skip`` rules apply
     to expert modules too (e.g. ``"*.experts"``). Embeddings, norms etc. are not Linear and stay. ``skip`` excludes layers: a
     fnmatch pattern matched against the qualified module name (as in
     ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``) and
@@ -100,6 +105,8 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     float_experts: dict[int, tuple[str, str]] = {}  # expert modules no family maps: (first name, class)
     kept_experts: set[int] = set()  # ... of which a skip rule names one place: nothing to say
     other_linear: dict[int, tuple[str, str]] = {}  # linear layers of another type: (first name, class)
+    other_recipe: dict[int, tuple[str, str]] = {}  # MX layers already, with another recipe: (first name, recipe)
+    adapters: dict[int, str] = {}  # peft's LoRA adapter Linears, kept in float: first name
 
     def skipped(name: str, module: torch.nn.Module) -> bool:
         """Whether a rule skips ``module`` at ``name``. Predicates are asked about expert
@@ -141,9 +148,16 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                     kept_experts.add(id(module))
             elif _linear_like(module) and not skipped(name, module):
                 other_linear.setdefault(id(module), (name, type(module).__name__))
+            elif isinstance(module, (MXLinear, MXExperts)) and module.recipe != recipe and not skipped(name, module):
+                other_recipe.setdefault(id(module), (name, module.recipe.describe()))
             return True
         linear_names.append(name)
-        return skipped(name, module)
+        if skipped(name, module):
+            return True
+        if _ADAPTERS.intersection(name.split(".")):  # (peft's LoRA adapters: lora_A.default, lora_B.default)
+            adapters.setdefault(id(module), name)
+            return True
+        return False
 
     if not keep("", model):
         return converted(model, "")
@@ -178,6 +192,19 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                       "their layout or activation is not one MXExperts maps (portable_mx.nn.hf_experts); "
                       "skip=[...] silences this, pmx.nn.MXExperts.from_mx takes their weights directly",
                       UserWarning, stacklevel=2)
+    if adapters:
+        found = list(adapters.values())
+        warnings.warn(f"convert: {len(found)} LoRA adapter layer(s) stay in float "
+                      f"({', '.join(repr(n) for n in found[:6])}{', ...' if len(found) > 6 else ''}): quantizing "
+                      "an adapter of rank r rounds it along r, padded to a 32-block (the LoRA term 0.29 off in one "
+                      "test); convert the adapter modules themselves to quantize them (convert(layer.lora_A)); "
+                      "skip=['*.lora_A', '*.lora_B'] silences this", UserWarning, stacklevel=2)
+    if other_recipe:
+        found = list(other_recipe.values())
+        warnings.warn(f"convert: {len(found)} layer(s) are MXLinear or MXExperts already and keep their recipe, "
+                      f"not this call's {recipe.describe()} ({', '.join(f'{n!r} ({r})' for n, r in found[:6])}"
+                      f"{', ...' if len(found) > 6 else ''}): set layer.recipe = ... to change it; skip=[...] "
+                      "silences this", UserWarning, stacklevel=2)
     if other_linear:
         found = list(other_linear.values())
         warnings.warn(f"convert: {len(found)} linear layer(s) of another type than nn.Linear stay as they are "
@@ -197,6 +224,10 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     if unmatched:
         _warn_unmatched(unmatched, [n for n in linear_names if n])
     return model
+
+
+_ADAPTERS = frozenset(("lora_A", "lora_B"))
+"""Names of the module dicts in which peft's LoRA layers hold their adapter Linears."""
 
 
 def _linear_like(module: torch.nn.Module) -> bool:

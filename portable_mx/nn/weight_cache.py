@@ -29,7 +29,9 @@ made through ``.data``: an in-place write to ``vec`` is not seen), no code runni
 ``torch.autograd._unsafe_preserve_version_counter``, and no ``torch.distributed``
 collective into a weight (``broadcast``, ``all_reduce``, ``recv``, ...: they write in
 place without a version bump, so a rollout model that receives the trainer's weights
-that way keeps its old quantized ones). After such a write, call
+that way keeps its old quantized ones), and no peft ``merge_adapter`` /
+``unmerge_adapter`` / ``merge_and_unload`` (they add the adapters to the base weights
+through ``.data``: rollouts ran without the adapter). After such a write, call
 ``torch.autograd.graph.increment_version(p)`` for each written weight ``p`` before the
 next forward (or leave the block). Layers managed by FSDP (FSDP2's
 ``fully_shard``, FSDP1) never cache, in or out of the block: FSDP refills their unsharded

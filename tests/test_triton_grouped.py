@@ -589,3 +589,38 @@ def test_an_in_place_write_of_the_weight_is_seen(gemm_kernel, monkeypatch, route
     exact, bound = grouped_oracle(left_values(x, recipe)[pr["gather"]], pmx.dequantize(new.to("cpu"), dtype=torch.float32),
                                   pr["expert_of_row"], None, None, None, weights, k)
     assert_within(got.cpu(), exact, bound)
+
+
+@pytest.mark.parametrize("route", ["default", "upcast-plain"])
+def test_bf16_subnormal_router_weights_tokens_and_outliers(gemm_kernel, monkeypatch, route):
+    """Values below bf16's normals that the kernels widen with .to(tl.float32): the k-way
+    sum's router weights, the upcast kernel's tokens and a weight's outliers. A GPU widens
+    them exactly; the Triton interpreter's own cast renormalised and mangled them (3 *
+    2**-133 as 2**-128), and the backend now widens bf16 by its bits while its kernels run.
+    Expected values: exact products of exact numbers (sums of powers of two), rounded once."""
+    backend, device = on_route(gemm_kernel, monkeypatch, route)
+    w8 = pmx.quantize(torch.ones(2, 64, 64), axis=-1)  # two experts of ones
+    wts = torch.tensor([[3 * 2.0**-133, 2.0**-127]]).bfloat16()  # both subnormal in bf16
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    tokens = torch.zeros(1, 64)
+    tokens[0, :4] = torch.tensor([2.0**-127, -3 * 2.0**-133, 2.0**-130, 2.0**-128 + 2.0**-130])
+    w_out = torch.zeros(2, 64, 64)
+    w_out[:, :, 0], w_out[:, :, 1] = 2.0**-127, 2.0**-140  # each block's outlier: a bf16 subnormal
+    w_of = pmx.quantize(w_out, QR(outliers_per_block=1), axis=-1)
+    big = torch.zeros(1, 64)
+    big[0, 0] = 2.0**100
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(registry.ENV_BACKEND, backend.name)
+        r = pmx.route(torch.tensor([[0, 1]], device=device), wts.to(device), 2)
+        summed = pmx.grouped_matmul(x.to(device), w8.to(device), routing=r, gather=True, scatter=True,
+                                    recipe=QR(activations="bf16"))
+        offs = torch.tensor([1, 1], dtype=torch.int32, device=device)
+        small = pmx.grouped_matmul(tokens.bfloat16().to(device), w8.to(device), offsets=offs,
+                                   recipe=QR(activations="bf16"))
+        outlier = pmx.grouped_matmul(big.bfloat16().to(device), w_of.to(device), offsets=offs,
+                                     recipe=QR(activations="bf16"))
+    want_sum = (wts.double().sum() * 64).bfloat16()
+    want_small = tokens.double().sum().bfloat16()
+    assert want_small != 0 and torch.equal(summed.cpu(), want_sum.expand(1, 64))
+    assert torch.equal(small.cpu(), want_small.expand(1, 64))
+    assert torch.equal(outlier.cpu(), torch.tensor(2.0**-27).bfloat16().expand(1, 64))

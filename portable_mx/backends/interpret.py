@@ -56,7 +56,8 @@ class InterpretBackend(TritonBackend):
     def running(self):
         """numpy runs the kernels: its overflow/invalid warnings on inf/NaN lanes (which
         the kernels mask out) are noise, so they are silenced during launches; and the
-        interpreter's ``tl.dot_scaled`` reads a bf16 operand exactly (:func:`_exact_bf16_operands`).
+        interpreter's ``tl.dot_scaled`` reads a bf16 operand exactly (:func:`_exact_bf16_operands`)
+        and its casts widen bf16 to fp32 exactly (:func:`_exact_bf16_widening`).
         One launch at a time in the process: the interpreter keeps global state (launches
         from two threads failed with InterpreterErrors), and two overlapping launches put
         that patch back in the wrong order (the second ran on triton's own conversion)."""
@@ -66,6 +67,7 @@ class InterpretBackend(TritonBackend):
         stack.enter_context(_ONE_LAUNCH)  # (first: the patch below is process-wide, as is the interpreter's state)
         stack.enter_context(np.errstate(all="ignore"))
         stack.enter_context(_exact_bf16_operands())
+        stack.enter_context(_exact_bf16_widening())
         return stack
 
 
@@ -106,3 +108,37 @@ def _exact_bf16_operands() -> Iterator[None]:
         yield
     finally:
         interpreter._mxfp_value_handle_to_float32 = own
+
+
+@contextlib.contextmanager
+def _exact_bf16_widening() -> Iterator[None]:
+    """While the kernels run, the Triton interpreter widens bf16 to fp32 (``x.to(tl.float32)``
+    of a bf16 tensor) by its bits, as a GPU does. Its own conversion (``_convert_float``,
+    triton 3.6 to 3.9) renormalises a bf16 subnormal and then keeps the shifted significand
+    as the fp32 subnormal's: 3 * 2**-133 came out 2**-128, 2**-128 + 2**-130 as 4.4e-39
+    (the grouped GEMM's router weights, the upcast kernel's tokens and outliers below
+    2**-126 were off). Other casts keep the interpreter's own (fp32 -> bf16 truncates there:
+    numerics.md section 5; the kernels round by integer arithmetic where it matters)."""
+    try:
+        from triton.runtime import interpreter
+        import triton.language as tl
+    except ImportError:  # no interpreter: nothing to mend
+        yield
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    own = getattr(builder, "cast_impl", None)
+    if own is None:
+        yield
+        return
+    import numpy as np
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:  # stored as uint16 bits
+            return interpreter.TensorHandle((src.data.astype(np.uint32) << 16).view(np.float32), dst_type.scalar)
+        return own(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+    try:
+        yield
+    finally:
+        builder.cast_impl = own

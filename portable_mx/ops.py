@@ -229,10 +229,12 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
 
     Exact up to accumulation order: the result is the fp32-accumulated product of the
     dequantized operands, rounded once to a's dtype. One exception: W4A16 with fp16
-    activations on the upcast targets (sm_90, gfx942) decodes the weight to fp16 for the
-    MMA, exact for block scales 2**-23 .. 2**13 (a block's largest |w| from about 5e-7 to
-    6e4); a block below loses its smallest values, one above overflows (inf/NaN). bf16
-    activations, A4W4 and the native targets have no such limit. Under autograd the backward GEMMs
+    activations multiplies the weight as fp16 numbers on every GPU target (the upcast
+    kernel's decode on sm_90 and gfx942; Triton's lowering of ``tl.dot_scaled`` to an fp16
+    MMA on sm_100, sm_120 and gfx950), exact for block scales 2**-23 .. 2**13 (a block's
+    largest |w| from about 5e-7 to 6e4); a block below loses its smallest values (all of
+    them below 2**-24 on the native targets, where the scale is cast to fp16 first), one
+    above overflows (inf/NaN). bf16 activations and A4W4 have no such limit. Under autograd the backward GEMMs
     follow ``recipe.grad_input`` / ``recipe.grad_weight`` (see :mod:`portable_mx._custom_ops`).
     """
     compiling = _is_compiling()

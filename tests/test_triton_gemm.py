@@ -217,6 +217,32 @@ def test_an_infinite_dequantized_value_against_an_operand_with_outliers(gemm_ker
     assert_accumulation_close(out[rows][:, cols], rows_mx(x[rows], left), rows_mx(w[cols], of), k)
 
 
+def test_a_macro_block_past_fp32s_maximum_enters_the_kernels_at_its_real_value(gemm_kernel):
+    """README's departure: with macro blocks the kernels multiply the factors into each macro
+    block's partial sum, so a value whose dequantized value passes fp32's maximum (m * 6 *
+    2**125 with m = 171/128: dequantize gives inf) multiplies at its real value: the real
+    product where the reference, which forms the dequantized operand, gives inf (and 0
+    against a zero). Expected from float64 arithmetic on the codes, scales and factors."""
+    backend, device = gemm_kernel
+    recipe = QR(macro_block=32)
+    x = torch.zeros(2, 32)
+    x[:, 0], x[:, 1] = 3.4e38, 1.0
+    w = torch.zeros(2, 32)
+    w[0, 0] = 1e-3  # row 0 meets the huge value; row 1 has a zero there
+    w[1, 1] = 1.0
+    a, b = rows_mx(x, recipe), rows_mx(w, recipe)
+    assert dequantized(a, 32)[0, 0] == float("inf")
+    huge = 171 / 128 * 6 * 2.0**125  # x's first value, dequantized in float64 (1.0 beside it is deadzoned)
+    assert a.macro_scales[0, 0].item() == 171 / 128 and int(a.scales[0, 0]) - 127 == 125
+    assert dequantized(a, 32)[0, 1:].eq(0).all()
+    bq = dequantized(b, 32).double()
+    want = torch.tensor([[huge * bq[0, 0].item(), 0.0]] * 2, dtype=torch.float64)
+    out = backend.matmul(a.to(device), b.to(device)).cpu().double()
+    assert torch.isfinite(out).all() and ((out - want).abs() <= 2.0**-20 * want.abs()).all(), (out, want)
+    ref = REF.matmul(a, b)
+    assert ref[:, 0].isinf().all() and ref[:, 1].isnan().all()
+
+
 def test_w4a16_strided_left_operand(gemm_kernel):
     """A column slice of a wider activation (row stride > K) is read in place."""
     backend, device = gemm_kernel

@@ -81,8 +81,8 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
 
     Returns x's dtype (an MXTensor x's original dtype): the fp32-accumulated product of
     the dequantized operands, plus bias, activated and (with scatter) combined in fp32,
-    rounded once; exact up to fp32 accumulation order (with fp16 activations on sm_90 and
-    gfx942, for expert block scales 2**-23 .. 2**13: see :func:`portable_mx.matmul`). Empty experts, ragged and skewed
+    rounded once; exact up to fp32 accumulation order (with fp16 activations on a GPU,
+    for expert block scales 2**-23 .. 2**13: see :func:`portable_mx.matmul`). Empty experts, ragged and skewed
     routings, any T and k work; nothing reads device memory from the host (the checks of
     offsets and ids are device assertions off the CPU), so the call can be captured in a
     CUDA graph and traced by ``torch.compile(fullgraph=True)`` (as one

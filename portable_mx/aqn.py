@@ -155,8 +155,9 @@ def add_rmsnorm_noise(
             w.copy_(w32)
             became[id(w)] = (w, w)
         else:
-            with torch.inference_mode(False):  # (made inside inference_mode it would be an inference tensor,
-                # which the next refresh outside it could not write: torch's "Inplace update to inference tensor")
+            # made inside inference_mode, it would be an inference tensor, which the next refresh
+            # outside it could not write (torch's "Inplace update to inference tensor")
+            with torch.inference_mode(False):
                 new = torch.nn.Parameter(w32.clone() if w32.is_inference() else w32, requires_grad=w.requires_grad)
             became[id(w)] = became[id(new)] = (w, new)  # (a norm seen later may hold either)
             module.weight = new

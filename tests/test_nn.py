@@ -356,7 +356,8 @@ def test_convert_swaps_linears_in_place_and_skips_by_name_or_predicate():
     assert net.proj.weight is proj_weight and net.proj.recipe == recipe
     assert net(torch.tensor([[1, 2, 3]])).shape == (1, 3, 10)
     before = {n: m for n, m in net.named_modules()}
-    convert(net)  # only lm_head is left to convert; MXLinear layers stay as they are
+    with pytest.warns(UserWarning, match=r"3 layer\(s\) are MXLinear or MXExperts already and keep their recipe"):
+        convert(net)  # only lm_head is left to convert; MXLinear layers stay as they are (another recipe: said)
     assert all(before[n] is m for n, m in net.named_modules() if n != "lm_head")
     assert isinstance(net.lm_head, MXLinear) and net.proj.recipe == recipe
 
@@ -417,6 +418,26 @@ def test_convert_names_the_linear_layers_it_leaves_as_they_are():
         warnings.simplefilter("error")
         convert(nn.Sequential(model[1], model[2]))  # (a converted layer and out_proj: nothing to say)
         convert(nn.Sequential(_MyLinear(64, 64)), skip=["0"])
+    shared = _MyLinear(64, 64)  # one module under two names, a skip rule naming one: it stays, silently
+    two = nn.Module()
+    two.a, two.b = shared, shared
+
+    class Router(nn.Linear):  # (a router stays in float as a checkpoint's do: nothing to say)
+        pass
+
+    def picky(name, module):  # a predicate written for nn.Linear's attributes
+        if type(module) is not nn.Linear:
+            raise AttributeError("not a Linear")
+        return False
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(two, skip=["a"])
+        convert(nn.Sequential(Router(64, 8), nn.Linear(64, 64)), skip=[picky])
+    with pytest.warns(UserWarning, match=r"linear layer\(s\) of another type.*the model \(_MyLinear\)"):
+        convert(_MyLinear(64, 64))
+    with pytest.warns(UserWarning, match="keep their recipe"):  # (picky raised on the MXLinear: convert failed)
+        convert(nn.Sequential(MXLinear(64, 64, recipe=pmx.QuantRecipe(macro_block=64))), skip=[picky])
     transformers = pytest.importorskip("transformers")
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64,
                                                                 bos_token_id=0, eos_token_id=0))
@@ -449,9 +470,16 @@ def test_convert_keeps_a_peft_models_lora_adapters_in_float_and_says_so():
     assert all(type(m.lora_A["default"]) is nn.Linear and type(m.lora_B["default"]) is nn.Linear for m in model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        convert(nn.Sequential(_LoraLinear()), skip=["*.lora_A", "*.lora_B"])
+        convert(nn.Sequential(_LoraLinear()), skip=["*lora_A", "*lora_B"])
+        convert(_LoraLinear(), skip=["*lora_A", "*lora_B"])  # (the layer itself: names lora_A.default)
         convert(model[0].lora_A)
     assert type(model[0].lora_A["default"]) is MXLinear
+    own = nn.Module()  # a user's own lora_A that is no peft module dict: an ordinary Linear inside
+    own.lora_A = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(own)
+    assert type(own.lora_A[0]) is MXLinear
 
 
 def test_convert_says_when_mx_layers_keep_another_recipe():

@@ -595,8 +595,9 @@ def test_an_in_place_write_of_the_weight_is_seen(gemm_kernel, monkeypatch, route
 def test_bf16_subnormal_router_weights_tokens_and_outliers(gemm_kernel, monkeypatch, route):
     """Values below bf16's normals that the kernels widen with .to(tl.float32): the k-way
     sum's router weights, the upcast kernel's tokens and a weight's outliers. A GPU widens
-    them exactly; the Triton interpreter's own cast renormalised and mangled them (3 *
-    2**-133 as 2**-128), and the backend now widens bf16 by its bits while its kernels run.
+    them exactly; the Triton interpreter's own cast renormalised and mangled them (2**-127
+    as 0, 3 * 2**-133 as 2**-127), and the backend now widens bf16 by its bits while its
+    kernels run.
     Expected values: exact products of exact numbers (sums of powers of two), rounded once."""
     backend, device = on_route(gemm_kernel, monkeypatch, route)
     w8 = pmx.quantize(torch.ones(2, 64, 64), axis=-1)  # two experts of ones

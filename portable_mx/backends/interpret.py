@@ -114,11 +114,12 @@ def _exact_bf16_operands() -> Iterator[None]:
 def _exact_bf16_widening() -> Iterator[None]:
     """While the kernels run, the Triton interpreter widens bf16 to fp32 (``x.to(tl.float32)``
     of a bf16 tensor) by its bits, as a GPU does. Its own conversion (``_convert_float``,
-    triton 3.6 to 3.9) renormalises a bf16 subnormal and then keeps the shifted significand
-    as the fp32 subnormal's: 3 * 2**-133 came out 2**-128, 2**-128 + 2**-130 as 4.4e-39
-    (the grouped GEMM's router weights, the upcast kernel's tokens and outliers below
-    2**-126 were off). Other casts keep the interpreter's own (fp32 -> bf16 truncates there:
-    numerics.md section 5; the kernels round by integer arithmetic where it matters)."""
+    triton 3.9) renormalises a bf16 subnormal and then keeps the shifted significand as the
+    fp32 subnormal's: 2**-127 and 2**-133 came out 0, 3 * 2**-133 as 2**-127, 2**-128 +
+    2**-130 as 2**-128 (the grouped GEMM's router weights, the upcast kernel's tokens and
+    outliers below 2**-126 were off). bf16 -> fp16 goes through it too (the interpreter
+    widens to fp32 first); other casts keep the interpreter's own (fp32 -> bf16 truncates
+    there: numerics.md section 5; the kernels round by integer arithmetic where it matters)."""
     try:
         from triton.runtime import interpreter
         import triton.language as tl

@@ -49,12 +49,12 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     Only modules whose type is exactly ``nn.Linear`` (or one of those expert classes)
     are swapped (a subclass may override ``forward``; existing MXLinear and MXExperts
     layers are left as they are, so converting twice is a no-op); the other linear layers
-    (a subclass of nn.Linear, transformers' ``Conv1D`` of GPT-2) stay as they are, with one
-    ``UserWarning`` naming them (unless ``skip`` keeps them), and so do the LoRA adapters
-    of a peft model (Linear layers inside its ``lora_A`` / ``lora_B``: quantizing a
-    rank-r adapter rounds it along r; ``convert(layer.lora_A)`` quantizes them if meant),
-    and MX layers already converted with another recipe keep theirs (set
-    ``layer.recipe``); ``skip`` rules apply
+    (a subclass of nn.Linear but a ``*Router``, transformers' ``Conv1D`` of GPT-2) stay
+    as they are, with one ``UserWarning`` naming them (unless ``skip`` keeps them), and so
+    do the LoRA adapters of a peft model (the Linear layers in its ``lora_A`` / ``lora_B``
+    module dicts: quantizing a rank-r adapter rounds it along r; ``convert(layer.lora_A)``
+    quantizes them if meant), and MX layers already converted with another recipe keep
+    theirs, with one warning (set ``layer.recipe``); ``skip`` rules apply
     to expert modules too (e.g. ``"*.experts"``). Embeddings, norms etc. are not Linear and stay. ``skip`` excludes layers: a
     fnmatch pattern matched against the qualified module name (as in
     ``model.named_modules()``, e.g. ``"lm_head"``, ``"*.embed*"``, ``"layers.0.*"``) and
@@ -106,17 +106,20 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     kept_experts: set[int] = set()  # ... of which a skip rule names one place: nothing to say
     other_linear: dict[int, tuple[str, str]] = {}  # linear layers of another type: (first name, class)
     other_recipe: dict[int, tuple[str, str]] = {}  # MX layers already, with another recipe: (first name, recipe)
+    kept_others: set[int] = set()  # ... of which a skip rule names one place: nothing to say
     adapters: dict[int, str] = {}  # peft's LoRA adapter Linears, kept in float: first name
+    adapter_ids = _lora_adapters(model)
 
     def skipped(name: str, module: torch.nn.Module) -> bool:
         """Whether a rule skips ``module`` at ``name``. Predicates are asked about expert
-        modules too; one written for Linear layers that fails on another module (reads
-        ``out_features``) skips nothing there: convert does not fail on it."""
+        modules and the layers convert leaves as they are (to say nothing of them) too; one
+        written for Linear layers that fails on another module (reads ``out_features``)
+        skips nothing there: convert does not fail on it."""
         for r in rules:
             if isinstance(r, str):
                 if _pattern_skips(name, r):
                     return True
-            elif isinstance(module, torch.nn.Linear):
+            elif type(module) is torch.nn.Linear:
                 if r(name, module):
                     return True
             else:
@@ -146,15 +149,18 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 float_experts.setdefault(id(module), (name, expert_class(module)))
                 if skipped(name, module):
                     kept_experts.add(id(module))
-            elif _linear_like(module) and not skipped(name, module):
-                other_linear.setdefault(id(module), (name, type(module).__name__))
-            elif isinstance(module, (MXLinear, MXExperts)) and module.recipe != recipe and not skipped(name, module):
-                other_recipe.setdefault(id(module), (name, module.recipe.describe()))
+            elif _linear_like(module) or (isinstance(module, (MXLinear, MXExperts)) and module.recipe != recipe):
+                if skipped(name, module):
+                    kept_others.add(id(module))
+                elif _linear_like(module):
+                    other_linear.setdefault(id(module), (name, type(module).__name__))
+                else:
+                    other_recipe.setdefault(id(module), (name, module.recipe.describe()))
             return True
         linear_names.append(name)
         if skipped(name, module):
             return True
-        if _ADAPTERS.intersection(name.split(".")):  # (peft's LoRA adapters: lora_A.default, lora_B.default)
+        if id(module) in adapter_ids:
             adapters.setdefault(id(module), name)
             return True
         return False
@@ -196,19 +202,19 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
         found = list(adapters.values())
         warnings.warn(f"convert: {len(found)} LoRA adapter layer(s) stay in float "
                       f"({', '.join(repr(n) for n in found[:6])}{', ...' if len(found) > 6 else ''}): quantizing "
-                      "an adapter of rank r rounds it along r, padded to a 32-block (the LoRA term 0.29 off in one "
-                      "test); convert the adapter modules themselves to quantize them (convert(layer.lora_A)); "
-                      "skip=['*.lora_A', '*.lora_B'] silences this", UserWarning, stacklevel=2)
-    if other_recipe:
-        found = list(other_recipe.values())
+                      "an adapter of rank r would round it along r, padded to a 32-block; convert the adapter "
+                      "modules themselves to quantize them (convert(layer.lora_A)); "
+                      "skip=['*lora_A', '*lora_B'] silences this", UserWarning, stacklevel=2)
+    found = [v for k, v in other_recipe.items() if k not in kept_others]
+    if found:
         warnings.warn(f"convert: {len(found)} layer(s) are MXLinear or MXExperts already and keep their recipe, "
-                      f"not this call's {recipe.describe()} ({', '.join(f'{n!r} ({r})' for n, r in found[:6])}"
+                      f"not this call's {recipe.describe()} ({', '.join(f'{_shown(n)} ({r})' for n, r in found[:6])}"
                       f"{', ...' if len(found) > 6 else ''}): set layer.recipe = ... to change it; skip=[...] "
                       "silences this", UserWarning, stacklevel=2)
-    if other_linear:
-        found = list(other_linear.values())
+    found = [v for k, v in other_linear.items() if k not in kept_others]
+    if found:
         warnings.warn(f"convert: {len(found)} linear layer(s) of another type than nn.Linear stay as they are "
-                      f"({', '.join(f'{n!r} ({c})' for n, c in found[:6])}{', ...' if len(found) > 6 else ''}): "
+                      f"({', '.join(f'{_shown(n)} ({c})' for n, c in found[:6])}{', ...' if len(found) > 6 else ''}): "
                       "convert swaps only modules of type exactly nn.Linear (a subclass may override forward; "
                       "transformers' Conv1D, GPT-2's, stores its weight [in, out]); skip=[...] silences this",
                       UserWarning, stacklevel=2)
@@ -230,13 +236,29 @@ _ADAPTERS = frozenset(("lora_A", "lora_B"))
 """Names of the module dicts in which peft's LoRA layers hold their adapter Linears."""
 
 
+def _lora_adapters(model: torch.nn.Module) -> set[int]:
+    """ids of the modules that peft's LoRA layers hold as adapters: the entries of an
+    nn.ModuleDict registered as ``lora_A`` or ``lora_B`` (``q_proj.lora_A.default``). A
+    module dict given to convert itself (``convert(layer.lora_A)``) is not one."""
+    return {id(child) for name, m in _every_name(model)
+            if name and name.rpartition(".")[2] in _ADAPTERS and isinstance(m, torch.nn.ModuleDict)
+            for child in m._modules.values() if child is not None}
+
+
+def _shown(name: str) -> str:
+    return repr(name) if name else "the model"
+
+
 def _linear_like(module: torch.nn.Module) -> bool:
     """A layer that computes a linear map but that convert does not swap: a subclass of
     nn.Linear (not an MXLinear, nor the out_proj of nn.MultiheadAttention, whose parent reads
-    its weight directly) or transformers' Conv1D (GPT-2's projections)."""
-    if isinstance(module, torch.nn.Linear):
-        return not isinstance(module, (MXLinear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear))
+    its weight directly, nor a router, ``*Router``: transformers' Llama4Router and
+    PhimoeTopKRouter, which stay in float as a checkpoint's routers do) or transformers'
+    Conv1D (GPT-2's projections)."""
     cls = type(module)
+    if isinstance(module, torch.nn.Linear):
+        return not (isinstance(module, (MXLinear, torch.nn.modules.linear.NonDynamicallyQuantizableLinear))
+                    or cls.__name__.endswith("Router"))
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
 
 

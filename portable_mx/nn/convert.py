@@ -193,37 +193,29 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
             setattr(swapped.get(id(parent), parent), child_name, swapped[key])
     found = [v for k, v in float_experts.items() if k not in kept_experts]
     if found:
-        warnings.warn(f"convert: {len(found)} transformers expert module(s) stay in float "
-                      f"({', '.join(f'{n!r} ({c})' for n, c in found[:6])}{', ...' if len(found) > 6 else ''}): "
-                      "their layout or activation is not one MXExperts maps (portable_mx.nn.hf_experts); "
-                      "skip=[...] silences this, pmx.nn.MXExperts.from_mx takes their weights directly",
-                      UserWarning, stacklevel=2)
+        _warn(f"{len(found)} transformers expert module(s) stay in float", (f"{n!r} ({c})" for n, c in found),
+              "their layout or activation is not one MXExperts maps (portable_mx.nn.hf_experts); skip=[...] "
+              "silences this, pmx.nn.MXExperts.from_mx takes their weights directly")
     if adapters:
-        found = list(adapters.values())
-        warnings.warn(f"convert: {len(found)} LoRA adapter layer(s) stay in float "
-                      f"({', '.join(repr(n) for n in found[:6])}{', ...' if len(found) > 6 else ''}): quantizing "
-                      "an adapter of rank r would round it along r, padded to a 32-block; convert the adapter "
-                      "modules themselves to quantize them (convert(layer.lora_A)); "
-                      "skip=['*lora_A', '*lora_B'] silences this", UserWarning, stacklevel=2)
+        _warn(f"{len(adapters)} LoRA adapter layer(s) stay in float", map(repr, adapters.values()),
+              "quantizing an adapter of rank r would round it along r, padded to a 32-block; convert the adapter "
+              "modules themselves to quantize them (convert(layer.lora_A)); skip=['*lora_A', '*lora_B'] silences "
+              "this")
     found = [v for k, v in other_recipe.items() if k not in kept_others]
     if found:
-        warnings.warn(f"convert: {len(found)} layer(s) are MXLinear or MXExperts already and keep their recipe, "
-                      f"not this call's {recipe.describe()} ({', '.join(f'{_shown(n)} ({r})' for n, r in found[:6])}"
-                      f"{', ...' if len(found) > 6 else ''}): set layer.recipe = ... to change it; skip=[...] "
-                      "silences this", UserWarning, stacklevel=2)
+        _warn(f"{len(found)} layer(s) are MXLinear or MXExperts already and keep their recipe, not this call's "
+              f"{recipe.describe()}", (f"{_shown(n)} ({r})" for n, r in found),
+              "set layer.recipe = ... to change it; skip=[...] silences this")
     found = [v for k, v in other_linear.items() if k not in kept_others]
     if found:
-        warnings.warn(f"convert: {len(found)} linear layer(s) of another type than nn.Linear stay as they are "
-                      f"({', '.join(f'{_shown(n)} ({c})' for n, c in found[:6])}{', ...' if len(found) > 6 else ''}): "
-                      "convert swaps only modules of type exactly nn.Linear (a subclass may override forward; "
-                      "transformers' Conv1D, GPT-2's, stores its weight [in, out]); skip=[...] silences this",
-                      UserWarning, stacklevel=2)
+        _warn(f"{len(found)} linear layer(s) of another type than nn.Linear stay as they are",
+              (f"{_shown(n)} ({c})" for n, c in found),
+              "convert swaps only modules of type exactly nn.Linear (a subclass may override forward; "
+              "transformers' Conv1D, GPT-2's, stores its weight [in, out]); skip=[...] silences this")
     if parametrized:
-        warnings.warn(f"convert: {len(parametrized)} parametrized layer(s) (nn.Linear or transformers experts) "
-                      f"stay in float ({', '.join(repr(n) for n in parametrized[:6])}"
-                      f"{', ...' if len(parametrized) > 6 else ''}): torch.nn.utils.parametrize computes their "
-                      "weights; convert first, then register the parametrization on the MXLinear or MXExperts",
-                      UserWarning, stacklevel=2)
+        _warn(f"{len(parametrized)} parametrized layer(s) (nn.Linear or transformers experts) stay in float",
+              map(repr, parametrized), "torch.nn.utils.parametrize computes their weights; convert first, then "
+              "register the parametrization on the MXLinear or MXExperts")
     # (a pattern naming any module, a container included, is no typo)
     names = [n for n, _ in _every_name(model) if n]
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
@@ -247,6 +239,18 @@ def _lora_adapters(model: torch.nn.Module) -> set[int]:
 
 def _shown(name: str) -> str:
     return repr(name) if name else "the model"
+
+
+def _warn(what: str, names: Any, why: str) -> None:
+    """One of convert's warnings: what stays as it is, the first names, why (called from
+    :func:`convert`: the warning points at its caller)."""
+    warnings.warn(f"convert: {what} ({_listed(names)}): {why}", UserWarning, stacklevel=3)
+
+
+def _listed(items: Any, shown: int = 6) -> str:
+    """The first ``shown`` items joined by commas, then ', ...' when there are more."""
+    items = list(items)
+    return ", ".join(items[:shown]) + (", ..." if len(items) > shown else "")
 
 
 def _linear_like(module: torch.nn.Module) -> bool:
@@ -296,7 +300,7 @@ def _pattern_skips(name: str, pattern: str) -> bool:
 
 def _warn_unmatched(unmatched: list[str], linear_names: list[str]) -> None:
     if linear_names:
-        shown = ", ".join(repr(n) for n in linear_names[:6]) + (", ..." if len(linear_names) > 6 else "")
+        shown = _listed(repr(n) for n in linear_names)
         where = f"its {len(linear_names)} Linear layer(s) are named {shown}"
     else:
         where = "it has no nn.Linear layer (besides the converted ones)"

@@ -108,7 +108,8 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     other_recipe: dict[int, tuple[str, str]] = {}  # MX layers already, with another recipe: (first name, recipe)
     kept_others: set[int] = set()  # ... of which a skip rule names one place: nothing to say
     adapters: dict[int, str] = {}  # peft's LoRA adapter Linears, kept in float: first name
-    adapter_ids = _lora_adapters(model)
+    every = _every_name(model)  # (walked once: the names stay those of the converted model)
+    adapter_ids = _lora_adapters(every)
 
     def skipped(name: str, module: torch.nn.Module) -> bool:
         """Whether a rule skips ``module`` at ``name``. Predicates are asked about expert
@@ -149,10 +150,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 float_experts.setdefault(id(module), (name, expert_class(module)))
                 if skipped(name, module):
                     kept_experts.add(id(module))
-            elif _linear_like(module) or (isinstance(module, (MXLinear, MXExperts)) and module.recipe != recipe):
+            elif (like := _linear_like(module)) or (isinstance(module, (MXLinear, MXExperts))
+                                                    and module.recipe != recipe):
                 if skipped(name, module):
                     kept_others.add(id(module))
-                elif _linear_like(module):
+                elif like:
                     other_linear.setdefault(id(module), (name, type(module).__name__))
                 else:
                     other_recipe.setdefault(id(module), (name, module.recipe.describe()))
@@ -172,7 +174,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     # its names is skipped (a shared Linear is never split into a float and an MX copy)
     modules: dict[int, tuple[torch.nn.Module, list[str]]] = {}
     places: list[tuple[torch.nn.Module, str, int]] = []  # set once every layer converted: an error changes nothing
-    for parent_name, parent in _every_name(model):  # (every name of a shared parent)
+    for parent_name, parent in every:  # (every name of a shared parent)
         # _modules, not named_children(): that skips a child registered twice in one parent
         for child_name, child in list(parent._modules.items()):
             if child is None:
@@ -217,7 +219,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
               map(repr, parametrized), "torch.nn.utils.parametrize computes their weights; convert first, then "
               "register the parametrization on the MXLinear or MXExperts")
     # (a pattern naming any module, a container included, is no typo)
-    names = [n for n, _ in _every_name(model) if n]
+    names = [n for n, _ in every if n]
     unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched:
         _warn_unmatched(unmatched, [n for n in linear_names if n])
@@ -228,11 +230,12 @@ _ADAPTERS = frozenset(("lora_A", "lora_B"))
 """Names of the module dicts in which peft's LoRA layers hold their adapter Linears."""
 
 
-def _lora_adapters(model: torch.nn.Module) -> set[int]:
-    """ids of the modules that peft's LoRA layers hold as adapters: the entries of an
-    nn.ModuleDict registered as ``lora_A`` or ``lora_B`` (``q_proj.lora_A.default``). A
-    module dict given to convert itself (``convert(layer.lora_A)``) is not one."""
-    return {id(child) for name, m in _every_name(model)
+def _lora_adapters(every: list[tuple[str, torch.nn.Module]]) -> set[int]:
+    """ids of the modules that peft's LoRA layers hold as adapters, from a model's
+    :func:`_every_name`: the entries of an nn.ModuleDict registered as ``lora_A`` or
+    ``lora_B`` (``q_proj.lora_A.default``). A module dict given to convert itself
+    (``convert(layer.lora_A)``) is not one."""
+    return {id(child) for name, m in every
             if name and name.rpartition(".")[2] in _ADAPTERS and isinstance(m, torch.nn.ModuleDict)
             for child in m._modules.values() if child is not None}
 

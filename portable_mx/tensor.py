@@ -342,6 +342,13 @@ class MXTensor:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_memo"}
 
+    def __setstate__(self, state: dict) -> None:
+        # an unpickled MXTensor (pickle, torch.load) is checked as the constructor checks
+        # one: parts that disagree with the shape (a truncated or edited file) would
+        # otherwise fail later inside a kernel, or read past a part on a GPU
+        self.__dict__.update(state)
+        _check_consistent(self)
+
     def __repr__(self) -> str:
         return (
             f"MXTensor(shape={tuple(self.shape)}, axis={self.axis}, dtype={self.dtype}, "

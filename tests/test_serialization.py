@@ -254,3 +254,30 @@ def test_parts_on_the_meta_device_beside_a_readable_mx_meta_load_as_meta_mxtenso
             assert (getattr(got, part) is None) == (want is None)
             if want is not None:
                 assert getattr(got, part).shape == want.shape and getattr(got, part).dtype == want.dtype
+
+
+def test_a_pickled_mxtensor_is_checked_as_it_is_loaded():
+    # torch.load under torch.serialization.safe_globals (what torch's own error names as the
+    # way to load one) or pickle gave back an MXTensor whose parts disagreed with its shape
+    # unchecked: the GEMM then failed inside the kernel wrapper, or read past qdata on a GPU
+    import io
+    import pickle
+
+    from portable_mx.recipe import QuantRecipe
+    from portable_mx.tensor import MXTensor
+
+    q = pmx.quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(3)),
+                     pmx.QuantRecipe(macro_block=64, outliers_per_block=1), axis=0)
+    back = pickle.loads(pickle.dumps(q))
+    assert all(torch.equal(a, b) for a, b in zip(q.parts(), back.parts()))
+    assert (back.shape, back.axis, back.recipe, back.dtype) == (q.shape, q.axis, q.recipe, q.dtype)
+
+    bad = pickle.loads(pickle.dumps(q))
+    bad.__dict__["qdata"] = q.qdata[:, :8].clone()  # (a file of other code: a quarter of the codes)
+    with pytest.raises(ValueError, match="qdata must be"):
+        pickle.loads(pickle.dumps(bad))
+    buf = io.BytesIO()
+    torch.save(bad, buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals([MXTensor, QuantRecipe]), pytest.raises(ValueError, match="qdata must be"):
+        torch.load(buf)

@@ -439,3 +439,83 @@ def test_weight_cache_keeps_its_weights_under_inference_mode(monkeypatch):
         builds.clear()
         layer(x)
         assert builds == []
+
+
+class _Counting(nn.Module):
+    """A parametrization whose n-th evaluation returns n * W: an evaluation more or less
+    than the forward's one shows as a weight scaled by another integer."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def forward(self, w):
+        self.n += 1
+        return w * self.n
+
+
+def test_a_parametrized_weight_is_computed_once_per_forward_inside_a_block_under_autograd():
+    # the forward read the weight, then read it twice more to look up the cache: a stateful
+    # parametrization (spectral_norm's power iteration in training) stepped three times, the
+    # GEMM used the third value (4 W here) and the backward the first (2 W)
+    import torch.nn.utils.parametrize as P
+
+    layer = MXLinear(IN, OUT, recipe=RECIPES[1])
+    with torch.no_grad():
+        layer.weight.copy_(rand(OUT, IN, seed=1))
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    P.register_parametrization(layer, "weight", _Counting())  # (registration evaluates it: n = 1)
+    count = layer.parametrizations.weight[0]
+    x = rand(5, IN, seed=2).requires_grad_()
+    with pmx.nn.weight_cache(layer):
+        y = layer(x)
+        assert count.n == 2  # one evaluation: the forward's (2 W)
+        (dx,) = torch.autograd.grad(y.sum(), x)
+        layer.quantized_weight()
+        assert count.n == 3  # and one for quantized_weight()
+
+    oracle = MXLinear(IN, OUT, recipe=RECIPES[1])
+    with torch.no_grad():
+        oracle.weight.copy_(2 * w)
+        oracle.bias.copy_(b)
+    assert torch.equal(y.detach(), oracle(x).detach())
+    (dx_oracle,) = torch.autograd.grad(oracle(x).sum(), x)
+    assert torch.equal(dx, dx_oracle)
+
+
+def test_the_experts_parametrized_weight_is_computed_once_by_quantized_weight():
+    import torch.nn.utils.parametrize as P
+
+    experts = pmx.nn.MXExperts(2, 32, 32, recipe=RECIPES[0])
+    P.register_parametrization(experts, "down_proj", _Counting())
+    count = experts.parametrizations.down_proj[0]
+    before = count.n
+    experts.quantized_weight("down_proj")
+    assert count.n == before + 1
+
+
+@pytest.mark.parametrize("kind", ["linear", "experts"])
+def test_a_shallow_copy_of_a_layer_gets_a_cache_of_its_own(kind):
+    # copy.copy of an nn.Module shares the original's __dict__ values: a block entered on
+    # the copy covered the original, whose .data writes (allowed outside a block) then went
+    # unseen by its forward
+    if kind == "linear":
+        a = MXLinear(IN, OUT, recipe=RECIPES[0])
+    else:
+        a = pmx.nn.MXExperts(2, 32, 32, recipe=RECIPES[0])
+    b = copy.copy(a)
+    assert b._pmx_weight_cache is not a._pmx_weight_cache
+    if kind == "experts":
+        assert b._mx_memo is not a._mx_memo and b._mx_checked is not a._mx_checked
+    with pmx.nn.weight_cache(b):
+        assert a._pmx_weight_cache.depth == 0 and b._pmx_weight_cache.depth == 1
+
+    if kind == "linear":  # the stale read the shared cache allowed
+        b._parameters = dict(a._parameters)  # (its own table, as a shallow view of a model builds)
+        b.weight = nn.Parameter(a.weight.detach().clone())
+        x = rand(3, IN, seed=4)
+        with torch.no_grad(), pmx.nn.weight_cache(b):
+            a(x)
+            a.weight.data.mul_(-1)
+            got = a(x)
+        assert torch.equal(got, fresh_output(a, x))

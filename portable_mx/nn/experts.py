@@ -294,8 +294,9 @@ class MXExperts(torch.nn.Module):
             raise ValueError(f"proj must be one of {PROJECTIONS}; got {proj!r}")
         if self.frozen:
             return self._frozen_mx(proj)
-        ops.refuse_distributed(f"MXExperts.{proj}", getattr(self, proj))  # (FSDP2's shard between forwards)
-        return self._pmx_weight_cache.get(proj, getattr(self, proj), self._recipe, self._quantizer(proj))
+        w = getattr(self, proj)  # (read once: a parametrized weight is computed on each read)
+        ops.refuse_distributed(f"MXExperts.{proj}", w)  # (FSDP2's shard between forwards)
+        return self._pmx_weight_cache.get(proj, w, self._recipe, self._quantizer(proj))
 
     def _frozen_mx(self, proj: str) -> MXTensor:
         # the buffers read from the module's dict (_member); the MXTensor is rebuilt only
@@ -448,8 +449,7 @@ class MXExperts(torch.nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        if not isinstance(self.__dict__.get("_pmx_weight_cache"), WeightCache):
-            self._pmx_weight_cache = WeightCache()
+        self._pmx_weight_cache = WeightCache()  # (its own, always: copy.copy passes the original's dict)
         self._mx_memo = {}
         self._mx_checked = {}
 

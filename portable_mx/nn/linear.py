@@ -187,8 +187,14 @@ class MXLinear(torch.nn.Linear):
         (in_features, K) with the recipe: the MXTensor the forward GEMM uses (the cached
         one inside :func:`~portable_mx.nn.weight_cache`, else quantized now). Under FSDP2,
         between forwards the weight is a shard (a DTensor): refused, as the ops refuse one."""
-        ops.refuse_distributed("MXLinear.weight", self.weight)
-        return self._pmx_weight_cache.get("weight", self.weight, self._recipe, self._quantize_weight)
+        return self._cached_weight(self.weight)
+
+    def _cached_weight(self, w: Tensor) -> MXTensor:
+        # ``w`` read once by the caller: a parametrized weight (torch.nn.utils.parametrize)
+        # is computed on each read, and a stateful parametrization (spectral_norm's power
+        # iteration in training) would step once per read and give the cache another weight
+        ops.refuse_distributed("MXLinear.weight", w)
+        return self._pmx_weight_cache.get("weight", w, self._recipe, self._quantize_weight)
 
     def _quantize_weight(self, w: Tensor) -> MXTensor:
         with torch.no_grad():
@@ -244,7 +250,7 @@ class MXLinear(torch.nn.Linear):
         elif torch.is_grad_enabled() and (
                 x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
             if self._pmx_weight_cache.depth:
-                parts = self.quantized_weight().rows().parts()
+                parts = self._cached_weight(w).rows().parts()  # (the w this forward read)
                 y = torch.ops.portable_mx.mm(x2, w.T, [], parts, rj, "", rj, bias)
             else:  # the op quantizes the weight itself
                 y = torch.ops.portable_mx.mm(x2, w.T, [], [], rj, "", "", bias)
@@ -260,5 +266,6 @@ class MXLinear(torch.nn.Linear):
     def __setstate__(self, state: dict) -> None:
         state.pop("_weight_cache", None)  # pickles of older versions held a weakref here
         super().__setstate__(state)
-        if not isinstance(self.__dict__.get("_pmx_weight_cache"), WeightCache):
-            self._pmx_weight_cache = WeightCache()
+        # a cache of its own, always: copy.copy hands this the original's __dict__ as it is
+        # (a shared cache would let a block entered on the copy cover the original too)
+        self._pmx_weight_cache = WeightCache()

@@ -5,6 +5,7 @@
   GEMM per projection (:mod:`.experts`).
 - :func:`convert`: swap the ``nn.Linear`` layers of a model for MXLinear, and transformers'
   GptOss / Qwen3-MoE experts for MXExperts (:mod:`.convert`, :mod:`.hf_experts`).
+- :func:`reseed`, :func:`layer_seed`: a stochastic-rounding stream per layer (:mod:`.streams`).
 - :func:`weight_cache`: a block inside which MX layers reuse their quantized weights
   (:mod:`.weight_cache`: when that is safe, and what it asks of the caller).
 - :func:`mx_matmul`, :func:`mx_parts`: :func:`portable_mx.matmul` under its older name, and
@@ -17,10 +18,11 @@
 from .convert import convert
 from .experts import MXExperts
 from .linear import MXLinear, mx_matmul, mx_parts
+from .streams import layer_seed, reseed
 from .weight_cache import weight_cache
 
 __all__ = ["MXAllGatherFallback", "MXExperts", "MXLinear", "convert", "enable_fsdp_mx_all_gather", "gathered_bytes",
-           "mx_matmul", "mx_parts", "weight_cache"]
+           "layer_seed", "mx_matmul", "mx_parts", "reseed", "weight_cache"]
 
 _DISTRIBUTED = ("enable_fsdp_mx_all_gather", "gathered_bytes", "MXAllGatherFallback")
 

@@ -17,6 +17,7 @@ from ._takeover import hand_over
 from .experts import MXExperts
 from .hf_experts import expert_class, expert_like, experts_from_module, known_family
 from .linear import MXLinear
+from .streams import layer_recipe
 
 SkipRule = Union[str, Callable[[str, torch.nn.Module], bool]]
 
@@ -81,7 +82,11 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     expert module (reads ``out_features``) skips nothing there. When
     ``model`` itself is an ``nn.Linear`` a new MXLinear is returned (use the return
     value). Count the converted layers with
-    ``sum(isinstance(m, MXLinear) for m in model.modules())``.
+    ``sum(isinstance(m, MXLinear) for m in model.modules())``. Under a recipe that rounds
+    stochastically each layer made gets the recipe with the seed
+    :func:`~portable_mx.nn.layer_seed` ``(recipe.seed, name)`` (its first name), so that
+    layers draw apart (:mod:`portable_mx.nn.streams`; :func:`~portable_mx.nn.reseed` gives
+    a model new ones); layers converted before, by another seed only, keep theirs silently.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module; got {type(model).__name__}")
@@ -91,13 +96,14 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
     linear_names: list[str] = []  # every Linear the rules were asked about
 
     def converted(module: torch.nn.Module, name: str) -> Any:
+        own = layer_recipe(recipe, name)  # (stochastic rounding: a stream of the layer's own)
         if type(module) is torch.nn.Linear:
             try:
-                return MXLinear.from_linear(module, recipe)
+                return MXLinear.from_linear(module, own)
             except TypeError as err:  # (the layer named; skip=[name] keeps it)
                 raise TypeError(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
         try:
-            return experts_from_module(module, recipe)
+            return experts_from_module(module, own)
         except (TypeError, ValueError) as err:  # a configuration MXExperts cannot run; skip keeps it
             raise type(err)(f"convert: layer {name!r}: {err}; or pass skip=[{name!r}]") from None
 
@@ -151,7 +157,7 @@ def convert(model: torch.nn.Module, recipe: Any = None, *, skip: Any = ()) -> to
                 if skipped(name, module):
                     kept_experts.add(id(module))
             elif (like := _linear_like(module)) or (isinstance(module, (MXLinear, MXExperts))
-                                                    and module.recipe != recipe):
+                                                    and not _same_recipe(module.recipe, recipe)):
                 if skipped(name, module):
                     kept_others.add(id(module))
                 elif like:
@@ -238,6 +244,15 @@ def _lora_adapters(every: list[tuple[str, torch.nn.Module]]) -> set[int]:
     return {id(child) for name, m in every
             if name and name.rpartition(".")[2] in _ADAPTERS and isinstance(m, torch.nn.ModuleDict)
             for child in m._modules.values() if child is not None}
+
+
+def _same_recipe(held: Any, recipe: Any) -> bool:
+    """Whether a layer's recipe is ``recipe``, but for the seed when both round
+    stochastically (convert gives each layer a seed of its own, :func:`reseed` new ones)."""
+    if held == recipe:
+        return True
+    return (held.rounding == recipe.rounding == "stochastic"
+            and held.model_copy(update={"seed": recipe.seed}) == recipe)
 
 
 def _shown(name: str) -> str:

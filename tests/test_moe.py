@@ -90,7 +90,8 @@ def test_routing_fast_constructor_builds_the_dataclass():
     r = pmx.route(torch.tensor([[0, 2], [1, 2], [2, 0]]), torch.rand(3, 2), 4)
     fields = {f.name: getattr(r, f.name) for f in dataclasses.fields(Routing)}
     made, built = Routing._make(**fields), Routing(**fields)
-    assert type(made) is Routing and made.__dict__ == built.__dict__
+    assert type(made) is Routing and {n: made.__dict__[n] for n in fields} == built.__dict__
+    assert made._routed and not hasattr(built, "_routed")  # (route()'s own: grouped_matmul checks the other)
     assert (made.rows, made.num_tokens, made.device) == (6, 3, torch.device("cpu"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.k = 1
@@ -652,3 +653,61 @@ def test_compiled_offsets_call_keeps_the_row_count_dynamic():
     torch._dynamo.mark_dynamic(x, 0)
     out = torch.compile(lambda x, o: pmx.grouped_matmul(x, w, offsets=o), backend="eager")(x, offs(10))
     assert torch.equal(out, pmx.grouped_matmul(x, w, offsets=offs(10)))
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("offsets", lambda t: t.index_fill(0, torch.tensor([t.shape[0] - 1]), 40)),  # ends past R = 16
+    ("gather_index", lambda t: t.index_fill(0, torch.tensor([3]), -100000)),
+    ("gather_index", lambda t: t.index_fill(0, torch.tensor([3]), 1000)),
+    ("scatter_index", lambda t: t.index_fill(0, torch.tensor([0]), 999)),
+    ("scatter_index", lambda t: t.flip(0)),  # in range, but not the inverse of the gather
+    ("counts", lambda t: t.flip(0)),
+    ("tile_schedule", lambda t: t.index_fill(0, torch.tensor([0]), 7)),
+])
+def test_a_routing_built_by_hand_is_checked_before_its_indices_address_memory(field, edit):
+    # a Routing made with dataclasses.replace or its constructor was trusted: the Triton
+    # kernels wrote rows past R (the interpreter's process then died: free(): invalid
+    # pointer) and read before x or past the rows, the reference failed with IndexError or
+    # silently accepted the offsets the offsets= argument refuses
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(8)])
+    routing = pmx.route(ids, torch.rand(8, 2, generator=gen), 4)
+    x = torch.randn(8, 64, generator=gen)
+    w = pmx.quantize(torch.randn(4, 32, 64, generator=gen), axis=-1)
+    bad = dataclasses.replace(routing, **{field: edit(getattr(routing, field))})
+    with pytest.raises(ValueError, match=f"Routing: {field} is not the one route"):
+        pmx.grouped_matmul(x, w, routing=bad, gather=True, scatter=True)
+
+
+def test_a_routing_with_replaced_weights_serves_as_the_routing_of_those_weights():
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 4, (6, 2), generator=gen)
+    old, new = torch.rand(6, 2, generator=gen), torch.rand(6, 2, generator=gen)
+    x = torch.randn(6, 64, generator=gen)
+    w = pmx.quantize(torch.randn(4, 32, 64, generator=gen), axis=-1)
+    replaced = dataclasses.replace(pmx.route(ids, old, 4), weights=new)
+    got = pmx.grouped_matmul(x, w, routing=replaced, gather=True, scatter=True)
+    # a routing whose weights were replaced is the routing route() makes of the new ones
+    want = pmx.grouped_matmul(x, w, routing=pmx.route(ids, new, 4), gather=True, scatter=True)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    ({"k": 3}, TypeError, r"topk_ids must be an int32 or int64 tensor \[T, k=3\]"),
+    ({"weights": torch.ones(6, 2, dtype=torch.int32)}, TypeError, "weights must be a float tensor"),
+    ({"counts": torch.zeros(4, dtype=torch.int64)}, TypeError, r"counts must be an int32 tensor \[4\]"),
+    ({"gather_index": torch.zeros(11, dtype=torch.int32)}, TypeError, r"gather_index must be an int32 tensor \[12\]"),
+    ({"tile_m": 24}, ValueError, "tile_m must be one of"),
+    ({"num_experts": 0}, ValueError, "num_experts must be a positive int"),
+    ({"offsets": torch.zeros(4, dtype=torch.int32, device="meta")}, ValueError, "offsets is on meta"),
+])
+def test_a_routing_built_by_hand_with_fields_of_the_wrong_kind_is_refused_by_its_constructor(fields, error, match):
+    import dataclasses
+
+    routing = pmx.route(torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(2)), None, 4)
+    with pytest.raises(error, match=match):
+        dataclasses.replace(routing, **fields)

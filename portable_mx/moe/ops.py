@@ -15,7 +15,7 @@ from ..recipe import QuantRecipe
 from ..tensor import FLOAT_DTYPES, MXTensor
 from . import _custom_ops, activations
 from . import _dispatch as moe_dispatch
-from .routing import Routing, tile_schedule
+from .routing import Routing, check_routing, tile_schedule
 
 Operand = Union[torch.Tensor, MXTensor]
 
@@ -154,6 +154,7 @@ def grouped_matmul(x: Operand, w: Operand, *, offsets: Optional[torch.Tensor] = 
             _fail(f"the routing is over {routing.num_experts} experts, w has {num_experts}")
         if routing.device != device:
             _fail(f"the routing must be on w's device {device}; got {routing.device}")
+        check_routing(routing)  # (one built by hand: its indices address memory)
         rows, tokens = routing.rows, routing.num_tokens
         want = tokens if gather else rows
         if rows_x != want:

@@ -106,7 +106,11 @@ class Routing:
       (expert, first sorted row) of each tile of ``tile_m`` rows, -1 past the last tile
       (:func:`tile_schedule`); :meth:`schedule` gives the one of another tile height.
 
-    Build one with :func:`route`.
+    Build one with :func:`route`. One built otherwise (``Routing(...)``,
+    ``dataclasses.replace(routing, weights=...)``) is checked: its fields' types, dtypes,
+    shapes and device here, and by :func:`~portable_mx.grouped_matmul` its index tensors
+    against the routing of its ``topk_ids`` (:func:`check_routing`: the kernels index x,
+    the rows and the output with them, so a wrong one would read or write out of bounds).
     """
 
     num_experts: int
@@ -120,6 +124,11 @@ class Routing:
     tile_m: int
     tile_schedule: torch.Tensor
 
+    def __post_init__(self) -> None:
+        if torch.compiler.is_compiling():  # (route() builds one through here while traced: its own fields)
+            return
+        _check_fields(self)
+
     @classmethod
     def _make(cls, num_experts: int, k: int, topk_ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
               offsets: torch.Tensor, gather_index: torch.Tensor, scatter_index: torch.Tensor, tile_m: int,
@@ -128,12 +137,14 @@ class Routing:
         without the frozen dataclass's per-field ``object.__setattr__`` (0.35 us against
         1.1 on a CPU; as ``MXTensor._make``), for fields that route() made itself."""
         if torch.compiler.is_compiling():
-            return cls(num_experts, k, topk_ids, weights, counts, offsets, gather_index, scatter_index, tile_m,
-                       tile_schedule)
+            obj = cls(num_experts, k, topk_ids, weights, counts, offsets, gather_index, scatter_index, tile_m,
+                      tile_schedule)
+            object.__setattr__(obj, "_routed", True)
+            return obj
         obj = object.__new__(cls)
         obj.__dict__.update(num_experts=num_experts, k=k, topk_ids=topk_ids, weights=weights, counts=counts,
                             offsets=offsets, gather_index=gather_index, scatter_index=scatter_index, tile_m=tile_m,
-                            tile_schedule=tile_schedule)
+                            tile_schedule=tile_schedule, _routed=True)
         return obj
 
     @property
@@ -265,8 +276,62 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
     offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     scatter = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=device, dtype=order.dtype))
-    return Routing(
+    return Routing._make(
         num_experts=num_experts, k=k, topk_ids=topk_ids, weights=topk_weights, counts=counts, offsets=offsets,
         gather_index=(order // k).to(torch.int32), scatter_index=scatter.to(torch.int32), tile_m=tile_m,
         tile_schedule=tile_schedule(offsets, rows, tile_m),
     )
+
+
+_INDEX_FIELDS = ("counts", "offsets", "gather_index", "scatter_index", "tile_schedule")
+
+
+def _check_fields(r: Routing) -> None:
+    """The fields of a Routing built by hand: types, dtypes, shapes, one device (ValueError
+    / TypeError naming the field). Their values are :func:`check_routing`'s."""
+    for name in ("num_experts", "k", "tile_m"):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Routing: {name} must be a positive int; got {value!r}")
+    if r.tile_m not in TILE_M_CHOICES:
+        raise ValueError(f"Routing: tile_m must be one of {TILE_M_CHOICES}; got {r.tile_m}")
+    ids, weights = r.topk_ids, r.weights
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2 \
+            or ids.shape[1] != r.k:
+        raise TypeError(f"Routing: topk_ids must be an int32 or int64 tensor [T, k={r.k}]; got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point() or weights.shape != ids.shape:
+        raise TypeError(f"Routing: weights must be a float tensor of topk_ids' shape {tuple(ids.shape)}; got "
+                        f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
+    rows = ids.shape[0] * r.k
+    shapes = {"counts": (r.num_experts,), "offsets": (r.num_experts,), "gather_index": (rows,),
+              "scatter_index": (rows,), "tile_schedule": (max_tiles(rows, r.num_experts, r.tile_m), 2)}
+    for name, shape in shapes.items():
+        t = getattr(r, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != shape:
+            raise TypeError(f"Routing: {name} must be an int32 tensor {list(shape)}; got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    for name in ("weights",) + _INDEX_FIELDS:
+        if getattr(r, name).device != ids.device:
+            raise ValueError(f"Routing: every tensor must be on topk_ids' device {ids.device}; {name} is on "
+                             f"{getattr(r, name).device}")
+
+
+def check_routing(r: Routing) -> None:
+    """That a Routing not made by :func:`route` holds the index tensors route() makes of
+    its ``topk_ids`` (and ``tile_m``): raised on the CPU naming the first field that
+    differs, asserted on the device elsewhere (no host sync). Only its ``weights`` may be
+    its own (``dataclasses.replace(routing, weights=...)``). A Routing from route()
+    passes without a look."""
+    if getattr(r, "_routed", False) or r.device.type == "meta":
+        return
+    fresh = route(r.topk_ids, r.weights, r.num_experts, tile_m=r.tile_m)
+    if r.device.type == "cpu" and not torch.compiler.is_compiling():
+        for name in _INDEX_FIELDS:
+            if not torch.equal(getattr(r, name), getattr(fresh, name)):
+                raise ValueError(f"Routing: {name} is not the one route() makes of its topk_ids (built by hand? "
+                                 "build routings with pmx.route; replace only their weights)")
+        return
+    same = torch.stack([(getattr(r, name) == getattr(fresh, name)).all() for name in _INDEX_FIELDS]).all()
+    torch._assert_async(same, "Routing: its index tensors are not the ones route() makes of its topk_ids (build "
+                              "routings with pmx.route; replace only their weights)")

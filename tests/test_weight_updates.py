@@ -519,3 +519,30 @@ def test_a_shallow_copy_of_a_layer_gets_a_cache_of_its_own(kind):
             a.weight.data.mul_(-1)
             got = a(x)
         assert torch.equal(got, fresh_output(a, x))
+
+
+def test_a_block_closed_from_another_thread_ends_for_the_thread_that_entered_it():
+    """A weight_cache block inside a generator that another thread finishes (a server that
+    drives a sync generator from a thread pool; a generator the GC finalizes elsewhere):
+    the exit counted down the closing thread's depth, so the entering thread stayed inside
+    for good and its later forwards served the quantized weight of before a .data write
+    (allowed outside a block)."""
+    import threading
+
+    layer = MXLinear(IN, OUT, recipe=RECIPES[0])
+    x = rand(4, IN, seed=7)
+
+    def stream():
+        with pmx.nn.weight_cache(layer), torch.no_grad():
+            yield layer(x)
+
+    g = stream()
+    next(g)
+    closer = threading.Thread(target=g.close)
+    closer.start()
+    closer.join()
+    assert layer._pmx_weight_cache.depth == 0 and not layer._pmx_weight_cache.entries
+    with torch.no_grad():
+        layer(x)
+        layer.weight.data.mul_(-1)
+        assert torch.equal(layer(x), fresh_output(layer, x))

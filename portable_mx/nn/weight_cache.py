@@ -107,14 +107,14 @@ class WeightCache:
     def active(self) -> bool:
         return self.depth > 0
 
-    def enter(self) -> None:
-        t = _get_ident()
+    def enter(self, t: int) -> None:
+        """A block of thread ``t`` (the thread that enters it) begins."""
         self.depths[t] = self.depths.get(t, 0) + 1
 
-    def leave(self) -> None:
-        """One block of the calling thread ends; the last block of every thread frees
-        the cached weights."""
-        t = _get_ident()
+    def leave(self, t: int) -> None:
+        """A block of thread ``t`` ends (the thread that entered it: a block may be
+        closed from another, as a generator finalized elsewhere is); the last block of
+        every thread frees the cached weights."""
         left = self.depths.get(t, 0) - 1
         if left > 0:
             self.depths[t] = left
@@ -265,10 +265,11 @@ def weight_cache(model: torch.nn.Module) -> Iterator[int]:
     in another thread (which made no promise) quantizes as outside any block."""
     caches = [c for _, c in layer_caches(model)]
     _install_step_hook()
+    t = _get_ident()  # (the entering thread's, read once: the exit may run in another thread)
     for c in caches:
-        c.enter()
+        c.enter(t)
     try:
         yield len(caches)
     finally:
         for c in caches:
-            c.leave()
+            c.leave(t)

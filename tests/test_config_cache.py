@@ -603,6 +603,34 @@ def test_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path, monkeypatch):
         cache.record("interpret", "cpu", {KEY: cache.make_entry(GemmConfig(32, 32, 64), 2.0)})
 
 
+def test_a_cache_dir_the_process_may_not_search_serves_the_default_configs(tmp_path, monkeypatch):
+    """A user cache dir inside a folder the process cannot search (another user's home:
+    a container run under another uid with HOME=/root): Python before 3.12's Path.exists
+    raised PermissionError there, and every GEMM on a Triton backend raised it. Simulated
+    (the tests may run as root, whom no permission stops): Path.exists raises EACCES, as
+    it does there, for every path inside the folder."""
+    locked = tmp_path / "locked"
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(locked / "pmx"))
+    real_exists = Path.exists
+
+    def exists(self, *args, **kwargs):
+        if str(self).startswith(str(locked) + "/"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    cache.clear()
+    assert cache.entries("interpret", "cpu") == {}
+    assert cache.lookup("interpret", "cpu", KEY) is None
+    assert cache.file_report("interpret", "cpu") == []
+    if _NO_GEMM is None:  # the GEMM through the interpreter, with the default configs
+        gen = torch.Generator().manual_seed(26)
+        x, w = torch.randn(8, 64, generator=gen), torch.randn(16, 64, generator=gen)
+        a, b = REF.quantize(x, QuantRecipe()), REF.quantize(w, QuantRecipe())
+        exact = REF.dequantize(a, torch.float64) @ REF.dequantize(b, torch.float64).T
+        torch.testing.assert_close(INTERPRET.matmul(a, b).double(), exact, rtol=1e-5, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- repeated keys, strict numbers
 
 

@@ -103,6 +103,7 @@ from typing import Any, NamedTuple, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .._forking import in_child
 from ..registry import _env_reader
 from . import files
 
@@ -512,6 +513,12 @@ _lock = threading.Lock()
 _index: dict[tuple[str, str, str], dict[str, ConfigEntry]] = {}
 
 
+@in_child
+def _renew_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # (one another thread held at the fork would stay held in the child)
+
+
 def _sources(arch: str, device_name: str, user_dir: Optional[Path] = None) -> list[Path]:
     """Cache files in lookup order: the user's (in ``user_dir``, default
     :func:`cache_dir`), then the shipped ones (each dir: the file of this Triton release
@@ -532,6 +539,17 @@ def other_files(arch: str, device_name: str, directory: Optional[Path] = None) -
     return [p for p in found if p not in own]
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; False where the process may not look (a folder it cannot
+    search, such as another user's home in a container run under another uid: Python
+    before 3.12 raises PermissionError there, and every GEMM on a Triton backend raised it;
+    the default configs serve instead)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
     """Every entry valid for this device, the user cache over the shipped one; read from
     disk once per process and user cache dir (and again after :func:`record` or
@@ -548,12 +566,12 @@ def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
             for path in reversed(sources):
                 # an older-named file of another release is expected beside this release's file
                 quiet = path.name == legacy_file(arch, device_name).name and \
-                    cache_file(arch, device_name, path.parent).exists()
+                    _exists(cache_file(arch, device_name, path.parent))
                 cache = load(path, arch, quiet_mismatch=quiet, written_here=path == sources[0],
                              device_name=device_name)
                 if cache is not None:
                     found.update(cache.entries)
-            if not any(p.exists() for p in sources[:2]):
+            if not any(_exists(p) for p in sources[:2]):
                 _note_other_releases(arch, device_name)
             _index[key] = found
     return found
@@ -591,7 +609,7 @@ def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
     ``why`` is empty for a file in use."""
     out = []
     for path in _sources(arch, device_name):
-        if not path.exists():
+        if not _exists(path):
             continue
         cache, problem = read(path, arch)
         if cache is None:

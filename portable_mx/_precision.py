@@ -9,9 +9,24 @@ import threading
 
 import torch
 
+from ._forking import in_child
+
 _LOCK = threading.Lock()
 _depth = 0
 _restore = None  # how to put back the caller's precision when the last context leaves
+
+
+@in_child
+def _renew_after_fork() -> None:
+    """A child forked while other threads were inside: none of them will leave there, so
+    the caller's precision comes back now (as their last leave would have put it) and
+    the count starts again."""
+    global _LOCK, _depth, _restore
+    restore, _restore = _restore, None
+    if _depth and restore is not None and _is_highest():
+        restore()
+    _depth = 0
+    _LOCK = threading.Lock()
 
 
 def _backends_with_precision() -> list:

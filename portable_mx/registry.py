@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from ._forking import in_child
+
 if TYPE_CHECKING:
     from .decompose import Decomposition
     from .recipe import QuantRecipe
@@ -252,6 +254,12 @@ _generation = 0
 unregister came while it decided (a thread's decision could otherwise overwrite the memo
 another thread's register had just cleared, and keep a backend passed over for good)."""
 _lock = threading.Lock()
+
+
+@in_child
+def _renew_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # (one another thread held at the fork would stay held in the child)
 
 
 def _forget() -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
+from .._forking import in_child
 from .targets import Target
 from .triton import MIN_TRITON_INTERPRET_GEMM, mode_problem, triton_problem
 from .triton.backend import TritonBackend
@@ -24,6 +25,32 @@ GEMM_TILES = {"interpret": {key: _GEMM for key in ("a4w4", "a4w4-small", "w4a16"
 
 
 _ONE_LAUNCH = threading.RLock()
+_APPLIED: list[tuple[Any, str, Any]] = []  # (object, attribute, its own value) of each patch in place now
+
+
+@in_child
+def _renew_after_fork() -> None:
+    """A child forked while another thread ran an interpreted kernel: the interpreter's
+    own functions come back (that thread would have put them back) and the launch lock
+    is a new one (the old one stays held there: the child's first launch waited forever)."""
+    global _ONE_LAUNCH
+    for obj, attr, own in reversed(_APPLIED):
+        setattr(obj, attr, own)
+    _APPLIED.clear()
+    _ONE_LAUNCH = threading.RLock()
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, attr: str, new: Any) -> Iterator[None]:
+    """``obj.attr = new`` while inside, recorded in ``_APPLIED`` (see above)."""
+    own = getattr(obj, attr)
+    setattr(obj, attr, new)
+    _APPLIED.append((obj, attr, own))
+    try:
+        yield
+    finally:
+        _APPLIED.pop()
+        setattr(obj, attr, own)
 
 
 class InterpretBackend(TritonBackend):
@@ -103,11 +130,8 @@ def _exact_bf16_operands() -> Iterator[None]:
             return (data if data.dtype == np.float16 else data.view(np.float16)).astype(np.float32)
         return own(value_handle)
 
-    interpreter._mxfp_value_handle_to_float32 = widen
-    try:
+    with _patched(interpreter, "_mxfp_value_handle_to_float32", widen):
         yield
-    finally:
-        interpreter._mxfp_value_handle_to_float32 = own
 
 
 @contextlib.contextmanager
@@ -138,8 +162,5 @@ def _exact_bf16_widening() -> Iterator[None]:
             return interpreter.TensorHandle((src.data.astype(np.uint32) << 16).view(np.float32), dst_type.scalar)
         return own(self, src, dst_type)
 
-    builder.cast_impl = cast_impl
-    try:
+    with _patched(builder, "cast_impl", cast_impl):
         yield
-    finally:
-        builder.cast_impl = own

@@ -22,7 +22,8 @@ its quantized weight and reuses it until one of these happens, each of which it 
   dtype or device), or the layer's recipe changes.
 
 By entering the block the caller promises that nothing else changes the weights inside
-it: no writes through ``.data``, numpy views or any other tensor that shares a weight's
+it: no writes through ``.data``, numpy views, the storage itself
+(``weight.untyped_storage().copy_(...)``) or any other tensor that shares a weight's
 storage with a version counter of its own (after
 ``torch.nn.utils.vector_to_parameters(vec, params)`` the weights are views of ``vec``
 made through ``.data``: an in-place write to ``vec`` is not seen), no code running under

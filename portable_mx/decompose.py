@@ -2,7 +2,8 @@
 
 For each 32-block, with x the input, Q the dequantized value actually produced (Q is the
 corrected quantizer's output under MBS/OF: outliers are survivors holding their bf16
-value) and e = Q - x:
+value, except one of magnitude 2**-134 or less, which bf16 holds as 0: deadzoned like
+any Q = 0) and e = Q - x:
 
 - "gain" (default): beta = sum_S Q x / sum_S x^2 over the survivors S (not deadzoned);
   e_dead = -x on the deadzone D = {Q = 0, x != 0}; e_scale = (beta - 1) x on S;
@@ -16,16 +17,21 @@ The math is written once here, on blocked tensors ``[..., n_blocks, 32]``; backe
 it (or reproduce it in a kernel and are tested against it).
 
 Range. The statistics are right for every finite x, from fp32 subnormals to the fp32
-maximum, on every backend (one exception: "counterfactual"'s Q* is an fp32 value, so in a
-block of fp32 subnormals it is a multiple of 2**-149 and its scale and grid parts carry
-that rounding, :func:`ideal_quantize`): here every component is computed in float64 from x and Q
+maximum, on every backend, with two exceptions of "counterfactual", whose Q* is computed
+in fp32 (:func:`ideal_quantize`; the README's departures from the spec): an fp32 x within
+a few ulps of a grid tie or of the deadzone edge s*/4 of the real s* = amax/6 may take
+the code on the other side (x/s* = 0.2500000075 read as 1/4: deadzoned), and in a block of
+fp32 subnormals Q* is a multiple of 2**-149, its scale and grid parts carrying that
+rounding. Here every component is computed in float64 from x and Q
 (fp32 values, so each product is exact and no square overflows or underflows), beta is
 that float64 gain rounded once to fp32, and the per-block energies are float64 (a block's
 energy spans 2**-298 .. 2**261, beyond fp32's range). The element tensors are the float64
 components rounded once to fp32. A kernel that sums in fp32 must scale each block by a
 power of two first (the Triton kernel does; see its module doc). Subnormal x are not
 flushed: a block whose scale exponent would fall below -127 gets E8M0 byte 0 = 2**-127
-(numerics.md section 1), y = x * 2**127 is exact, and (rounding to nearest) its values
+(numerics.md section 1), y = x * 2**127 is exact (without macro blocks; with them the
+division by the factor m is fp32's and rounds below fp32's normals: README), and
+(rounding to nearest) its values
 with |x| <= 2**-129 are deadzoned (Q = 0, e_dead = -x): the statistics count them as the
 element tensors show them (a block of such values has relative error 1, all deadzone).
 

@@ -378,3 +378,21 @@ def test_fp16_input_near_its_maximum_can_dequantize_past_it(rule, want):
     mx = pmx.quantize(x, pmx.QuantRecipe(scale_rule=rule))
     assert pmx.dequantize(mx, dtype=torch.float32)[0, 0].item() == want
     assert pmx.dequantize(mx)[0, 0].item() == (float("inf") if want > 65504 else want)
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(scale_rule=r) for r in ("floor", "rceil", "even", "ceil")]
+                         + [pmx.QuantRecipe(macro_block=64), pmx.QuantRecipe(outliers_per_block=1)],
+                         ids=lambda r: r.describe())
+def test_a_block_of_negative_zeros_keeps_its_signs(recipe):
+    # numerics.md section 2 keeps the sign bit always: -0.0 is E2M1 code 8 (sign 1,
+    # magnitude 0), +0.0 code 0; the all-zero block's scale byte is 0 (README's departures)
+    x = torch.zeros(2, 64)
+    x[0] = -0.0
+    x[1, 1::2] = -0.0  # odd elements -0.0: the high nibbles
+    q = pmx.quantize(x, recipe, axis=-1)
+    assert torch.equal(q.scales, torch.zeros_like(q.scales))
+    if not recipe.outliers_per_block:  # (OF: the outlier's position holds code 0, its bf16 value -0.0)
+        assert torch.equal(q.qdata[0], torch.full((32,), 0x88, dtype=torch.uint8))
+        assert torch.equal(q.qdata[1], torch.full((32,), 0x80, dtype=torch.uint8))
+    back = pmx.dequantize(q)
+    assert torch.equal(back, x) and torch.equal(torch.signbit(back), torch.signbit(x))

@@ -318,7 +318,9 @@ for _name, _impl, _fake in (("mm", _mm, _mm_fake), ("grad_mm", _grad_mm, _grad_m
 
 def _mm_setup_context(ctx, inputs, output) -> None:
     a, b, a_parts, b_parts, recipe, _, _ = inputs[:7]
-    ctx.save_for_backward(a, b)
+    # each operand only for the other's gradient (dA = dY B^T, dB = A^T dY): a frozen
+    # layer whose input needs a gradient keeps its weight, not its input, as nn.Linear does
+    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
     ctx.recipe = recipe
     ctx.num_parts = (len(a_parts), len(b_parts))
     # the dispatcher drops a bias of None from the arguments autograd sees (it is the

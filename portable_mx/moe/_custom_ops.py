@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from .. import _dispatch
-from .._custom_ops import _op_operand, dequantize as op_dequantize, recipe_from_json, recipe_json
+from .._custom_ops import _op_operand, recipe_from_json, recipe_json
 from .._transforms import _transforms_active, batched, refuse_func_transforms
 from ..recipe import QuantRecipe
 from ..tensor import FLOAT_DTYPES, MXTensor, part_specs
@@ -285,14 +285,19 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.num_parts = (len(x_parts), len(w_parts))
     ctx.absent = tuple(t is None for t in (gather_index, scatter_index, topk_weights, bias))
     present = [t for t in (gather_index, scatter_index, topk_weights, bias) if t is not None]
-    ctx.save_for_backward(x, w, *x_parts, *w_parts, offsets, *present)
+    # an MXTensor operand's x / w is a placeholder of its shape and dtype (its parts are its
+    # values): not saved (a hook that copies saved tensors, save_on_cpu(pin_memory=True),
+    # made each a dense buffer of its full size), made again in the backward
+    ctx.placeholders = tuple((t.shape, t.dtype, t.device) if parts else None
+                             for t, parts in ((x, x_parts), (w, w_parts)))
+    ctx.save_for_backward(None if x_parts else x, None if w_parts else w, *x_parts, *w_parts, offsets, *present)
     ctx.flags = flags
 
 
 def _backward(ctx, grad: Tensor):
     saved = list(ctx.saved_tensors)
     nx, nw = ctx.num_parts
-    x, w = saved[0], saved[1]
+    x, w = (t if meta is None else _placeholder(*meta) for t, meta in zip(saved[:2], ctx.placeholders))
     x_parts, w_parts = saved[2:2 + nx], saved[2 + nx:2 + nx + nw]
     offsets = saved[2 + nx + nw]
     rest = iter(saved[3 + nx + nw:])
@@ -311,6 +316,12 @@ def _backward(ctx, grad: Tensor):
     pick = lambda t, need: t if need else None  # noqa: E731
     return (pick(dx, needs[0]), pick(dw, needs[1]), [None] * nx, [None] * nw, None, None, None,
             pick(dweights, needs[3]), pick(db, needs[2]), None, None, None, None, None, None, None, None, None)
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` and ``dtype`` that nothing reads (an MXTensor operand's
+    values: its parts hold them), one element of memory."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 torch.library.register_autograd("portable_mx::grouped_mm", _backward, setup_context=_setup_context, lib=_LIB)
@@ -334,26 +345,24 @@ def mx_grouped_matmul(x, w, recipe: QuantRecipe, offsets: Tensor, routing, gathe
     """:func:`portable_mx.grouped_matmul` through the ``portable_mx::grouped_mm`` op,
     differentiable in a float x, a float w, bias and the routing's weights (what the
     public op runs when a gradient is needed or when compiled). Inputs must be validated.
-    An MXTensor operand's values are dequantized once when the other side needs them."""
+    An MXTensor operand enters as its parts (its values a placeholder, never saved): the
+    backward dequantizes from them what a gradient needs, for that step only."""
     if not torch.compiler.is_compiling():
         refuse_func_transforms("grouped_matmul")
-    grad = torch.is_grad_enabled()
-    x_needs = grad and isinstance(x, Tensor) and x.requires_grad
-    w_needs = grad and isinstance(w, Tensor) and w.requires_grad
+    # an MXTensor operand goes in as its parts, its values a placeholder: the op and its
+    # backward read the parts (dequantizing what a gradient needs there; a dequantized copy
+    # made here was saved for the backward and never read: for frozen gpt-oss-20b experts
+    # about 1.6 GB a layer held from forward to backward)
     if isinstance(x, Tensor):
         x_vals, x_parts, x_json = x, [], ""
     else:
-        x_vals, x_parts, x_json = _op_operand(x, w_needs)
+        x_vals, x_parts, x_json = _op_operand(x, False)
     if isinstance(w, Tensor):
         w_vals, w_parts, w_json = w, [], ""
     else:
-        rows = w.rows()
-        w_parts = [p.detach() if p.requires_grad else p for p in rows.parts()]
+        w_vals = _placeholder(w.shape, w.dtype, w.device)
+        w_parts = [p.detach() if p.requires_grad else p for p in w.rows().parts()]
         w_json = recipe_json(w.recipe)
-        if x_needs:  # dX needs W's values; the other gradients recompute with its parts
-            w_vals = op_dequantize(rows, w.dtype).reshape(w.shape).detach()
-        else:
-            w_vals = torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
     k = routing.k if routing is not None else 0
     schedule = routing.tile_schedule if routing is not None else None
     return torch.ops.portable_mx.grouped_mm(

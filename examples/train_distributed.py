@@ -4,8 +4,12 @@ a distributed checkpoint every N steps, and resuming after a kill.
 Run it with torchrun, one process per GPU (nccl) or several on the CPU (gloo):
 
     torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/dist
-    torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/dist --kill-at 5
-    torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/dist --resume
+    torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/killed --kill-at 15
+    torchrun --standalone --nproc_per_node 2 examples/train_distributed.py --out out/killed --resume
+
+(the first trains to the end; the second is killed in step 15, after the checkpoint of
+step 10; the third continues from that checkpoint, and its loss.jsonl then equals the
+first run's byte for byte.)
 
 The model: a pre-RMSNorm GPT (token and position embeddings, attention and GELU MLP
 blocks, an fp32 head) whose block linears are ``pmx.nn.convert``-ed to MXLinear;

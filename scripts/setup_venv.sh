@@ -6,7 +6,8 @@
 # (through --system-site-packages, and a .pth file when the host python is itself a
 # virtual environment), and portable_mx does not list triton as a requirement. A machine
 # with no torch gets $TORCH_SPEC (default torch==2.13.0, the CPU build on the project's
-# machines; a GPU machine gets the registry's default build). A machine with no triton
+# machines; an NVIDIA machine gets PyPI's default build, a CUDA one; an AMD machine stops
+# unless PIP_INDEX_URL names a ROCm index of torch). A machine with no triton
 # gets $TRITON_SPEC (default: the latest triton), whose interpreter runs the kernels on
 # the CPU in the tests.
 set -euo pipefail
@@ -41,8 +42,15 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
   if [ -n "${TORCH_SPEC:-}" ]; then
     echo "setup: no torch: installing $torch_spec (TORCH_SPEC)"
     "${pip[@]}" "$torch_spec"
+  elif command -v rocminfo >/dev/null 2>&1 && ! command -v nvidia-smi >/dev/null 2>&1 \
+      && [ -z "${PIP_INDEX_URL:-}" ]; then
+    # (PyPI's default torch is a CUDA build: on an AMD machine it would run on the CPU only)
+    echo "setup: AMD GPU machine with no torch: PyPI's default torch is a CUDA build. Install torch's ROCm" \
+         "build into the host python first, or rerun with PIP_INDEX_URL set to pytorch.org's index for your" \
+         "ROCm release (https://download.pytorch.org/whl/rocm<version>)" >&2
+    exit 1
   elif command -v nvidia-smi >/dev/null 2>&1 || command -v rocminfo >/dev/null 2>&1; then
-    echo "setup: GPU machine with no torch: installing the default torch build (TORCH_SPEC chooses another)"
+    echo "setup: GPU machine with no torch: installing torch from ${PIP_INDEX_URL:-PyPI} (TORCH_SPEC chooses another)"
     "${pip[@]}" torch
   else
     echo "setup: no GPU: installing $torch_spec"

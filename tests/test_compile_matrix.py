@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+from conftest import NEEDS_TRITON  # noqa: E402
+
+pytest.importorskip("triton", reason=f"the compile matrix {NEEDS_TRITON}")
 pytestmark = pytest.mark.triton  # the compile matrix needs triton >= 3.6 (older: the command refuses)
 
 import aot_probe_kernels as probes  # noqa: E402

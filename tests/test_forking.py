@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from conftest import NEEDS_TRITON
+
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
 
 _HOLD = """
@@ -63,7 +65,7 @@ def test_a_child_forked_inside_a_gemm_of_another_thread_gets_the_precision_the_c
 
 
 def test_a_child_forked_inside_an_interpreted_launch_of_another_thread_launches_and_is_unpatched():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason=f"the interpreter's launch lock {NEEDS_TRITON}")
     out = _run("""
         import contextlib
         from portable_mx.backends import interpret

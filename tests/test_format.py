@@ -15,6 +15,8 @@ import torch
 import portable_mx as pmx
 from portable_mx import format as fmt
 
+from conftest import NEEDS_TRITON
+
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -302,7 +304,7 @@ def test_uniform_u24_takes_four_elements_per_philox_call():
 
 @pytest.mark.skipif(os.environ.get("PORTABLE_MX_SKIP_TRITON") == "1", reason="triton disabled")
 def test_philox_matches_triton_randint4x_in_interpreter():
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason=f"the interpreter's Philox {NEEDS_TRITON}")
     code = textwrap.dedent(
         """
         import torch, triton, triton.language as tl

@@ -341,12 +341,24 @@ def readme_blocks(marker: str = "readme-gpt-oss") -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-def test_readme_gpt_oss_example_runs(gpt_oss_checkpoint, tmp_path, monkeypatch):
-    """The README's gpt-oss code, as written, on the tiny checkpoint named gpt-oss-20b."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_readme_gpt_oss_example_runs(gpt_oss_checkpoint, tmp_path, monkeypatch, sharded):
+    """The README's gpt-oss code, as written, on the tiny checkpoint named gpt-oss-20b, in
+    one file and in shards with an index, as the published gpt-oss-20b is (the copy was
+    one model.safetensors there: not the same files)."""
     import shutil
 
     _, path = gpt_oss_checkpoint
-    shutil.copytree(path, tmp_path / "gpt-oss-20b")
+    if sharded:  # the same tensors in two shards, the layers' in the second
+        ckpt = gpt_oss.GptOssCheckpoint(path)
+        (names,) = ckpt.shards.values()
+        second = [n for n in names if n.startswith("model.layers.1.")]
+        shards = {"model-00001-of-00002.safetensors": [n for n in names if n not in second],
+                  "model-00002-of-00002.safetensors": second}
+        gpt_oss.save(tmp_path / "gpt-oss-20b", ckpt, ckpt.config, shards=shards,
+                     index_metadata={"total_size": 1})
+    else:
+        shutil.copytree(path, tmp_path / "gpt-oss-20b")
     monkeypatch.chdir(tmp_path)
     blocks = readme_blocks()
     assert len(blocks) == 2

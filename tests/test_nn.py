@@ -438,7 +438,7 @@ def test_convert_names_the_linear_layers_it_leaves_as_they_are():
         convert(_MyLinear(64, 64))
     with pytest.warns(UserWarning, match="keep their recipe"):  # (picky raised on the MXLinear: convert failed)
         convert(nn.Sequential(MXLinear(64, 64, recipe=pmx.QuantRecipe(macro_block=64))), skip=[picky])
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason='needs transformers: pip install "portable_mx[hf]"')
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64,
                                                                 bos_token_id=0, eos_token_id=0))
     with pytest.warns(UserWarning, match=r"4 linear layer\(s\).*'transformer\.h\.0\.attn\.c_attn' \(Conv1D\)"):

@@ -113,6 +113,15 @@ def test_experts_get_their_own_stream_too():
     assert model["a"].recipe.seed == pmx.nn.layer_seed(5, "a")
 
 
+def test_a_numpy_seed_is_a_seed_as_the_recipe_takes_it():
+    import numpy as np
+
+    assert pmx.nn.layer_seed(np.int64(7), "0") == pmx.nn.layer_seed(7, "0")
+    model, _ = twins(SR)
+    pmx.nn.reseed(model, np.int32(7))
+    assert model[0].recipe.seed == pmx.nn.layer_seed(7, "0")
+
+
 @pytest.mark.parametrize("seed", [-1, 2**63, True, 1.0, "3"])
 def test_bad_seeds_are_refused_before_anything_changes(seed):
     model, _ = twins(SR)

@@ -14,9 +14,11 @@ micro-batch's, so that those draw apart too).
 from __future__ import annotations
 
 import hashlib
+import numbers
 from typing import Any
 
 import torch
+from numpy import bool_ as numpy_bool
 
 __all__ = ["layer_seed", "reseed"]
 
@@ -28,8 +30,10 @@ def layer_seed(seed: int, name: str) -> int:
     ``model.named_modules()`` gives it; "" for the model itself) under ``seed``: the first
     63 bits of the BLAKE2b hash of both, an int in [0, 2**63). The same on every machine
     and Python process (not Python's ``hash``, which is salted per process)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+    if isinstance(seed, (bool, numpy_bool)) or not isinstance(seed, numbers.Integral) \
+            or not 0 <= int(seed) < _SEED_LIMIT:  # (a numpy int is one, as QuantRecipe takes it)
         raise ValueError(f"seed must be an int in [0, 2**63); got {seed!r}")
+    seed = int(seed)
     if not isinstance(name, str):
         raise TypeError(f"name must be a str (a qualified module name); got {type(name).__name__}")
     digest = hashlib.blake2b(f"{seed}\0{name}".encode(), digest_size=8).digest()

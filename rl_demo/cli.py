@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import sys
@@ -45,14 +46,43 @@ def _device_problem(device: str) -> Optional[str]:
 
 
 def _path_problem(args: argparse.Namespace) -> Optional[str]:
-    """Why --out or --checkpoint cannot be used (None when they can): --out must be a
-    folder (or not exist yet), --checkpoint a file (or not exist yet)."""
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        return f"--out {args.out} is a file; it must be a folder (made when missing)"
+    """Why --out or --checkpoint cannot be used (None when they can), before any work (a
+    run found out at its end, when it wrote its results, and lost them): --out a folder
+    that is or can be made and is writable, --checkpoint a file (or not yet) in one.
+    Nothing is made here: a run refused later leaves no folder behind."""
+    if args.out is not None:
+        if args.out.exists() and not args.out.is_dir():
+            return f"--out {args.out} is a file; it must be a folder (made when missing)"
+        if (problem := _unwritable(args.out)) is not None:
+            return f"--out {args.out}: {problem}"
     checkpoint = getattr(args, "checkpoint", None)
-    if checkpoint is not None and checkpoint.is_dir():
-        return f"--checkpoint {checkpoint} is a folder; it must be a file (written when missing)"
+    if checkpoint is not None:
+        if checkpoint.is_dir():
+            return f"--checkpoint {checkpoint} is a folder; it must be a file (written when missing)"
+        if (problem := _unwritable(checkpoint.parent)) is not None:
+            return f"--checkpoint {checkpoint}: {problem}"
     return None
+
+
+def _unwritable(folder: Path) -> Optional[str]:
+    """Why files could not be written in ``folder`` (made when missing), or None: the
+    nearest part of it that exists must be a folder this process may write in."""
+    found = folder.absolute()
+    while not found.exists() and found.parent != found:
+        found = found.parent
+    if not found.is_dir():
+        return f"{found} is a file, so the folder cannot be made"
+    if not os.access(found, os.W_OK | os.X_OK):
+        return f"{found} is not writable"
+    return None
+
+
+def _out_folder(text: str) -> Path:
+    """--out: a folder; an empty one is refused (Path("") is the current folder: the
+    results and the warm-up checkpoint went into it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a folder")
+    return Path(text)
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -72,7 +102,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--workers", type=int_at_least(0), default=None,
                    help="--study: parallel worker processes (default: the CPU count; 0 runs every unit in this "
                         "process)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default out/rl_demo[-quick|-tiny])")
+    p.add_argument("--out", type=_out_folder, default=None, help="output folder (default out/rl_demo[-quick|-tiny])")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--task", choices=("add", "mul"), default=None, help="add (default) or mul")
     p.add_argument("--arms", nargs="+", choices=ARM_NAMES, default=None)
@@ -116,6 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.seeds and len(set(args.seeds)) != len(args.seeds):
         print(f"rl_demo: --seeds repeats a seed ({' '.join(map(str, args.seeds))}): each seed is one run, and a "
               "repeated one would count as an independent one", file=sys.stderr)
+        return 2
+    if args.arms and len(set(args.arms)) != len(args.arms):  # (it ran twice and kept one result)
+        print(f"rl_demo: --arms repeats an arm ({' '.join(args.arms)}): each arm is one set of runs", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("PORTABLE_MX_BACKEND"):
         print("rl_demo: TRITON_INTERPRET=1 is set, so the registry would train with the Triton interpreter "
@@ -165,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm
+        progress = functools.partial(tqdm, disable=None)  # (bars on a terminal only, not in a log)
     command = "python -m rl_demo " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     print(f"rl_demo ({name}): task {cfg.task}, arms {', '.join(cfg.arms)}, seeds {list(cfg.seeds)}, "
           f"{cfg.iterations} GRPO iterations, device {cfg.device}; writing {out}/", flush=True)
@@ -231,7 +264,7 @@ def study_main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     if not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm
+        progress = functools.partial(tqdm, disable=None)  # (bars on a terminal only, not in a log)
     command = "python -m rl_demo " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     d = cfg.demo
     print(f"rl_demo study ({cfg.scale}): {len(cfg.arms)} arms x {len(cfg.seeds)} seeds, {d.iterations} GRPO "

@@ -91,14 +91,15 @@ def checkpoint_problem(cfg: DemoConfig, path: Path, fresh: bool) -> Optional[str
 
 
 def load_or_warmup(cfg: DemoConfig, ev: EvalSet, path: Path, progress=None, *, shipped: bool = True,
-                   shipped_name: Optional[str] = None) -> tuple[dict, dict]:
+                   shipped_name: Optional[str] = None, fresh: bool = False) -> tuple[dict, dict]:
     """The warm-up state: from ``path`` when it was made with this configuration, else
     (with ``shipped``) from the checkpoint shipped in ``rl_demo/checkpoints/`` (named
     ``shipped_name``, by default ``warmup-<task>.pt``) when that one matches, else a fresh
-    warm-up, saved to ``path``. The log says which ("reused": "out:<name>",
-    "shipped:<name>" or None)."""
+    warm-up, saved to ``path``. ``fresh``: a fresh warm-up whatever exists (the file at
+    ``path`` is replaced only once the new one is saved: an interrupted warm-up leaves it
+    as it was). The log says which ("reused": "out:<name>", "shipped:<name>" or None)."""
     key = _checkpoint_key(cfg)
-    candidates = [path] + ([SHIPPED / (shipped_name or f"warmup-{cfg.task}.pt")] if shipped else [])
+    candidates = [] if fresh else [path] + ([SHIPPED / (shipped_name or f"warmup-{cfg.task}.pt")] if shipped else [])
     for c in candidates:
         ck = _matching(c, key)
         if ck is not None:
@@ -193,9 +194,7 @@ def run(cfg: DemoConfig, out_dir: Path, *, progress=None, checkpoint: Optional[P
     timing: dict[str, Any] = {}
     ev = _eval_set(cfg)
     ck_path = checkpoint or out_dir / "warmup.pt"
-    if fresh_warmup and ck_path.exists():
-        ck_path.unlink()
-    state, wlog = load_or_warmup(cfg, ev, ck_path, progress, shipped=not fresh_warmup)
+    state, wlog = load_or_warmup(cfg, ev, ck_path, progress, fresh=fresh_warmup)
     timing["warmup_s"] = wlog["seconds"] if wlog.get("reused") is None else 0.0
     model0 = GPT(cfg.model).to(cfg.device)
     model0.load_state_dict(state)

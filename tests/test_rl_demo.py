@@ -3,6 +3,7 @@ CPU backends, component probe, three arms), its outputs and the results.json sch
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -598,3 +599,57 @@ def test_the_reference_computes_with_the_arms_numerics(monkeypatch):
         grpo.run_arm(cfg, cfg.arm(name), 0, state, ev, probe, evaluator=lambda *a, **k: {})
         (logp, ref_logp), = seen
         assert torch.equal(logp, ref_logp), name
+
+
+def test_cli_refuses_an_out_it_could_not_write_before_any_work(tmp_path, capsys, monkeypatch):
+    """An --out that exists but cannot be written passed the checks: the run went to its
+    end and died writing results.json (a whole run lost); an empty --out wrote into the
+    current folder; one under a file failed with a traceback. Each is refused first, and
+    nothing is made."""
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["--tiny", "--no-parity", "--out", str(tmp_path / "f" / "sub")]) == 2
+    assert "is a file, so the folder cannot be made" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    # (the tests may run as root, whom no permission stops: the folder answers as one
+    # this process may not write in)
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if str(p) == str(locked)
+                        else real_access(p, mode, *a, **k))
+    assert cli.main(["--tiny", "--no-parity", "--out", str(locked)]) == 2
+    assert "is not writable" in capsys.readouterr().err
+    assert cli.main(["--tiny", "--no-parity", "--out", str(locked / "new")]) == 2
+    assert "is not writable" in capsys.readouterr().err and not (locked / "new").exists()
+    assert cli.main(["--tiny", "--no-parity", "--checkpoint", str(locked / "w.pt")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--tiny", "--out", ""])
+    assert "is empty; give a folder" in capsys.readouterr().err
+    assert cli.main(["--tiny", "--no-parity", "--arms", "hp", "hp"]) == 2
+    assert "repeats an arm" in capsys.readouterr().err
+
+
+def test_a_fresh_warm_up_leaves_the_old_checkpoint_until_the_new_one_is_saved(tmp_path, monkeypatch):
+    """--fresh-warmup deleted the checkpoint before the warm-up began: interrupted (the
+    warm-up takes minutes), it left none. Now the old file stays until the new one
+    replaces it, and the fresh warm-up does not reuse it."""
+    from rl_demo import run as run_mod
+    from rl_demo.config import preset
+
+    cfg = preset("tiny")
+    path = tmp_path / "warmup.pt"
+    torch.save({"key": run_mod._checkpoint_key(cfg), "state": {"old": torch.ones(1)}, "log": {"seconds": 1.0}}, path)
+    before = path.read_bytes()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "warmup", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_mod.load_or_warmup(cfg, None, path, fresh=True)
+    assert path.read_bytes() == before
+    state, log = run_mod.load_or_warmup(cfg, None, path)  # (not fresh: the old one serves)
+    assert "old" in state and log["reused"] == "out:warmup.pt"
+    monkeypatch.setattr(run_mod, "warmup", lambda cfg, ev, progress: ({"new": torch.zeros(1)}, {"seconds": 2.0}))
+    state, log = run_mod.load_or_warmup(cfg, None, path, fresh=True)
+    assert "new" in state and log["reused"] is None and "new" in torch.load(path)["state"]

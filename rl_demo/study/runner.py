@@ -58,11 +58,9 @@ def prepare_checkpoint(cfg: StudyConfig, out: Path, progress=None, fresh: bool =
     :func:`shipped_checkpoint_name`, else a fresh warm-up (saved to ``out/warmup.pt``).
     Returns (path, warm-up log)."""
     path = out / "warmup.pt"
-    if fresh and path.exists():
-        path.unlink()
     ev = _eval_set(cfg.demo)
     torch.set_num_threads(cfg.threads_per_unit)  # a fresh warm-up's bits depend on it too
-    _, log = load_or_warmup(cfg.demo, ev, path, progress, shipped=not fresh, shipped_name=shipped_checkpoint_name(cfg))
+    _, log = load_or_warmup(cfg.demo, ev, path, progress, shipped_name=shipped_checkpoint_name(cfg), fresh=fresh)
     reused = log.get("reused") or ""
     if reused.startswith("shipped:"):
         return SHIPPED / reused.split(":", 1)[1], log

@@ -219,7 +219,7 @@ def run(args: argparse.Namespace, backends: Optional[Iterable[Any]] = None) -> i
         if text is not None and not _names(text):
             print(f"portable-mx compile-matrix: {flag} names nothing ({text!r})", file=sys.stderr)
             return 2
-    if args.json and (problem := output_file_problem("--json", args.json)):  # before the compile (minutes)
+    if args.json is not None and (problem := output_file_problem("--json", args.json)):  # before the compile
         print(f"portable-mx compile-matrix: {problem}", file=sys.stderr)
         return 2
     try:

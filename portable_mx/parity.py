@@ -377,6 +377,9 @@ def tensor_digest(t: Optional[torch.Tensor]) -> Optional[dict[str, Any]]:
     return {"sha256": hashlib.sha256(raw).hexdigest(), "shape": list(c.shape), "dtype": str(c.dtype).replace("torch.", "")}
 
 
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
 def _num(v: float) -> float | str:
     """A float for JSON: non-finite values as "nan", "inf", "-inf"."""
     return v if math.isfinite(v) else str(v)
@@ -538,13 +541,13 @@ def _short(v: Any) -> str:
     if isinstance(v, dict) and "sha256" in v:
         return f"sha256:{v['sha256'][:12]} {v.get('dtype', '')}{v.get('shape', '')}"
     if isinstance(v, float):
-        return f"{v:.9g}"
+        return repr(v)  # (every digit: two values apart by 1e-15 showed as the same 9 digits)
     s = json.dumps(v) if not isinstance(v, str) else v
     return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _as_float(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float, str)) else float("nan")
+    return float(v) if isinstance(v, (int, float)) or v in _NON_FINITE else float("nan")
 
 
 def _close(a: Any, b: Any, atol: float) -> bool:
@@ -697,6 +700,11 @@ def load_report(path: str) -> dict[str, Any]:
             f"{path} is not a parity report (no \"schema\": \"{SCHEMA}\" and \"cases\"); "
             "write one with `portable-mx parity --json PATH`"
         )
+    if schema != SCHEMA:  # (another schema's was compared, and its "schema" field counted as a mismatch)
+        raise ReportError(f"report {path} has schema {schema!r}; this portable_mx compares {SCHEMA!r} reports: "
+                          "write it again with `portable-mx parity --json PATH`")
+    if not isinstance(report.get("device", {}), dict):
+        raise ReportError(f"report {path}: \"device\" is a JSON {type(report['device']).__name__}, not an object")
     if not report["cases"]:
         raise ReportError(f"report {path} holds no cases: a comparison of nothing proves nothing")
     for case_id, case in report["cases"].items():
@@ -719,7 +727,17 @@ def _case_problem(case: Any) -> Optional[str]:
         return None
     needed = ("outputs",) if op == "quantize" else ("counts", "totals")
     missing = [k for k in needed if not (isinstance(case.get(k), dict) and case[k])]
-    return f"holds no {' or '.join(missing)}" if missing else None
+    if missing:
+        return f"holds no {' or '.join(missing)}"
+    for group in ("outputs", "counts", "totals", "summary"):  # (a list or a string: a traceback when compared)
+        if group in case and not isinstance(case[group], dict):
+            return f"has {group!r} as a JSON {type(case[group]).__name__}, not an object"
+    for group in ("totals", "summary"):
+        bad = [k for k, v in (case.get(group) or {}).items()  # (non-finite values are written as strings)
+               if not (v is None or v in _NON_FINITE or isinstance(v, (int, float)) and not isinstance(v, bool))]
+        if bad:
+            return f"has {group}.{bad[0]} = {case[group][bad[0]]!r}, not a number"
+    return None
 
 
 def _run_compare(paths: Sequence[str]) -> int:
@@ -775,7 +793,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"parity: cannot use device {args.device or _default_device()}: {type(err).__name__}: {err}",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
-    if args.json and (problem := output_file_problem("--json", args.json)):  # before the corpus runs
+    if args.json is not None and (problem := output_file_problem("--json", args.json)):  # before the corpus runs
         print(f"parity: {problem}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     start = time.perf_counter()
@@ -794,7 +812,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"parity: {err}", file=sys.stderr)
             return EXIT_NOTHING_CHECKED
     errors = {k: e["error"] for k, e in report["cases"].items() if "error" in e}
-    if args.json:
+    if args.json is not None:
         write_atomic(args.json, json.dumps(report, indent=1, allow_nan=False) + "\n")
     print(f"parity: corpus {args.corpus}, {len(report['cases'])} cases on {device} "
           f"({report['device']['description']}), backends {report['backends']}, "

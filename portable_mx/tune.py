@@ -74,6 +74,8 @@ def parse_shapes(text: str) -> list[Shape]:
             if len(dims) != 3 or any(d <= 0 for d in dims):
                 raise argparse.ArgumentTypeError(
                     f"each shape is MxNxK (e.g. 16x8192x8192) or one of {', '.join(PRESETS)}; got {item!r}")
+            if any(d >= 2**31 for d in dims):  # (torch.randn failed on 2**63 with a traceback)
+                raise argparse.ArgumentTypeError(f"each dimension must be below 2**31; got {item!r}")
             new = [dims]
         shapes += [s for s in new if s not in shapes]
     if not shapes:
@@ -594,12 +596,17 @@ def flag_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def _in_folder(path: str, folder: Any) -> bool:
+    """Whether the file ``path`` lies directly in ``folder`` (links resolved)."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(os.path.expanduser(str(folder)))
+
+
 def output_errors(args: argparse.Namespace) -> list[str]:
     """Where the results go, checked before any work (a --json path that cannot be written
     used to fail after every candidate had compiled): --json a writable file path that is
     none of the inputs, --record a folder, the study folder (--study-dir, or the cache's)
     creatable and writable, no path flag given empty."""
-    from .tuning.cache import ENV_CACHE_DIR
+    from .tuning.cache import ENV_CACHE_DIR, cache_dir
     from .tuning.search import JOURNAL_NAME, study_dir
 
     errors = [f"--{flag.replace('_', '-')} is empty; give a path" for flag in ("out", "study_dir", "storage", "record")
@@ -613,6 +620,10 @@ def output_errors(args: argparse.Namespace) -> list[str]:
             inputs.append(("--storage (the Optuna storage)", os.path.expanduser(storage)))
     if args.json is not None and (problem := output_file_problem("--json", args.json, inputs)):
         errors.append(problem)
+    elif args.json and not args.static and _in_folder(args.json, args.out or cache_dir()):
+        # (the search writes the device's config cache there, then --json over it: every entry lost)
+        errors.append(f"--json {args.json} is in the config cache folder {args.out or cache_dir()}, whose files "
+                      "the tuner writes; give a path outside it")
     if args.record and os.path.exists(args.record) and not os.path.isdir(args.record):
         errors.append(f"--record {args.record} is a file; give a folder (each recording is a file in it)")
     if not args.replay and not errors:

@@ -499,3 +499,12 @@ def test_a_warps_dequantize_stores_lie_along_one_row():
             assert lanes_on_vectors == "32", (dtype, proc.stdout)
         else:  # the guard is needed: the other orientation leaves lanes on the rows
             assert int(lanes_on_vectors) < 32, (dtype, proc.stdout)
+
+
+def test_an_empty_json_path_is_refused_before_the_compile(capsys, monkeypatch):
+    # `--json ""` compiled the whole matrix, wrote nothing and exited 0
+    from portable_mx import compile_matrix
+
+    monkeypatch.setattr(compile_matrix, "collect", lambda *a, **k: (_ for _ in ()).throw(AssertionError("compiled")))
+    assert cli.main(["compile-matrix", "--json", ""]) == 2
+    assert "--json is empty" in capsys.readouterr().err

@@ -316,6 +316,16 @@ def test_a_filter_that_matches_nothing_fails(capsys):
     (b'{"schema": "portable_mx.parity/1", "cases": {"c": 5}}', "case 'c' is a JSON int"),  # (an AttributeError)
     (b'{"schema": "portable_mx.parity/1", "cases": {"c": {}}}', "case 'c' has op None"),  # (compared as agreeing)
     (b'{"schema": "portable_mx.parity/1", "cases": {"c": {"op": "quantize"}}}', "case 'c' holds no outputs"),
+    # another schema's report was compared, its "schema" counted as a mismatch (exit 1)
+    (b'{"schema": "portable_mx.parity/2", "cases": {"c": {"op": "quantize", "outputs": {"q": 1}}}}',
+     "has schema 'portable_mx.parity/2'"),
+    # valid JSON of the wrong kinds failed with tracebacks
+    (b'{"schema": "portable_mx.parity/1", "device": null, "cases": {"c": {"op": "quantize", "outputs": {"q": 1}}}}',
+     '"device" is a JSON NoneType'),
+    (b'{"schema": "portable_mx.parity/1", "cases": {"c": {"op": "decompose", "counts": {"d": 1}, '
+     b'"totals": {"signal": "abc"}}}}', "totals.signal = 'abc', not a number"),
+    (b'{"schema": "portable_mx.parity/1", "cases": {"c": {"op": "decompose", "counts": {"d": 1}, '
+     b'"totals": {"signal": 1.0}, "summary": [1]}}}', "has 'summary' as a JSON list"),
 ])
 def test_compare_of_an_unreadable_report_says_which_file(tmp_path, capsys, content, words):
     """Missing, corrupt or foreign files: one line naming the file and exit 3, which is
@@ -527,3 +537,17 @@ def test_benchmark_measurement_path_with_a_fake_gpu_timer(tmp_path, monkeypatch)
     assert default["ratio_to_copy"] == pytest.approx(default["bandwidth_gbps"] / result["copy"]["bandwidth_gbps"])
     assert result["goal"]["recipe"] == "default" and isinstance(result["goal"]["met"], bool)
     assert {"torch", "triton", "portable_mx"} <= set(result["versions"]) and result["date"]
+
+
+def test_an_empty_json_path_is_refused_not_ignored(capsys):
+    # `--json ""` ran the corpus and wrote nothing, exit 0
+    args = _parser().parse_args(["--device", "cpu", "--backend", "reference", "--filter", "quantize/tiny/*",
+                                 "--json", ""])
+    assert parity.run(args) == 2
+    assert "--json is empty" in capsys.readouterr().err
+
+
+def test_a_mismatch_of_an_exact_field_shows_two_different_numbers():
+    m = parity.Mismatch("c", "summary.dead_fraction", "a", "b", 0.093125, 0.093125 * (1 + 1e-15))
+    left, right = str(m).split(": ", 2)[2].split(" != ")
+    assert left.split("=", 1)[1] != right.split("=", 1)[1], str(m)

@@ -828,7 +828,8 @@ def test_tune_checks_where_results_go_and_its_numbers_before_any_work(tmp_path, 
         assert words in capsys.readouterr().err
     for argv, words in ((["--jobs", "0"], "must be >= 1"), (["--warm-jobs", "-1"], "must be >= 0"),
                         (["--macro", "--error-tolerance", "-0.5"], "finite number >= 0"),
-                        (["--macro", "--error-tolerance", "nan"], "finite number >= 0")):
+                        (["--macro", "--error-tolerance", "nan"], "finite number >= 0"),
+                        (["--shapes", f"16x64x{2**63}"], "below 2**31")):  # (a traceback in torch.randn)
         with pytest.raises(SystemExit) as exc:
             cli.main(["tune", *argv])
         assert exc.value.code == 2 and words in capsys.readouterr().err
@@ -848,6 +849,8 @@ def test_tune_refuses_to_write_over_what_it_reads_and_empty_paths(tmp_path, caps
     rec.write_text('{"kept": true}')
     torch.save(torch.randn(4, 32), tensors)
     before = tensors.read_bytes()
+    from portable_mx.tuning.cache import cache_dir as _cache_dir
+
     for argv, words in ((["--replay", str(rec), "--json", str(rec)], "is the --replay file the command reads"),
                         (["--macro", "--tensors", str(tensors), "--json", str(tmp_path / "." / "t.pt")],
                          "is the --tensors file the command reads"),
@@ -861,7 +864,12 @@ def test_tune_refuses_to_write_over_what_it_reads_and_empty_paths(tmp_path, caps
                         (["--shapes", "16x64x128", "--storage", f"sqlite:///{tmp_path / 'o.db'}", "--json",
                           str(tmp_path / "o.db")], "is the --storage (the Optuna storage) file"),
                         (["--shapes", "16x64x128", "--study-dir", str(tmp_path / "s"), "--json",
-                          str(tmp_path / "s" / "optuna.journal")], "is the --storage (the Optuna storage) file")):
+                          str(tmp_path / "s" / "optuna.journal")], "is the --storage (the Optuna storage) file"),
+                        # the search wrote the config cache, then --json over it: every entry lost
+                        (["--shapes", "16x64x128", "--out", str(tmp_path / "c"), "--json",
+                          str(tmp_path / "c" / "cuda-h100.triton-3.6.0.schema-2.json")], "is in the config cache folder"),
+                        (["--shapes", "16x64x128", "--json", str(_cache_dir() / "r.json")],
+                         "is in the config cache folder")):
         assert cli.main(["tune", *argv]) == 2, argv
         assert words in capsys.readouterr().err, argv
     assert rec.read_text() == '{"kept": true}' and tensors.read_bytes() == before

@@ -113,6 +113,9 @@ def make_probe(cfg: DemoConfig, model: GPT, seed: Optional[int] = None) -> Probe
 
 
 def group_advantages(r: torch.Tensor, group: int) -> torch.Tensor:
+    """(r - the group's mean) / (the group's unbiased std (n - 1) + 1e-6), per group of
+    ``group`` consecutive rewards (TRL divides by n - 1 too; DeepSeekMath names no
+    estimator): at group size 8, sqrt(8/7) times the advantages of the n-divided std."""
     rg = r.view(-1, group)
     adv = (rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True) + 1e-6)
     return adv.view(-1)
@@ -156,7 +159,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     (``kl_cap`` inf), k3 is exact, and inf where exp(d) overflows."""
     if not kl_cap > 0:
         raise ValueError(f"kl_cap must be > 0 (inf: uncapped); got {kl_cap}")
-    ratio = torch.exp(logp - old_logp)
+    # the log-ratio clamped at 80 as d is below: in fp32 exp(88.8) is inf, and inf * (A = 0),
+    # or the backward of the minimum's other branch, gave NaN
+    ratio = torch.exp((logp - old_logp).clamp(max=80.0))
     A = adv[:, None]
     pg = -torch.minimum(ratio * A, ratio.clamp(1 - clip_eps, 1 + clip_eps) * A)
     d = ref_logp - logp

@@ -653,3 +653,19 @@ def test_a_fresh_warm_up_leaves_the_old_checkpoint_until_the_new_one_is_saved(tm
     monkeypatch.setattr(run_mod, "warmup", lambda cfg, ev, progress: ({"new": torch.zeros(1)}, {"seconds": 2.0}))
     state, log = run_mod.load_or_warmup(cfg, None, path, fresh=True)
     assert "new" in state and log["reused"] is None and "new" in torch.load(path)["state"]
+
+
+def test_grpo_loss_is_finite_in_fp32_at_a_huge_log_ratio():
+    """exp(log-ratio) overflowed fp32 above 88.7: with advantage 0 the loss was NaN
+    (inf * 0), with a positive one its gradient (the backward of the minimum's unclipped
+    branch). The clipped surrogate there is (1 + eps) * A with zero gradient."""
+    from rl_demo.grpo import grpo_loss
+
+    for adv in (0.0, 1.5):
+        logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+        old = torch.tensor([[-100.0, 0.0]])  # token 0: log-ratio +100
+        loss, _ = grpo_loss(logp, old, logp.detach(), torch.tensor([adv]), clip_eps=0.2, kl_coef=0.0)
+        loss.backward()
+        # mean over 2 tokens of -(1.2 A) and -(1 * A): the clipped and the ratio-1 token
+        assert torch.isfinite(loss) and abs(loss.item() - (-(1.2 * adv) - adv) / 2) < 1e-6
+        assert torch.isfinite(logp.grad).all() and logp.grad[0, 0] == 0

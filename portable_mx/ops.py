@@ -310,7 +310,7 @@ def backends() -> list[dict[str, Any]]:
     for b in registry.registered():
         serves = {}
         for d in local_devices():
-            reason = b.unavailable_reason(d)
+            reason = registry._asked(b.unavailable_reason, d)  # (a probe that raises: a refusal)
             serves[str(d)] = "yes" if reason is None else f"no: {reason}"
         out.append({"name": b.name, "priority": b.priority, "ops": sorted(b.ops), "devices": serves})
     return out

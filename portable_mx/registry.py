@@ -15,7 +15,7 @@ Backends work on a canonical 2-D view: rows of a tensor whose quantized axis is 
 ops in :mod:`portable_mx.ops` validate the input, once; :mod:`portable_mx._dispatch`
 makes the rows view and calls the selected backend.
 
-Selection is memoised per (op, device, ``PORTABLE_MX_BACKEND``): the first call decides,
+Selection is memoised per (op, device, ``PORTABLE_MX_BACKEND``, ``TRITON_INTERPRET``): the first call decides,
 later calls are one dict lookup. :func:`register` and :func:`unregister` forget the
 memo; :func:`routes` (``portable-mx info``) always decides afresh.
 
@@ -217,7 +217,7 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 
 
-# select()'s memo: (op, device, PORTABLE_MX_BACKEND value) -> backend, valid while
+# select()'s memo: (op, device, PORTABLE_MX_BACKEND, TRITON_INTERPRET values) -> backend, valid while
 # _REGISTRY is the dict it was made for (a test may swap the dict wholesale)
 _memo: dict[tuple, Backend] = {}
 _memo_owner: Optional[dict] = None
@@ -235,6 +235,10 @@ def _env_reader(name: str) -> Callable[[], Any]:
 
 
 _forced_backend = _env_reader(ENV_BACKEND)
+_interpret_setting = _env_reader("TRITON_INTERPRET")
+"""Part of the memo key: whether the interpreter backend serves depends on it (a choice
+made under one value served after the variable changed, and launched compiled kernels on
+a CPU tensor: "0 active drivers")."""
 
 
 def _env_text(raw: Any) -> str:
@@ -270,11 +274,23 @@ def _forget() -> None:
         _generation += 1
 
 
+_REQUIRED = {"quantize": ("quantize",), "dequantize": ("dequantize",), "decompose": ("decompose",),
+             "matmul": ("matmul",), "grouped_matmul": ("grouped_matmul", "combine")}
+"""The methods a backend must implement (override) for each op it lists."""
+
+
 def register(backend: Backend, *, replace: bool = False) -> Backend:
-    """Add a backend. Raises ValueError on a duplicate name unless ``replace``, on a name
-    that is not a non-empty string without surrounding spaces (``PORTABLE_MX_BACKEND`` is
-    read stripped: such a name could never be forced) and on a priority that is not an int
-    (it broke every later selection, for every op)."""
+    """Add a backend. Raises TypeError for an object that is not a :class:`Backend` or
+    that lists an op without implementing its methods (``grouped_matmul`` needs
+    ``combine`` too: each failed at the first call, for every op), and ValueError on a
+    duplicate name unless ``replace``, on a name that is not a non-empty string without
+    surrounding spaces (``PORTABLE_MX_BACKEND`` is read stripped: such a name could never
+    be forced) and on a priority that is not an int (it broke every later selection, for
+    every op). Change a registered backend's ``priority`` or ``ops`` by registering it
+    again with ``replace=True`` (the memoised choices are kept until then)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register expects a portable_mx.registry.Backend (a subclass's instance); got "
+                        f"{type(backend).__name__}")
     name = backend.name
     if not isinstance(name, str) or not name or name != name.strip():
         raise ValueError(f"a backend needs a non-empty name without surrounding spaces; got {name!r}")
@@ -284,6 +300,10 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
     unknown = set(backend.ops) - set(OPS)
     if unknown:
         raise ValueError(f"backend {backend.name!r} lists unknown ops {sorted(unknown)}; known: {OPS}")
+    missing = [f"{op} ({method})" for op in sorted(backend.ops) for method in _REQUIRED[op]
+               if getattr(type(backend), method) is getattr(Backend, method)]
+    if missing:
+        raise TypeError(f"backend {name!r} lists ops it does not implement: {', '.join(missing)}")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     _REGISTRY[backend.name] = backend
@@ -292,8 +312,26 @@ def register(backend: Backend, *, replace: bool = False) -> Backend:
 
 
 def unregister(name: str) -> None:
+    """Remove the backend named ``name`` (none: nothing happens, so that cleanup code may
+    call it whether or not the registration went through)."""
     _REGISTRY.pop(name, None)
     _forget()
+
+
+def _refusal(backend: Backend, op: str, device: torch.device) -> Optional[str]:
+    """Why ``backend`` does not serve ``op`` on ``device`` (None: it does). A check that
+    raises is a refusal naming the backend and the error (a third party's driver probe
+    that raised stopped every op on the device, and ``portable-mx info``, even where a
+    lower backend serves)."""
+    return _asked(backend.op_problem, op) or _asked(backend.unavailable_reason, device)
+
+
+def _asked(check: Callable[[Any], Optional[str]], arg: Any) -> Optional[str]:
+    """``check(arg)``, or a refusal naming the error it raised."""
+    try:
+        return check(arg)
+    except Exception as err:  # noqa: BLE001  (a third party's probe: see _refusal)
+        return f"its {check.__name__} raised {type(err).__name__}: {err}"
 
 
 def registered() -> list[Backend]:
@@ -317,9 +355,9 @@ def _check_op(op: str) -> None:
 
 def select(op: str, device: torch.device | str) -> Backend:
     """The backend that serves ``op`` on ``device`` (see the module doc for the rules),
-    memoised per (op, device, ``PORTABLE_MX_BACKEND``); a failed selection is not
-    memoised (it raises again)."""
-    key = (op, device, _forced_backend())
+    memoised per (op, device, ``PORTABLE_MX_BACKEND``, ``TRITON_INTERPRET``); a failed
+    selection is not memoised (it raises again)."""
+    key = (op, device, _forced_backend(), _interpret_setting())
     if _memo_owner is _REGISTRY:
         backend = _memo.get(key)
         if backend is not None:
@@ -338,9 +376,12 @@ def _decide(op: str, device: torch.device, forced: str) -> Backend:
     """:func:`select` without the memo: asks every candidate whether it serves ``device``."""
     _check_op(op)
     if forced and device.type != "meta":  # meta tensors hold no data: nothing to force
-        backend = get(forced)
-        if op in backend.ops and backend.op_problem(op) is None:
-            reason = backend.unavailable_reason(device)
+        try:
+            backend = get(forced)
+        except BackendUnavailableError as err:  # (the message named no variable: where did the name come from?)
+            raise BackendUnavailableError(f"{ENV_BACKEND}={forced}: {err} (names are case-sensitive)") from None
+        if op in backend.ops and _asked(backend.op_problem, op) is None:
+            reason = _asked(backend.unavailable_reason, device)
             if reason is not None:
                 raise BackendUnavailableError(
                     f"{ENV_BACKEND}={forced} cannot serve {op} on {device}: {reason}"
@@ -350,7 +391,7 @@ def _decide(op: str, device: torch.device, forced: str) -> Backend:
     for backend in registered():
         if op not in backend.ops:
             continue
-        reason = backend.op_problem(op) or backend.unavailable_reason(device)
+        reason = _refusal(backend, op, device)
         if reason is None:
             return backend
         reasons.append(f"{backend.name}: {reason}")
@@ -384,7 +425,7 @@ def routes(devices: list[torch.device]) -> list[Route]:
             if forced == chosen.name:
                 why = f"forced by {ENV_BACKEND}"
             elif passed:
-                why = "; ".join(f"{b.name}: {b.op_problem(op) or b.unavailable_reason(device)}" for b in passed)
+                why = "; ".join(f"{b.name}: {_refusal(b, op, device)}" for b in passed)
             else:
                 why = "highest priority"
             rows.append(Route(str(device), op, chosen.name, chosen.path(device, op), why))

@@ -262,8 +262,9 @@ def test_interpreted_kernel_cannot_compile_in_process():
 # ----------------------------------------------------------------------------- the matrix
 
 
-class StubBackend:
-    """Looks like a Triton backend to the compile matrix; never registered for ops."""
+class StubBackend(registry.Backend):
+    """Looks like a Triton backend to the compile matrix; serves no op (a Backend: register
+    takes nothing else)."""
 
     name = "stub"
     priority = -100

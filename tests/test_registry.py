@@ -79,7 +79,8 @@ def test_env_override_forces_and_fails_loudly(extra_backends, monkeypatch):
     # an op the forced backend does not implement falls back to normal selection
     assert registry.select("matmul", "cpu").name == "fast"
     monkeypatch.setenv(registry.ENV_BACKEND, "no-such-backend")
-    with pytest.raises(registry.BackendUnavailableError, match="no backend named 'no-such-backend'"):
+    with pytest.raises(registry.BackendUnavailableError,
+                       match="PORTABLE_MX_BACKEND=no-such-backend: no backend named 'no-such-backend'"):
         registry.select("quantize", "cpu")
 
 
@@ -225,3 +226,108 @@ def test_gpu_probe_routes_to_the_vendor_backend_or_says_why(monkeypatch, hip, pr
         assert rows[op].backend == backend, (op, rows[op])
         if reason:
             assert reason in rows[op].why
+
+
+_MODE_SWITCH = r"""
+import os, sys, torch, portable_mx as pmx
+from portable_mx import registry
+first = registry.select("quantize", torch.device("cpu")).name
+if os.environ.get("TRITON_INTERPRET"):
+    os.environ.pop("TRITON_INTERPRET")
+else:
+    os.environ["TRITON_INTERPRET"] = "1"
+after = registry.select("quantize", torch.device("cpu")).name
+q = pmx.quantize(torch.randn(4, 64))
+why = [r.why for r in registry.routes([torch.device("cpu")]) if r.op == "quantize"]
+print(first, after, tuple(q.qdata.shape), "after triton was imported" in " ".join(map(str, why)))
+"""
+
+
+@pytest.mark.parametrize("start", ["", "1"], ids=["set-after-import", "unset-after-choice"])
+def test_triton_interpret_changed_after_import_never_routes_to_a_backend_that_cannot_run(start):
+    """TRITON_INTERPRET set after `import portable_mx` (which imports triton, compiled):
+    the interpreter backend was chosen and every op failed ("Cannot call @triton.jit'd
+    outside of the scope of a kernel"); unset after a choice of it, the remembered choice
+    launched compiled kernels on a CPU tensor ("0 active drivers"). Either way the
+    reference serves now, and `info` says why the interpreter does not."""
+    pytest.importorskip("triton", reason="the interpreter backend needs triton")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", registry.ENV_BACKEND)}
+    if start:
+        env["TRITON_INTERPRET"] = start
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run([sys.executable, "-c", _MODE_SWITCH], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, after, *shape, explained = done.stdout.split()
+    assert first == ("triton-interpret" if start else "reference") and after == "reference", done.stdout
+    assert explained == "True", done.stdout
+
+
+class _Probing(ReferenceBackend):
+    """A third party's backend whose driver probe raises."""
+
+    name, priority, ops = "vendor-x", 100, frozenset({"quantize"})
+
+    def unavailable_reason(self, device):
+        raise RuntimeError("vendor-x driver probe crashed")
+
+
+def test_a_backend_whose_probe_raises_is_passed_over_and_named(extra_backends, monkeypatch):
+    # above the reference it stopped every op on the device; below it, `info` died
+    registry.register(_Probing())
+    try:
+        assert registry.select("quantize", torch.device("cpu")).name == "reference"
+        (row,) = [r for r in registry.routes([torch.device("cpu")]) if r.op == "quantize"]
+        assert row.backend == "reference" and "vendor-x: its unavailable_reason raised RuntimeError" in row.why
+        (listed,) = [b for b in pmx.backends() if b["name"] == "vendor-x"]
+        assert "raised RuntimeError: vendor-x driver probe crashed" in listed["devices"]["cpu"]
+        monkeypatch.setenv(registry.ENV_BACKEND, "vendor-x")
+        with pytest.raises(registry.BackendUnavailableError, match="vendor-x cannot serve quantize on cpu: its "
+                                                                   "unavailable_reason raised"):
+            registry.select("quantize", torch.device("cpu"))
+    finally:
+        registry.unregister("vendor-x")
+
+
+def test_register_refuses_what_is_no_backend_or_lists_ops_it_does_not_implement(extra_backends):
+    # each failed only at its first call, for every op on every device (a duck-typed object
+    # had no op_problem) or with an empty NotImplementedError
+    class Duck:
+        name, priority, ops = "duck", 1, frozenset({"quantize"})
+
+    with pytest.raises(TypeError, match="register expects a portable_mx.registry.Backend"):
+        registry.register(Duck())
+
+    class Lister(registry.Backend):
+        name, priority, ops = "lister", 1, frozenset({"matmul", "grouped_matmul"})
+
+        def grouped_matmul(self, *args, **kwargs):
+            return None
+
+    with pytest.raises(TypeError, match=r"lists ops it does not implement: grouped_matmul \(combine\), "
+                                        r"matmul \(matmul\)"):
+        registry.register(Lister())
+    assert "lister" not in [b.name for b in registry.registered()]
+
+
+@pytest.mark.parametrize("target, gemm_path", [("sm_90", "emulated"), ("gfx942", "emulated"),
+                                               ("sm_100", "native"), ("gfx950", "native")])
+def test_info_says_the_gemm_is_emulated_on_the_upcast_targets(target, gemm_path):
+    # design.md: info shows native / emulated / reference; every GPU GEMM said "native",
+    # the upcast kernel of sm_90 and gfx942 included
+    pytest.importorskip("triton", reason="the GPU backends need triton")
+    from portable_mx.backends.cuda import CudaBackend
+    from portable_mx.backends.rocm import RocmBackend
+    from portable_mx.backends.targets import TARGETS
+
+    base = CudaBackend if target.startswith("sm") else RocmBackend
+
+    class Simulated(base):
+        def target(self, device):
+            return TARGETS[target]
+
+    backend, gpu = Simulated(), torch.device("cuda", 0)
+    assert TARGETS[target].native_mx == (gemm_path == "native")  # (the targets' own record)
+    assert backend.path(gpu, "matmul") == backend.path(gpu, "grouped_matmul") == gemm_path
+    assert backend.path(gpu, "quantize") == "native"

@@ -1,5 +1,5 @@
 """``triton-interpret``: the package's Triton kernels run by the Triton interpreter on
-CPU tensors (TRITON_INTERPRET=1, set before the kernels are imported). It exists so that
+CPU tensors (TRITON_INTERPRET=1, set before Python starts: before triton is imported). It exists so that
 the real kernels are tested on machines without a GPU; it is far slower than the
 reference backend. Numerics caveats of the interpreter: numerics.md section 5."""
 

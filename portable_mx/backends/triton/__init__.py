@@ -77,6 +77,23 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def loaded_interpreted() -> Optional[bool]:
+    """Whether Triton's own library functions were defined interpreted (TRITON_INTERPRET=1
+    when triton was imported: ``import portable_mx`` imports it, through torch), or None
+    when this Triton does not show it. Kernels of one mode cannot call functions of the
+    other ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return None
+    probe = getattr(getattr(tl, "standard", None), "max", None)
+    if isinstance(probe, InterpretedFunction):
+        return True
+    return False if isinstance(probe, JITFunction) else None
+
+
 def mode_problem(interpreted: bool) -> Optional[str]:
     """None when this process runs (or, once imported, will run) the kernels compiled
     (``interpreted=False``) or interpreted (``interpreted=True``), else why not."""
@@ -93,9 +110,14 @@ def mode_problem(interpreted: bool) -> Optional[str]:
                     "interprets them")
         if interpreted and not defined_interpreted:
             return ("the Triton kernels were defined compiled: TRITON_INTERPRET=1 must be set before "
-                    "they are imported")
+                    "Python starts")
         return None
-    if interpreting() != interpreted:
+    live, loaded = interpreting(), loaded_interpreted()
+    if loaded is not None and loaded != live:  # (set or unset after import: the backend chosen then crashed)
+        return (f"TRITON_INTERPRET was {'set' if live else 'unset'} after triton was imported (by `import "
+                f"portable_mx`, through torch): Triton's own functions are {'interpreted' if loaded else 'compiled'}"
+                "; set it before Python starts")
+    if live != interpreted:
         return "TRITON_INTERPRET=1 is set: Triton interprets kernels" if not interpreted else (
-            "TRITON_INTERPRET=1 is not set (it must be set before the kernels are imported)")
+            "TRITON_INTERPRET=1 is not set (set it before Python starts)")
     return None

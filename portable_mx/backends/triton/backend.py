@@ -1176,6 +1176,13 @@ class CompiledTritonBackend(TritonBackend):
         return probe(device)[0]
 
     def path(self, device: torch.device, op: str) -> str:
+        """"native" where the GEMMs run the target's block-scaled MMA, "emulated" where the
+        upcast kernel decodes MXFP4 to 16-bit first (sm_90, gfx942: `info` called them native);
+        the other ops are element-wise kernels: "native" everywhere."""
+        if op in ("matmul", "grouped_matmul"):
+            target = self.target(device)
+            if target is not None and not target.native_mx:
+                return "emulated"
         return "native"
 
     def _identity(self, device: torch.device, target: Optional[Target]) -> tuple[str, str]:

@@ -419,3 +419,20 @@ def test_save_pretrained_after_load_experts_reloads_in_transformers_as_the_check
     again = gpt_oss.GptOssCheckpoint(tmp_path / "resaved").experts(1)["down_proj"]
     want = gpt_oss.GptOssCheckpoint(path).experts(1)["down_proj"]
     assert torch.equal(again.qdata, want.qdata) and torch.equal(again.scales, want.scales)
+
+
+def test_experts_that_keep_their_weights_in_a_child_are_named_when_they_stay_in_float():
+    """DBRX's experts hold their weights stacked 2-D in a child module (DbrxExpertGLU's
+    w1, v1, w2), no 3-D Parameter on the experts module itself: convert left them in float
+    without a word. They still stay (no family maps them), now with the warning."""
+    if not hasattr(transformers, "DbrxConfig"):
+        pytest.skip("this transformers has no DBRX")
+    cfg = transformers.DbrxConfig(d_model=64, n_heads=4, n_layers=1, max_seq_len=64, vocab_size=128,
+                                  attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
+                                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.warns(UserWarning, match=r"1 transformers expert module\(s\) stay in float "
+                                         r"\('transformer\.blocks\.0\.ffn\.experts' \(DbrxExperts\)\)"):
+        pmx.nn.convert(model)
+    assert type(model.transformer.blocks[0].ffn.experts).__name__ == "DbrxExperts"

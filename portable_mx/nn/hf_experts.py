@@ -132,13 +132,18 @@ def _is_silu(act: Any) -> bool:
 
 def expert_like(module: torch.nn.Module) -> bool:
     """Whether ``module`` looks like a transformers expert module (its class from
-    transformers, named ``*Experts``, holding 3-D Parameters, or parametrized by
+    transformers, named ``*Experts``, holding 3-D Parameters, or weights (2-D or more)
+    outside any nn.Linear anywhere inside it (DBRX's experts keep theirs stacked 2-D in
+    a child module: they stayed in float without a word), or parametrized by
     ``torch.nn.utils.parametrize``, which moves them): one convert leaves in float unless
-    :func:`known_family` knows it, and says so."""
+    :func:`known_family` knows it, and says so. One made of nn.Linear experts is not:
+    convert swaps those Linears."""
     cls = _class_of(module)
     return (cls.__module__.startswith("transformers.") and cls.__name__.endswith("Experts")
             and (any(p.dim() == 3 for p in module.parameters(recurse=False))
-                 or torch.nn.utils.parametrize.is_parametrized(module)))
+                 or torch.nn.utils.parametrize.is_parametrized(module)
+                 or any(p.dim() >= 2 for m in module.modules() if not isinstance(m, torch.nn.Linear)
+                        for p in m.parameters(recurse=False))))
 
 
 def family_of(module: torch.nn.Module) -> Optional[dict[str, Any]]:

@@ -21,6 +21,7 @@ and :func:`load_safetensors` raise an ImportError saying so where it is missing.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -103,6 +104,10 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
             raise ValueError(f"shape must be a non-empty list of sizes >= 0; got {dims!r}")
         if type(axis) is not int or not 0 <= axis < len(dims):
             raise ValueError(f"axis must be an int in [0, {len(dims)}); got {axis!r}")
+        padded = math.prod(dims) // max(dims[axis], 1) * (-(-dims[axis] // 32) * 32)
+        if padded >= 2**58:  # (the parts' sizes in bytes overflowed torch's storage size: a RuntimeError)
+            raise ValueError(f"shape {dims!r} holds {padded} elements once padded along axis {axis}: no tensor has "
+                             "that many")
         shape, dtype = torch.Size(dims), _DTYPES[meta["dtype"]]
         recipe = QuantRecipe.model_validate(meta["recipe"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:

@@ -711,3 +711,15 @@ def test_a_routing_built_by_hand_with_fields_of_the_wrong_kind_is_refused_by_its
     routing = pmx.route(torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(2)), None, 4)
     with pytest.raises(error, match=match):
         dataclasses.replace(routing, **fields)
+
+
+def test_route_refuses_float8_weights_and_an_impossible_number_of_experts():
+    # float8 passed is_floating_point, then sorted_weights failed in torch's scatter; 2**36
+    # experts failed in torch's allocator (2**31 took the machine's memory)
+    ids = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="topk_weights must be a float tensor"):
+        pmx.route(ids, torch.ones(1, 1).to(torch.float8_e4m3fn), 1)
+    with pytest.raises(ValueError, match=r"num_experts must be a positive int below 2\*\*31"):
+        pmx.route(ids, None, 2**36)
+    r = pmx.route(ids, torch.ones(1, 1, dtype=torch.float64), 1)  # the four float dtypes pass
+    assert r.sorted_weights.dtype == torch.float64

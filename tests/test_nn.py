@@ -860,3 +860,24 @@ def test_nn_mx_matmul_checks_its_operands_as_matmul_does():
     x = a.clone().requires_grad_()
     pmx.nn.mx_matmul(x, b).sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"dtype": torch.int32}, TypeError, "MXLinear: dtype must be one of"),
+    ({"dtype": torch.float8_e4m3fn}, TypeError, "MXLinear: dtype must be one of"),
+    ({"dtype": torch.complex64}, TypeError, "MXLinear: dtype must be one of"),
+    ({"out_features": -1}, ValueError, "MXLinear: out_features must be an int >= 0; got -1"),
+    ({"in_features": None}, ValueError, "MXLinear: in_features must be an int >= 0; got None"),
+    ({"in_features": True}, ValueError, "MXLinear: in_features must be an int >= 0; got True"),
+])
+def test_mxlinear_checks_its_arguments_before_making_a_weight(kwargs, error, match):
+    # torch's own errors named no argument ("Only Tensors of floating point ... can require
+    # gradients", "negative dimension"), and complex was accepted until the forward
+    args = {"in_features": 64, "out_features": 32, **kwargs}
+    with pytest.raises(error, match=match):
+        MXLinear(**args)
+
+
+def test_mx_experts_transposed_must_be_a_bool():
+    with pytest.raises(TypeError, match="MXExperts: transposed must be a bool"):
+        pmx.nn.MXExperts(2, 32, 32, transposed="no")  # ("no" was True)

@@ -281,3 +281,15 @@ def test_a_pickled_mxtensor_is_checked_as_it_is_loaded():
     buf.seek(0)
     with torch.serialization.safe_globals([MXTensor, QuantRecipe]), pytest.raises(ValueError, match="qdata must be"):
         torch.load(buf)
+
+
+def test_metadata_whose_shape_has_too_many_elements_is_unreadable_metadata():
+    # each size was bounded but not their product: torch's "Storage size calculation
+    # overflowed" came out of MXTensor.zeros (a fuzz of edited files)
+    sd = serialization.state_dict({"w": pmx.quantize(torch.randn(4, 64))})
+    meta = json.loads(bytes(sd["w.mx_meta"].tolist()).decode())
+    meta["shape"] = [2**40, 2**40]
+    bad = dict(sd, **{"w.mx_meta": torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)})
+    with pytest.raises(ValueError, match=r"'w': unreadable MXTensor metadata \(shape \[1099511627776, "
+                                         r"1099511627776\] holds"):
+        serialization.load_state_dict(bad)

@@ -27,6 +27,7 @@ import torch
 from .. import registry
 from .._flags import exact_int
 from .._transforms import refuse_func_transforms
+from ..tensor import FLOAT_DTYPES
 
 TILE_M_CHOICES = (16, 32, 64, 128)
 """Tile heights (rows per tile) a schedule is built for by default (:func:`default_tile_m`)."""
@@ -234,12 +235,14 @@ def route(topk_ids: torch.Tensor, topk_weights: Optional[torch.Tensor], num_expe
                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
     if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must be [T, k] with k >= 1; got shape {tuple(topk_ids.shape)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int; got {num_experts!r}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts < 2**31:
+        # (2**36 failed in torch's allocator, 2**31 took the machine's memory: int32 offsets)
+        raise ValueError(f"num_experts must be a positive int below 2**31; got {num_experts!r}")
     if topk_weights is None:
         topk_weights = torch.ones(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
-    elif not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
-        raise TypeError(f"topk_weights must be a float tensor [T, k] or None; got "
+    elif not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype not in FLOAT_DTYPES:
+        # (float8 passed is_floating_point, then sorted_weights failed in torch's scatter)
+        raise TypeError(f"topk_weights must be a float tensor [T, k] ({', '.join(map(str, FLOAT_DTYPES))}) or None; got "
                         f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
     elif topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}; "
@@ -300,7 +303,7 @@ def _check_fields(r: Routing) -> None:
             or ids.shape[1] != r.k:
         raise TypeError(f"Routing: topk_ids must be an int32 or int64 tensor [T, k={r.k}]; got "
                         f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
-    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point() or weights.shape != ids.shape:
+    if not isinstance(weights, torch.Tensor) or weights.dtype not in FLOAT_DTYPES or weights.shape != ids.shape:
         raise TypeError(f"Routing: weights must be a float tensor of topk_ids' shape {tuple(ids.shape)}; got "
                         f"{getattr(weights, 'dtype', type(weights).__name__)} {tuple(getattr(weights, 'shape', ()))}")
     rows = ids.shape[0] * r.k

@@ -63,6 +63,7 @@ import torch
 from torch import Tensor
 
 from .. import _graphs, ops
+from .._flags import as_bool
 from ..moe import grouped_matmul, route
 from ..format import BLOCK_SIZE
 from ..recipe import QuantRecipe
@@ -116,7 +117,7 @@ class MXExperts(torch.nn.Module):
                 raise ValueError(f"{what} must be a positive int; got {v!r}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation = activation
-        self.transposed = bool(transposed)
+        self.transposed = as_bool(transposed, "MXExperts: transposed")  # ("no" was True)
         self._mx_meta: dict[str, tuple[torch.Size, torch.dtype, QuantRecipe]] = {}
         self._mx_memo: dict[str, tuple[tuple, MXTensor, tuple, tuple]] = {}  # (buffers, their MXTensor, addresses, ids)
         self._mx_checked: dict[str, tuple[Tensor, Optional[int]]] = {}  # (_check_macro_block)

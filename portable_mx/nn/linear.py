@@ -117,6 +117,14 @@ class MXLinear(torch.nn.Linear):
         dtype: Optional[torch.dtype] = None,
         recipe: Any = None,
     ) -> None:
+        # checked before any weight is made (torch's own errors named no argument: "Only
+        # Tensors of floating point ... can require gradients", "negative dimension")
+        for what, v in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"MXLinear: {what} must be an int >= 0; got {v!r}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:  # (float8 and complex passed, then failed)
+            raise TypeError(f"MXLinear: dtype must be one of {FLOAT_DTYPES} (the float weight's); got {dtype!r}")
+        recipe = ops._recipe(recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = recipe
 

@@ -99,6 +99,11 @@ def _mx_from(name: str, state: Mapping[str, torch.Tensor]) -> MXTensor:
             raise TypeError(f"the JSON is a {type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT:
             raise ValueError(f"unknown format {meta.get('format')!r} (this version reads {FORMAT!r})")
+        missing = [k for k in ("shape", "axis", "dtype", "recipe") if k not in meta]
+        if missing:  # (the message was the bare key: "('axis')")
+            raise ValueError(f"missing field(s) {', '.join(map(repr, missing))}")
+        if not isinstance(meta["dtype"], str) or meta["dtype"] not in _DTYPES:  # (it was "(None)", "('int32')")
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}; got {meta['dtype']!r}")
         dims, axis = meta["shape"], meta["axis"]
         if not (isinstance(dims, list) and dims and all(type(d) is int and 0 <= d < 2**62 for d in dims)):
             raise ValueError(f"shape must be a non-empty list of sizes >= 0; got {dims!r}")

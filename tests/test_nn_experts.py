@@ -579,3 +579,17 @@ def test_new_expert_weights_go_to_a_bias_less_frozen_modules_own_device():
         assert module.frozen and module.gate_up_proj_blocks.device.type == "cpu"
         with pytest.raises(NotImplementedError, match="meta"):
             experts_from_module(module, None, weights=new)
+
+
+@pytest.mark.parametrize("ids, weights, error, words", [
+    (torch.zeros(3, 2, dtype=torch.int16), None, TypeError, "MXExperts: top_k_index must be an int32 or int64"),
+    (torch.full((3, 2), 5), None, ValueError, "MXExperts: top_k_index must lie in [0, num_experts=2)"),
+    (torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2, dtype=torch.int32), TypeError,
+     "MXExperts: top_k_weights must be a float tensor"),
+])
+def test_the_forwards_routing_errors_name_its_own_arguments(ids, weights, error, words):
+    # route's messages named topk_ids / topk_weights, which the caller never passed
+    experts = MXExperts(2, 32, 32)
+    with pytest.raises(error) as err:
+        experts(torch.randn(3, 32), ids, weights)
+    assert words in str(err.value), str(err.value)

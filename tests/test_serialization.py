@@ -293,3 +293,21 @@ def test_metadata_whose_shape_has_too_many_elements_is_unreadable_metadata():
     with pytest.raises(ValueError, match=r"'w': unreadable MXTensor metadata \(shape \[1099511627776, "
                                          r"1099511627776\] holds"):
         serialization.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m.pop("axis"), "missing field(s) 'axis'"),
+    (lambda m: m.update(dtype=None), "dtype must be one of ['bfloat16', 'float16', 'float32', 'float64']; got None"),
+    (lambda m: m.update(dtype="int32"), "got 'int32'"),
+    (lambda m: m.update(dtype={}), "got {}"),
+])
+def test_metadata_errors_name_the_field(edit, words):
+    # the messages were the bare key or value: "(None)", "('int32')", "('axis')",
+    # "(unhashable type: 'dict')"
+    sd = serialization.state_dict({"w": pmx.quantize(torch.randn(4, 64))})
+    meta = json.loads(bytes(sd["w.mx_meta"].tolist()).decode())
+    edit(meta)
+    bad = dict(sd, **{"w.mx_meta": torch.tensor(list(json.dumps(meta).encode()), dtype=torch.uint8)})
+    with pytest.raises(ValueError) as err:
+        serialization.load_state_dict(bad)
+    assert "unreadable MXTensor metadata" in str(err.value) and words in str(err.value), str(err.value)

@@ -404,7 +404,11 @@ class MXExperts(torch.nn.Module):
             t, k = x.numel() // h, k_ids.shape[-1]
             x2, ids = x.reshape(t, h), k_ids.reshape(t, k)
             wts = None if top_k_weights is None else top_k_weights.reshape(t, k)
-        routing = route(ids, wts, self.num_experts)
+        try:
+            routing = route(ids, wts, self.num_experts)
+        except (TypeError, ValueError) as err:  # (route's message named its own arguments, not this forward's)
+            text = str(err).replace("topk_ids", "top_k_index").replace("topk_weights", "top_k_weights")
+            raise type(err)(f"MXExperts: {text}") from None
         g1, g2 = self._gemm_weights(x2, w1, w2, b1, b2)
         recipe = self._recipe
         mid = grouped_matmul(x2, g1, routing=routing, gather=True, bias=b1, activation=self.activation, recipe=recipe)

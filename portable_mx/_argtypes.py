@@ -60,13 +60,24 @@ def output_file_problem(flag: str, path: str, inputs: Iterable[tuple[str, Option
     return None
 
 
-def folder_problem(path: str) -> Optional[str]:
+def folder_problem(path: str, *, make: bool = True) -> Optional[str]:
     """Why ``path`` cannot take output files, or None when it can: it is empty, it or a
-    parent is a file, it cannot be made (it is made here) or written."""
+    parent is a file, it cannot be made (it is made here; with ``make=False`` nothing is
+    made: the nearest part of it that exists must be a folder the process may write in)
+    or written."""
     from .tuning.files import make_dir
 
     if not path:
         return "is empty; give a folder"
+    if not make:
+        found = os.path.abspath(path)
+        while not os.path.exists(found) and os.path.dirname(found) != found:
+            found = os.path.dirname(found)
+        if not os.path.isdir(found):
+            return f"{found} is a file, so the folder cannot be made"
+        if not os.access(found, os.W_OK | os.X_OK):
+            return f"{found} is not writable"
+        return None
     try:
         make_dir(path)
     except OSError as err:

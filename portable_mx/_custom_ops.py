@@ -403,11 +403,14 @@ def _op_operand(t: Operand, values_needed: bool) -> tuple[Tensor, list[Tensor], 
         return t, [], ""
     rows = t.rows()
     parts = [p.detach() if p.requires_grad else p for p in rows.parts()]
-    if values_needed:
-        values = dequantize(t, t.dtype).detach()
-    else:
-        values = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    values = dequantize(t, t.dtype).detach() if values_needed else placeholder(t.shape, t.dtype, t.device)
     return values, parts, recipe_json(t.recipe)
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` and ``dtype`` that nothing reads (an MXTensor operand's
+    values where its parts hold them), one element of memory."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def mx_matmul(a: Operand, b: Operand, recipe: QuantRecipe) -> Tensor:

@@ -50,30 +50,19 @@ def _path_problem(args: argparse.Namespace) -> Optional[str]:
     run found out at its end, when it wrote its results, and lost them): --out a folder
     that is or can be made and is writable, --checkpoint a file (or not yet) in one.
     Nothing is made here: a run refused later leaves no folder behind."""
+    from portable_mx._argtypes import folder_problem
+
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
             return f"--out {args.out} is a file; it must be a folder (made when missing)"
-        if (problem := _unwritable(args.out)) is not None:
+        if (problem := folder_problem(str(args.out), make=False)) is not None:
             return f"--out {args.out}: {problem}"
     checkpoint = getattr(args, "checkpoint", None)
     if checkpoint is not None:
         if checkpoint.is_dir():
             return f"--checkpoint {checkpoint} is a folder; it must be a file (written when missing)"
-        if (problem := _unwritable(checkpoint.parent)) is not None:
+        if (problem := folder_problem(str(checkpoint.parent), make=False)) is not None:
             return f"--checkpoint {checkpoint}: {problem}"
-    return None
-
-
-def _unwritable(folder: Path) -> Optional[str]:
-    """Why files could not be written in ``folder`` (made when missing), or None: the
-    nearest part of it that exists must be a folder this process may write in."""
-    found = folder.absolute()
-    while not found.exists() and found.parent != found:
-        found = found.parent
-    if not found.is_dir():
-        return f"{found} is a file, so the folder cannot be made"
-    if not os.access(found, os.W_OK | os.X_OK):
-        return f"{found} is not writable"
     return None
 
 

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from .. import _dispatch
-from .._custom_ops import _op_operand, recipe_from_json, recipe_json
+from .._custom_ops import _op_operand, placeholder, recipe_from_json, recipe_json
 from .._transforms import _transforms_active, batched, refuse_func_transforms
 from ..recipe import QuantRecipe
 from ..tensor import FLOAT_DTYPES, MXTensor, part_specs
@@ -297,7 +297,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor):
     saved = list(ctx.saved_tensors)
     nx, nw = ctx.num_parts
-    x, w = (t if meta is None else _placeholder(*meta) for t, meta in zip(saved[:2], ctx.placeholders))
+    x, w = (t if meta is None else placeholder(*meta) for t, meta in zip(saved[:2], ctx.placeholders))
     x_parts, w_parts = saved[2:2 + nx], saved[2 + nx:2 + nx + nw]
     offsets = saved[2 + nx + nw]
     rest = iter(saved[3 + nx + nw:])
@@ -316,12 +316,6 @@ def _backward(ctx, grad: Tensor):
     pick = lambda t, need: t if need else None  # noqa: E731
     return (pick(dx, needs[0]), pick(dw, needs[1]), [None] * nx, [None] * nw, None, None, None,
             pick(dweights, needs[3]), pick(db, needs[2]), None, None, None, None, None, None, None, None, None)
-
-
-def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A tensor of ``shape`` and ``dtype`` that nothing reads (an MXTensor operand's
-    values: its parts hold them), one element of memory."""
-    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 torch.library.register_autograd("portable_mx::grouped_mm", _backward, setup_context=_setup_context, lib=_LIB)
@@ -360,7 +354,7 @@ def mx_grouped_matmul(x, w, recipe: QuantRecipe, offsets: Tensor, routing, gathe
     if isinstance(w, Tensor):
         w_vals, w_parts, w_json = w, [], ""
     else:
-        w_vals = _placeholder(w.shape, w.dtype, w.device)
+        w_vals = placeholder(w.shape, w.dtype, w.device)
         w_parts = [p.detach() if p.requires_grad else p for p in w.rows().parts()]
         w_json = recipe_json(w.recipe)
     k = routing.k if routing is not None else 0

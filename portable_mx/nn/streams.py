@@ -68,5 +68,5 @@ def reseed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     layer_seed(seed, "")  # (the seed checked once, before any layer changes)
     for name, module in model.named_modules():  # (each module once, under its first name)
         if isinstance(module, (MXLinear, MXExperts)) and module.recipe.rounding == "stochastic":
-            module.recipe = layer_recipe(module.recipe.model_copy(update={"seed": seed}), name)
+            module.recipe = module.recipe.model_copy(update={"seed": layer_seed(seed, name)})
     return model

@@ -312,12 +312,44 @@ def test_matmul_with_an_invalid_tuned_config_is_right_and_warns_once(monkeypatch
         assert len([m for m in messages if str(path) in m and repr(key) in m and name in m]) == 1, (key, messages)
 
 
+@interpreted
+def test_a_cached_block_m_below_16_cannot_split_the_sparse_outlier_tokens(monkeypatch):
+    """W4A16 with an outlier weight at M <= 4 tokens on the upcast route (sm_90, gfx942;
+    the interpreter's backend made to route so, as the tuning tests do) adds token j's
+    outlier sums into column j of its row tile. A hand-written entry with block_m 2 used to
+    be launched: rows 2 and 3 took rows 0 and 1's corrections (off by about 0.7 of the
+    output's largest value, no warning). The entry is refused now (one warning naming it)
+    and the product equals the float64 product of the dequantized operands."""
+    from portable_mx.backends.triton.backend import GemmRoute
+    from portable_mx.backends.triton.gemm_upcast import UpcastRoute
+    from portable_mx.backends.triton.layouts import PLAIN_VALUES
+
+    monkeypatch.setattr(INTERPRET, "gemm_route", lambda target, a, b: GemmRoute("upcast", upcast=UpcastRoute(PLAIN_VALUES)))
+    monkeypatch.setattr(INTERPRET, "_devices", {})
+    recipe = QuantRecipe(activations="bf16", outliers_per_block=1)
+    gen = torch.Generator().manual_seed(26)
+    w = torch.randn(64, 256, generator=gen)
+    w[::3, ::7] *= 40  # (an outlier in most blocks)
+    b = REF.quantize(w, recipe)
+    assert b.outlier_values is not None
+    path = cache.cache_file("interpret", "cpu")
+    key = cache.entry_key("matmul", "bf16", "e2m1/OF-1", 4, 64, 256)
+    _write(path, _doc({key: {**_entry(), "config": _fields(block_m=2, block_n=64, block_k=64)}}))
+    x = torch.randn(4, 256, generator=gen).bfloat16()
+    out, messages = _caught(lambda: INTERPRET.matmul(x, b))
+    exact = x.double() @ REF.dequantize(b, torch.float64).T
+    bound = (x.double().abs() @ REF.dequantize(b, torch.float64).abs().T) * 2.0**-22  # fp32 accumulation, K = 256
+    assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max(dim=1).values
+    assert len([m for m in messages if repr(key) in m and "block_m 2 is less than 16" in m]) == 1, messages
+
+
 # ----------------------------------------------------------------------------- the rules
 
 
 @pytest.mark.parametrize("change, why", [
     ({"block_m": -16}, "block_m -16"), ({"block_m": 0}, "block_m 0"), ({"block_n": 24}, "block_n 24"),
     ({"block_k": 0}, "block_k 0"), ({"block_k": 16}, "block_k 16"), ({"block_k": 48}, "block_k 48"),
+    ({"block_m": 1}, "block_m 1 is less than 16"), ({"block_m": 8}, "block_m 8 is less than 16"),
     ({"block_m": "16"}, "block_m must be an int"),
     ({"block_m": 16.0}, "block_m must be an int"), ({"num_warps": True}, "num_warps must be an int"),
     ({"num_warps": 0}, "num_warps 0"), ({"num_warps": 3}, "num_warps 3"), ({"num_warps": 64}, "1024 threads"),

@@ -18,6 +18,12 @@ comes from:
   gemm_upcast.py needs one; positive, or no program covers the output).
 - **block_k:** a power of two >= 32 (``tl.arange(0, BLOCK_K // 32)``: one scale per 32
   elements).
+- **block_m:** at least :data:`MIN_BLOCK_M` (16, the smallest the tuning space offers on
+  any target). The upcast kernel's W4A16 launch for a weight with outliers at M <= 4
+  tokens (``gemm_upcast.sparse_rows``) adds token j's outlier sums into column j of its
+  row tile, so it needs all M tokens in one tile: with ``block_m`` 1 or 2 the second tile's
+  rows took the first's corrections (rows off by 0.7 of the output's largest value,
+  audit of 2026-11-28, sm_90 and gfx942; no error, no warning).
 - **tile size:** ``block_m`` and ``block_n`` at most :data:`MAX_BLOCK_MN` (256),
   ``block_k`` at most :data:`MAX_BLOCK_K` (512): the largest tiles the tuning space
   offers on any target (``tuning/space.py``), so the largest any tuned or default config
@@ -71,6 +77,9 @@ from typing import Any, Mapping, Optional
 
 from .launch import GemmConfig
 
+MIN_BLOCK_M = 16
+"""The smallest ``block_m``: the tuning space's smallest on any target, and at least the
+W4A16 sparse outlier path's token count (``gemm_upcast.SPARSE_MAX_M``)."""
 MAX_BLOCK_MN = 256
 """The largest ``block_m`` and ``block_n``: the tuning space's largest on any target."""
 MAX_BLOCK_K = 512
@@ -139,6 +148,9 @@ def problems(fields: Mapping[str, Any], arch: Optional[str] = None, kp: Optional
     for name in ("block_m", "block_n"):
         if name in ints and not _pow2(ints[name]):
             out.append(f"{name} {ints[name]} is not a positive power of two")
+    if _pow2(ints.get("block_m", 0)) and ints["block_m"] < MIN_BLOCK_M:
+        out.append(f"block_m {ints['block_m']} is less than {MIN_BLOCK_M}, the smallest tile the tuner offers "
+                   "(the W4A16 outlier correction at M <= 4 needs every token in one row tile)")
     if "block_k" in ints and not (_pow2(ints["block_k"]) and ints["block_k"] >= 32):
         out.append(f"block_k {ints['block_k']} is not a power of two >= 32")
     tiles = (("block_m", MAX_BLOCK_MN), ("block_n", MAX_BLOCK_MN), ("block_k", MAX_BLOCK_K))

@@ -126,6 +126,18 @@ def _dtensors_refused(rank, world):
             out.append("went through")
         except TypeError as err:
             out.append(str(err))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp = parallelize_module(pmx.nn.convert(nn.Sequential(nn.Linear(64, 64))), init_device_mesh("cpu", (world,)),
+                            {"0": ColwiseParallel()})
+    for grad in (False, True):  # (without autograd the layer used to quantize the DTensor's bytes, wrongly)
+        try:
+            with torch.set_grad_enabled(grad):
+                tp(torch.randn(2, 64))
+            out.append("went through")
+        except TypeError as err:
+            out.append(str(err))
     for how in ("per layer", "root", "per layer, unsharded now"):
         model = nn.Sequential(nn.GELU(), GptOssExperts())
         if how != "root":
@@ -214,15 +226,20 @@ def test_convert_after_fully_shard_is_refused(fsdp_results):
 def test_sharded_weights_are_refused_not_quantized_wrongly(fsdp_results):
     """quantized_weight of a sharded MXLinear or MXExperts, pmx.quantize / matmul /
     grouped_matmul of a DTensor: a TypeError saying to gather it, where the bytes were
-    wrong before (scales and codes off, NaN after a round trip through a checkpoint). And
+    wrong before (scales and codes off, NaN after a round trip through a checkpoint). A
+    tensor-parallel plan (ColwiseParallel) on an MXLinear: a TypeError saying tensor
+    parallelism is not supported (without autograd the layer quantized the DTensor
+    weight's bytes, wrongly, until a table lookup failed in torch). And
     convert of transformers experts sharded per layer (FSDP2's FSDPGptOssExperts, its
     parameters sharded or unsharded at the moment) or by the root is refused as a sharded
     Linear is: the first stayed float without a word."""
     messages = result(fsdp_results, "dtensors")
-    assert len(messages) == 8
+    assert len(messages) == 10
     for message in messages[:5]:
         assert "is a DTensor" in message and "full_tensor()" in message, message
-    for message in messages[5:]:
+    for message in messages[5:7]:  # a tensor-parallel plan, with and without autograd
+        assert "MXLinear: the weight is a DTensor" in message and "Tensor parallelism" in message, message
+    for message in messages[7:]:
         assert "already sharded by FSDP2's fully_shard" in message and "'1'" in message, message
 
 

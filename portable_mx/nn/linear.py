@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import _dispatch, ops
+from .._sharding import is_dtensor
 from .._transforms import refuse_func_transforms
 from .._custom_ops import recipe_json
 from ..recipe import QuantRecipe
@@ -59,6 +60,18 @@ def mx_matmul(a: Any, b: Any, recipe: Any = None) -> Tensor:
 
 _PLAIN_LINEAR_KEYS = frozenset(torch.nn.Linear(1, 1, device="meta").__dict__)
 """The instance attributes every ``nn.Linear`` has (its tables, sizes, training flag)."""
+
+
+def _refuse_dtensor(w: Tensor, x: Tensor) -> None:
+    """Raise for a DTensor weight, input or bias: a tensor-parallel plan
+    (``torch.distributed.tensor.parallel.parallelize_module``) or an FSDP2 shard read
+    outside FSDP2's forward. The layer quantizes whole local tensors; no sharding rule
+    exists for its GEMMs (the no-grad path quantized the DTensor's bytes wrongly before
+    a table lookup failed, audit of 2026-11-28)."""
+    what = "the weight" if is_dtensor(w) else ("x" if is_dtensor(x) else "the bias")
+    raise TypeError(f"MXLinear: {what} is a DTensor. Tensor parallelism (parallelize_module, DTensor inputs) is "
+                    "not supported: MXLinear quantizes whole tensors. FSDP2 (fully_shard) is: it hands the "
+                    "forward the unsharded weight; outside the forward gather it first (full_tensor())")
 
 
 class MXLinear(torch.nn.Linear):
@@ -222,6 +235,8 @@ class MXLinear(torch.nn.Linear):
             raise ValueError(f"MXLinear: x must be [..., {k}] (the weight is {tuple(w.shape)}); got shape "
                              f"{tuple(x.shape)}")
         bias = _member(self, params, "bias")
+        if is_dtensor(w) or is_dtensor(x) or is_dtensor(bias):
+            _refuse_dtensor(w, x)
         if w.dtype not in _FLOATS:  # (a model cast to complex or float8: the kernels would drop or misread it)
             raise TypeError(f"MXLinear: the weight is {w.dtype}; it must be float32, bfloat16, float16 or float64")
         amp = any_autocast() and autocast_dtype(x.device)

@@ -472,6 +472,37 @@ def test_prepared_model_trains_like_the_plain_model_outside_fsdp():
     assert torch.equal(wrapped.state_dict()["0.weight"], make_model(RECIPES["default"], seed=4)[0].weight)
 
 
+def test_data_assignment_reaches_a_prepared_weight():
+    """``weight.data = t`` on a prepared layer (what ``vector_to_parameters`` and FSDP1's
+    use_orig_params do): the forward, the state dict and later in-place writes to ``t``
+    all see ``t``, as for a plain weight. Torch's setter swapped the wrapper's storage and
+    left the tensor every op reads: the forward kept the old weight (|y - bias| 1.7 for a
+    zero weight), FSDP1 on one rank trained wrong without a word. A tensor of another
+    shape is refused with a message (FSDP1 on several ranks empties a parameter that way;
+    it crashed in the optimizer)."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    from dist_training import DIMS, make_model
+
+    x = torch.randn(8, DIMS[0], generator=torch.Generator().manual_seed(9))
+    wrapped = make_model(RECIPES["default"])
+    pmx.nn.enable_fsdp_mx_all_gather(wrapped)
+    layer = wrapped[0]
+    zero = torch.zeros_like(layer.weight._tensor)
+    layer.weight.data = zero
+    assert torch.equal(layer(x), layer.bias.expand(8, -1))  # x @ 0 + bias, exactly
+    assert torch.equal(wrapped.state_dict()["0.weight"], zero)
+    other = make_model(RECIPES["default"], seed=5)
+    with torch.no_grad():
+        zero.copy_(other[0].weight)  # a write to the assigned tensor reaches the layer
+        layer.bias.copy_(other[0].bias)
+    assert torch.equal(layer(x), other[0](x))
+    vector_to_parameters(parameters_to_vector(other.parameters()), wrapped.parameters())
+    assert type(layer.weight).__name__ == "MXWeight"
+    assert torch.equal(wrapped(x), other(x))
+    with pytest.raises(ValueError, match="must keep the weight's shape"):
+        layer.weight.data = torch.zeros(0)
+
+
 def test_prepared_model_compiles_outside_fsdp():
     """A prepared model compiled without FSDP2: torch.compile guarded on a deep copy of the
     weight's flatten context, which never matched ("Guard failed on the same frame it was

@@ -195,6 +195,30 @@ class MXWeight(Tensor):
     def __repr__(self) -> str:
         return f"MXWeight(layer={self._state.name!r}, {self._tensor!r})"
 
+    @property
+    def data(self) -> Tensor:
+        """``Tensor.data``: a detached alias (an MXWeight of the same ``_tensor``)."""
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        # Tensor's own setter swapped the wrapper's storage and left ``_tensor``, which
+        # every op reads: the forward, the state dict and the gather kept the old weight
+        # (``w.data = t``, ``vector_to_parameters``, FSDP1's use_orig_params; audit of
+        # 2026-11-28). The weight becomes ``value``'s tensor, as for a plain parameter.
+        inner = value._tensor if isinstance(value, MXWeight) else value
+        if not isinstance(inner, Tensor) or type(inner) is not Tensor and not isinstance(inner, nn.Parameter):
+            raise TypeError(f"MXWeight of layer {self._state.name!r}: .data must be a plain tensor; got "
+                            f"{type(value).__name__}")
+        if inner.shape != self.shape or inner.dtype != self.dtype or inner.device != self.device:
+            raise ValueError(
+                f"MXWeight of layer {self._state.name!r}: .data must keep the weight's shape, dtype and device "
+                f"({tuple(self.shape)}, {self.dtype}, {self.device}); got ({tuple(inner.shape)}, {inner.dtype}, "
+                f"{inner.device}). A layer prepared by enable_fsdp_mx_all_gather is FSDP2's (fully_shard), which "
+                "never does this; FSDP1 and other wrappers that resize parameters through .data cannot hold it: "
+                "set a new nn.Parameter, or skip enable_fsdp_mx_all_gather for them")
+        self._tensor = inner.detach() if isinstance(inner, nn.Parameter) else inner
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

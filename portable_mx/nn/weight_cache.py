@@ -34,9 +34,14 @@ that way keeps its old quantized ones), and no peft ``merge_adapter`` /
 ``unmerge_adapter`` / ``merge_and_unload`` (they add the adapters to the base weights
 through ``.data``: rollouts ran without the adapter). After such a write, call
 ``torch.autograd.graph.increment_version(p)`` for each written weight ``p`` before the
-next forward (or leave the block). Layers managed by FSDP (FSDP2's
-``fully_shard``, FSDP1) never cache, in or out of the block: FSDP refills their unsharded
-weights in place without a version bump. ``torch.compile``d code never consults the
+next forward (or leave the block). Layers managed by FSDP2's ``fully_shard`` never
+cache, in or out of the block, wherever it was applied: FSDP refills their unsharded
+weights in place without a version bump. Under FSDP1 (``FullyShardedDataParallel``) the
+same holds for the layers of a model given to the block that contains the FSDP1 wrapper
+(or is it); a child of an FSDP1 wrapper given alone cannot see the wrapper above it and
+caches (its weights are views of FSDP1's flat parameter, which shares their version
+counter: a version-bumping in-place update, as an optimizer makes, was seen in an
+audit's probe on 2 gloo ranks, not in the suite), so give the block the wrapper. ``torch.compile``d code never consults the
 cache (it quantizes inside its graph), and neither does a forward captured into a CUDA
 graph: a graph replays the addresses it captured, and a cached weight is freed when the
 block ends and replaced after an optimizer step, so a graph that read it would replay

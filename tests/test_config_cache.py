@@ -214,7 +214,7 @@ def test_an_unreadable_entry_replaced_by_new_tuning_is_kept_aside():
 def _record_some(args):
     directory, worker, count = args
     for i in range(count):
-        cache.record("sm_100", "NVIDIA B200", {f"matmul|a:e2m1 b:e2m1|M{worker}xN{i}xK1024":
+        cache.record("sm_100", "NVIDIA B200", {f"matmul|a:e2m1 b:e2m1|M{2 ** worker}xN{i + 1}xK1024":
                                                cache.make_entry(GemmConfig(128, 64, 128), 1.0 + i)},
                      directory=Path(directory))
     return worker
@@ -233,6 +233,33 @@ def test_concurrent_writers_keep_an_entry_of_a_newer_version(tmp_path):
             assert sorted(pool.map(_record_some, [(str(tmp_path), w, 4) for w in range(3)])) == [0, 1, 2]
     doc = json.loads(path.read_text())
     assert len(doc["entries"]) == 13 and doc["entries"]["matmul|a:bf16 b:e2m1|M1xN1xK1024"] == newer
+
+
+DEAD_KEYS = ["matmul|a:e2m1 b:e2m1|M10xN64xK256", "matmul|a:e2m1 b:e2m1|M16xN64xK70",
+             "matmul|a:e2m1 b:e2m1/OF-1/MBS-128|M16xN64xK256", "mm|a:e2m1 b:e2m1|M16xN64xK256", "garbage",
+             "matmul|a:e2m1 b:bf16|M16xN64xK256", "matmul|a:fp8 b:e2m1|M16xN64xK256", "matmul|a:e2m1 b:e2m1|M0xN64xK256",
+             "matmul|a:e2m1 b:e2m1|M16xN0xK256"]
+
+
+def test_entries_no_gemm_can_look_up_are_not_counted_as_in_use():
+    """Keys no lookup can match (M not a power of two, K not padded, operand kinds in
+    another order or that no GEMM launches, another op, no key at all) were read, counted
+    by info as entries in use and never used, without a word. Now each is not used with a
+    warning naming it, record refuses them, and every key a GEMM builds passes."""
+    for tags in [("e2m1", "e2m1"), ("bf16", "e2m1"), ("fp16", "e2m1/MBS-64"), ("bf16/quant", "e2m1/MBS-128/OF-2"),
+                 ("e2m1/MBS-128/OF-1", "e2m1/OF-1")]:
+        for m, n, k in [(1, 1, 32), (3, 64, 96), (16, 8192, 8192), (300, 5, 2880)]:
+            key = cache.entry_key("matmul", *tags, m, n, -(-k // 32) * 32)
+            assert cache.key_problem(key) is None, key
+    path = cache.cache_file("interpret", "cpu")
+    _write(path, _doc({key: _entry() for key in [KEY, *DEAD_KEYS]}))
+    found, messages = _caught(lambda: cache.entries("interpret", "cpu"))
+    assert list(found) == [KEY]
+    for key in DEAD_KEYS:
+        assert len([m for m in messages if repr(key) in m]) == 1, (key, messages)
+        with pytest.raises(ValueError, match="not recorded"):
+            cache.record("interpret", "cpu", {key: cache.make_entry(GemmConfig(16, 32, 64), 2.0)})
+    assert "is written b:e2m1/MBS-128/OF-1" in cache.key_problem(DEAD_KEYS[2])
 
 
 def test_record_refuses_an_entry_the_kernels_cannot_launch():

@@ -401,7 +401,7 @@ def test_a_launch_over_the_tensor_memory_is_pruned_on_sm_100(tmp_path):
 def _record_many(args):
     directory, worker, count = args
     for i in range(count):
-        cache.record("sm_100", "NVIDIA B200", {f"matmul|a:e2m1 b:e2m1|M{worker}xN{i}xK64":
+        cache.record("sm_100", "NVIDIA B200", {f"matmul|a:e2m1 b:e2m1|M{2 ** worker}xN{i + 1}xK64":
                                                cache.make_entry(GemmConfig(128, 64, 128), 1.0 + i)},
                      directory=Path(directory))
     return worker
@@ -657,9 +657,9 @@ def test_a4w4_at_decode_is_tuned_as_the_one_launch_kernel_it_runs(tmp_path, monk
     quantizes the tokens itself (upcast targets, sm_90 and gfx942; here the interpreter's
     backend made to route so), the tuner times that kernel (every timed launch quantizes
     its tokens, and passes the reference check) and writes the entry under that kernel's
-    own key (a:bf16/quant), which the call then reads. The tuner used to time the W4A16
-    kernel of bf16 tokens instead and write the W4A16 entry, which the one-launch call
-    read too: a config tuned for another kernel."""
+    own key (a:bf16/quant), which the call then reads (with fp16 tokens too). The tuner
+    used to time the W4A16 kernel of bf16 tokens instead and write the W4A16 entry, which
+    the one-launch call read too: a config tuned for another kernel."""
     import portable_mx as pmx
     from portable_mx.backends.triton import gemm_upcast, launch
     from portable_mx.backends.triton.backend import GemmRoute
@@ -708,6 +708,15 @@ def test_a4w4_at_decode_is_tuned_as_the_one_launch_kernel_it_runs(tmp_path, monk
     exact = pmx.dequantize(pmx.quantize(x)).double() @ pmx.dequantize(pmx.quantize(w, axis=0)).double()
     assert out.dtype == torch.bfloat16  # fp32 sums rounded once to bf16: within half a bf16 ulp and a bit
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
+    # fp16 tokens: the same kernel but for the tokens' load, which the tuner cannot time
+    # apart (it tunes a bf16 model's call); their key (a:fp16/quant) had no entry and the
+    # call launched the default config without a word. The bf16 tokens' entry serves it.
+    configs.clear()
+    x16 = x.half()
+    out16 = pmx.matmul(x16, pmx.quantize(w, axis=0))
+    assert configs == [r.best] and not quants and out16.dtype == torch.float16
+    exact16 = pmx.dequantize(pmx.quantize(x16)).double() @ pmx.dequantize(pmx.quantize(w, axis=0)).double()
+    torch.testing.assert_close(out16.double(), exact16, rtol=2**-10, atol=1e-6)
 
 
 @interpreted

@@ -32,7 +32,8 @@ is exact for every K the kernel sees: 70 and 96 launch the same loop).
   outside the entries written twice, ``"entries"`` or ``"arch"`` say, is one: JSON's
   last-wins would hide the first silently), or written for another schema version, arch
   or Triton release.
-- Each entry is checked on its own: its :class:`ConfigEntry` fields, and its config
+- Each entry is checked on its own: its key (one a GEMM can look up, :func:`key_problem`),
+  its :class:`ConfigEntry` fields, and its config
   against what the GEMM kernels can launch (``backends/triton/config_rules.py``: this
   version's GemmConfig fields, ints, power-of-two tiles, warps, ``group_m`` in 1 .. 64,
   ``split_k`` within the shape's K tiles, ...). Its numbers are checked strictly: JSON
@@ -199,6 +200,36 @@ def entry_key(op: str, a_tag: str, b_tag: str, m: int, n: int, k: int) -> str:
 
 
 _BUCKET = re.compile(r"\|M\d+xN\d+xK(\d+)$")
+_KEY = re.compile(r"(?P<op>[^|]*)\|a:(?P<a>[^ |]*) b:(?P<b>[^ |]*)\|M(?P<m>\d+)xN(?P<n>\d+)xK(?P<k>\d+)")
+_PART = re.compile(r"quant|MBS-(?P<mbs>[1-9]\d*)|OF-(?P<of>[1-9]\d*)")
+_LEFT_FORMATS, _RIGHT_FORMATS = ("e2m1", "bf16", "fp16"), ("e2m1",)
+
+
+def key_problem(key: str) -> Optional[str]:
+    """Why no GEMM can look up ``key`` (None: one can): not of :func:`entry_key`'s form,
+    an op other than "matmul", operand kinds the GEMM never launches or written in another
+    order than :func:`operand_tag`'s, M not a power of two, K not a multiple of 32 (the
+    padded K). Such an entry would be counted as in use and never read."""
+    found = _KEY.fullmatch(key) if isinstance(key, str) else None
+    if found is None:
+        return "the key is not of the form 'matmul|a:<kind> b:<kind>|M<m>xN<n>xK<k>'"
+    if found["op"] != "matmul":
+        return f"the op {found['op']!r} is not one the GEMM looks up ('matmul')"
+    for side, formats in (("a", _LEFT_FORMATS), ("b", _RIGHT_FORMATS)):
+        fmt, *rest = found[side].split("/")
+        parts = [_PART.fullmatch(part) for part in rest]
+        kinds = [part.lastgroup or part[0] for part in parts if part is not None]
+        if fmt not in formats or None in parts or len(set(kinds)) != len(kinds) or (side == "b" and "quant" in kinds):
+            return f"{side}:{found[side]} is no operand kind the GEMM launches"
+        fields = {part.lastgroup: int(part[part.lastgroup]) for part in parts if part.lastgroup}
+        canonical = operand_tag(fmt, fields.get("mbs"), fields.get("of", 0), "quant" in kinds)
+        if canonical != found[side]:
+            return f"{side}:{found[side]} is written {side}:{canonical} in a key the GEMM looks up"
+    m, n, k = int(found["m"]), int(found["n"]), int(found["k"])
+    if m < 1 or m & (m - 1) or n < 1 or k < 32 or k % 32:
+        return (f"the shape M{m}xN{n}xK{k} is no bucket (M a power of two, N at least 1, K the padded K: a "
+                "multiple of 32)")
+    return None
 
 
 def key_kp(key: str) -> Optional[int]:
@@ -313,6 +344,9 @@ def check_entry(key: str, value: Any, arch: str) -> tuple[Optional[ConfigEntry],
     except ValidationError as err:
         return None, _errors(err)
     found = config_rules.problems(entry.config, arch, key_kp(key))
+    unreachable = key_problem(key)
+    if unreachable:
+        found = [unreachable, *found]
     return (None, "; ".join(found)) if found else (entry, None)
 
 
@@ -619,7 +653,7 @@ def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
             notes = []
             newer = sum(_newer(cache.raw[key]) for key in cache.unreadable)
             if len(cache.unreadable) > newer:
-                notes.append(f"{len(cache.unreadable) - newer} entries malformed or not launchable, not used, kept")
+                notes.append(f"{len(cache.unreadable) - newer} entries malformed, not launchable or under keys no GEMM looks up, not used, kept")
             if newer:
                 notes.append(f"{newer} entries not readable by this version (fields it lacks), kept")
             if cache.header.get("device_name") != device_name:

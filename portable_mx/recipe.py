@@ -44,7 +44,21 @@ backends work and memory in proportion to its length, whatever K is."""
 _is_compiling = torch.compiler.is_compiling
 
 
-class QuantRecipe(BaseModel):
+class _RecipeMeta(type(BaseModel)):
+    """``QuantRecipe()`` with no arguments is the interned default recipe too. ``__new__``
+    cannot tell that call from pydantic's own blank instances (copies, validation,
+    unpickling fill ``cls.__new__(cls)`` in place), which the class call never makes: a
+    fresh default per call compiled once per object under torch 2.13 (dynamo guards on a
+    recipe's identity there: ten blocks converted with ``QuantRecipe()`` each and compiled
+    one by one gave 8 graphs, then eager; audit of 2026-11-28)."""
+
+    def __call__(cls, /, **data: Any):
+        if not data and not _is_compiling():
+            return _interned(cls, data)
+        return super().__call__(**data)
+
+
+class QuantRecipe(BaseModel, metaclass=_RecipeMeta):
     """How to quantize to MXFP4 (numerics.md sections 2 and 4). Immutable and hashable.
 
     Fields
@@ -71,7 +85,7 @@ class QuantRecipe(BaseModel):
       (weight-only quantization quantizes no activation).
 
     Construction: ``QuantRecipe(**fields)`` validates and interns (equal arguments, same
-    object). ``model_copy(update=...)`` is ``QuantRecipe(**fields, **update)`` with the
+    object; ``QuantRecipe()`` is one object too). ``model_copy(update=...)`` is ``QuantRecipe(**fields, **update)`` with the
     recipe's non-default values as ``fields`` (a macro block's implied "rceil" left out),
     validated like the constructor: so ``QuantRecipe().model_copy(update={"macro_block":
     64})`` selects "rceil", ``QuantRecipe(macro_block=64).model_copy(update={"macro_block":
@@ -326,4 +340,5 @@ def validated(recipe: Any) -> QuantRecipe:
 
 
 DEFAULT_RECIPE = QuantRecipe()
+_PINNED.add(_NAMES[_key(QuantRecipe, {})])  # (QuantRecipe() stays this object: never evicted)
 _DEFAULTS = {name: field.default for name, field in QuantRecipe.model_fields.items()}

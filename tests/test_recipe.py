@@ -198,6 +198,34 @@ def test_a_recipe_built_inside_a_compiled_function_is_a_graph_constant():
     torch._dynamo.reset()
 
 
+def test_blocks_converted_with_their_own_default_recipe_compile_once():
+    """``QuantRecipe()`` is one object (the default recipe), as equal arguments are: a new
+    object per call made each block compiled one by one its own graph under torch 2.13
+    (dynamo guards on the recipe's identity; ten blocks: 8 graphs, then eager; audit of
+    2026-11-28). Pickling and validation still give equal recipes."""
+    import pickle
+
+    import torch._dynamo.testing
+
+    from portable_mx.recipe import DEFAULT_RECIPE
+
+    assert pmx.QuantRecipe() is pmx.QuantRecipe() is DEFAULT_RECIPE
+    assert pmx.QuantRecipe.model_validate({}) == pmx.QuantRecipe.model_validate_json("{}") == DEFAULT_RECIPE
+    assert pickle.loads(pickle.dumps(DEFAULT_RECIPE)) == DEFAULT_RECIPE
+    blocks = []
+    for i in range(6):
+        torch.manual_seed(i)
+        blocks.append(pmx.nn.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                                         torch.nn.Linear(64, 32)), pmx.QuantRecipe()))
+    x = torch.randn(8, 64)
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    for block in blocks:
+        assert torch.equal(torch.compile(block, backend=counter)(x), block(x))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_interned_recipes_stay_bounded_and_compiled_ones_are_kept(monkeypatch):
     """Recipes made per call (a seed per step) do not accumulate; one that a compiled graph
     was built on survives the eviction (no recompilation)."""

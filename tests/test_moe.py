@@ -655,6 +655,36 @@ def test_compiled_offsets_call_keeps_the_row_count_dynamic():
     assert torch.equal(out, pmx.grouped_matmul(x, w, offsets=offs(10)))
 
 
+def test_a_compiled_moe_layer_serves_every_token_count_with_and_without_grad():
+    """A compiled MXExperts called as an RL loop does (rollouts without grad, training with
+    it) over token counts of every band: the routing's tile height followed the count (a
+    band per power of two up to 128), a graph per band and grad mode, and torch's recompile
+    limit (8) was reached within 14 calls, after which the layer ran eagerly. Under
+    torch.compile the routing takes one tile height (the GEMM still picks its own from
+    the real count): two graphs here (grad and no grad), every output and gradient equal
+    to eager's."""
+    import torch._dynamo.testing
+
+    experts = pmx.nn.MXExperts(8, 64, 32)
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=counter, dynamic=True)
+    for t in (4, 9, 17, 33, 70, 130, 300, 600, 5):
+        for grad in (False, True):
+            g = torch.Generator().manual_seed(t)
+            x = torch.randn(t, 64, generator=g, requires_grad=grad)
+            ids, wts = torch.randint(0, 8, (t, 2), generator=g), torch.rand(t, 2, generator=g)
+            with torch.set_grad_enabled(grad):
+                got, want = compiled(x, ids, wts), experts(x, ids, wts)
+            assert torch.equal(got, want), (t, grad)
+            if grad:
+                (gx,) = torch.autograd.grad(got.sum(), x)
+                (wx,) = torch.autograd.grad(want.sum(), x)
+                assert torch.equal(gx, wx), t
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("field, edit", [
     ("offsets", lambda t: t.index_fill(0, torch.tensor([t.shape[0] - 1]), 40)),  # ends past R = 16
     ("gather_index", lambda t: t.index_fill(0, torch.tensor([3]), -100000)),

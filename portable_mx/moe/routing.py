@@ -50,10 +50,16 @@ choices."""
 def default_tile_m(rows: int, num_experts: int) -> int:
     """The tile height for ``rows`` rows over ``num_experts`` experts: the mean rows per
     expert rounded up to a power of two, clamped to 16..128 (as triton_kernels'
-    matmul_ogs chooses its block M); :data:`EXPORT_TILE_M` under ``torch.export``
-    (torch.compile with dynamic shapes keeps the choice, and compiles a graph per band of
-    token counts)."""
-    if torch.compiler.is_exporting():  # (strict export shows a symbolic size to Python as an int)
+    matmul_ogs chooses its block M); :data:`EXPORT_TILE_M` under ``torch.export`` and
+    ``torch.compile``: the choice by count compiled a graph per band of token counts, and
+    with the grad / no-grad calls of an RL loop (rollouts, then training) a compiled MoE
+    layer reached torch's recompile limit (8 graphs) within 14 calls and ran eagerly from
+    then on (audit of 2026-11-28). Only the routing's schedule follows this choice: the
+    grouped GEMM, an opaque op, picks its own tile height from the real count and builds
+    the schedule for it where the routing's is for another (a few device ops), and every
+    tile height gives the same results."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        # (dynamo sees a symbolic count as an int, and strict export shows one as an int)
         return EXPORT_TILE_M
     mean = -(-rows // max(num_experts, 1))
     tile = 16

@@ -177,6 +177,25 @@ def test_the_files_of_another_release_are_named_when_none_is_for_this_one(cache_
     assert len(rows) == 1 and "triton 0.0.1" in rows[0]["why"]
 
 
+def test_shipped_files_of_another_release_are_named_when_nothing_is_read(cache_env, monkeypatch):
+    """A package whose shipped configs are for another Triton release than the user's: the
+    GEMMs used their defaults without a word, and info did not list the file (the user
+    cache dir's files of other releases were named). Now one warning names it, and info
+    lists it; once a file of this release is read, no warning."""
+    shipped = cache.SHIPPED_DIR / "interpret-cpu.triton-0.0.1.schema-2.json"
+    _write(shipped, _doc({KEY: _entry()}, triton_version="0.0.1"))
+    found, messages = _caught(lambda: (cache.lookup("interpret", "cpu", KEY), cache.lookup("interpret", "cpu", KEY)))
+    assert found == (None, None)
+    assert len([m for m in messages if shipped.name in m and "ships them for other releases" in m]) == 1, messages
+    rows = [r for r in _info_rows(monkeypatch) if r["file"] == str(shipped)]
+    assert len(rows) == 1 and "shipped for triton 0.0.1" in rows[0]["why"], rows
+    cache.clear()
+    cache._warned.clear()
+    _write(cache.cache_file("interpret", "cpu"), _doc({KEY: _entry()}))
+    found, messages = _caught(lambda: cache.lookup("interpret", "cpu", KEY))
+    assert found is not None and not [m for m in messages if shipped.name in m]
+
+
 @pytest.mark.parametrize("content, why", [
     (b"{not json", "corrupt"),
     (json.dumps(_doc({KEY: {"config": {}, "time_ms": 1.0}}, triton_version="0.0.1")).encode(), "triton-0.0.1"),

@@ -607,6 +607,8 @@ def entries(arch: str, device_name: str) -> dict[str, ConfigEntry]:
                     found.update(cache.entries)
             if not any(_exists(p) for p in sources[:2]):
                 _note_other_releases(arch, device_name)
+            if not any(_exists(p) for p in sources):  # (a shipped file of another release alone)
+                _note_other_releases(arch, device_name, shipped=True)
             _index[key] = found
     return found
 
@@ -617,15 +619,23 @@ def _other_release(arch: str, device_name: str) -> re.Pattern:
     return re.compile(re.escape(_base(arch, device_name)) + r"\.triton-([A-Za-z0-9.+_-]+?)\.schema-(\d+)\.json$")
 
 
-def _note_other_releases(arch: str, device_name: str) -> None:
-    """One warning when the user cache dir holds this device's configs only for other
-    Triton releases or schemas (an upgrade: they are kept, not read)."""
+def _note_other_releases(arch: str, device_name: str, shipped: bool = False) -> None:
+    """One warning when the user cache dir (``shipped``: the package's configs) holds this
+    device's configs only for other Triton releases or schemas (an upgrade: they are kept,
+    not read)."""
     pattern = _other_release(arch, device_name)
-    others = [p.name for p in other_files(arch, device_name) if pattern.match(p.name)]
-    if others:
-        _warn_once(f"{cache_dir()}: {arch} {device_name}: others",
+    directory = SHIPPED_DIR if shipped else cache_dir()
+    others = [p.name for p in other_files(arch, device_name, directory) if pattern.match(p.name)]
+    if others and shipped:
+        _warn_once(f"{directory}: {arch} {device_name}: others",
                    f"portable_mx config cache: no tuned configs for {arch} {device_name} under triton "
-                   f"{triton_version()} (schema {SCHEMA_VERSION}) in {cache_dir()}; the files of other releases "
+                   f"{triton_version()} (schema {SCHEMA_VERSION}); the package ships them for other releases "
+                   f"({', '.join(others)}), not read: the GEMMs use their default configs. `portable-mx tune` on "
+                   "this release writes configs of its own")
+    elif others:
+        _warn_once(f"{directory}: {arch} {device_name}: others",
+                   f"portable_mx config cache: no tuned configs for {arch} {device_name} under triton "
+                   f"{triton_version()} (schema {SCHEMA_VERSION}) in {directory}; the files of other releases "
                    f"there ({', '.join(others)}) are kept, not read. Re-tune on this release to use tuned configs")
 
 
@@ -638,8 +648,8 @@ def lookup(arch: str, device_name: str, key: str) -> Optional[dict[str, Any]]:
 
 
 def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
-    """Per cache file of this device (the lookup order, then the user dir's files not
-    read): ``{"file", "entries" (used), "unreadable" (entries kept, not used), "why"}``;
+    """Per cache file of this device (the lookup order, then the user dir's and the
+    shipped dir's files not read): ``{"file", "entries" (used), "unreadable" (entries kept, not used), "why"}``;
     ``why`` is empty for a file in use."""
     out = []
     for path in _sources(arch, device_name):
@@ -670,6 +680,11 @@ def file_report(arch: str, device_name: str) -> list[dict[str, Any]]:
         why = (f"not read: for triton {found.group(1)}, schema {found.group(2)}" if found
                else "not read: set aside")
         out.append({"file": str(path), "entries": 0, "unreadable": 0, "why": why})
+    for path in other_files(arch, device_name, SHIPPED_DIR):  # (shipped for another release)
+        found = release.match(path.name)
+        if found:
+            out.append({"file": str(path), "entries": 0, "unreadable": 0,
+                        "why": f"not read: shipped for triton {found.group(1)}, schema {found.group(2)}"})
     return out
 
 

@@ -64,9 +64,10 @@ that MX training recipes re-quantize from:
   recipe quantizes no activation).
 
 The backward GEMMs use the call's ``recipe``, never an MXTensor operand's own recipe.
-An MXTensor operand cannot require a gradient; its values (dequantized, in its original
-dtype) are made only when the other operand needs one (dW needs a's values, dX needs
-b's), and stood in for by a zero-stride placeholder of its shape otherwise.
+An MXTensor operand cannot require a gradient; it enters as its parts, its values stood
+in for by a zero-stride placeholder of its shape; the backward dequantizes the parts (in
+the operand's original dtype) where the other operand needs a gradient (dW needs a's
+values, dX needs b's), so no dequantized copy is held from the forward to the backward.
 """
 
 from __future__ import annotations
@@ -316,11 +317,24 @@ for _name, _impl, _fake in (("mm", _mm, _mm_fake), ("grad_mm", _grad_mm, _grad_m
     torch.library.register_fake(f"portable_mx::{_name}", _fake, lib=_LIB)
 
 
+def _is_placeholder(t: Tensor, parts: list) -> bool:
+    """Whether ``t`` is an MXTensor operand's :func:`placeholder` (its parts hold its
+    values), not high-precision values given beside parts (MXLinear's cached weight)."""
+    return bool(parts) and t.numel() > 1 and all(stride == 0 for stride in t.stride())
+
+
 def _mm_setup_context(ctx, inputs, output) -> None:
-    a, b, a_parts, b_parts, recipe, _, _ = inputs[:7]
+    a, b, a_parts, b_parts, recipe, a_json, b_json = inputs[:7]
     # each operand only for the other's gradient (dA = dY B^T, dB = A^T dY): a frozen
-    # layer whose input needs a gradient keeps its weight, not its input, as nn.Linear does
-    ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+    # layer whose input needs a gradient keeps its weight, not its input, as nn.Linear does.
+    # An MXTensor operand (a placeholder beside its parts) keeps its parts, dequantized in
+    # the backward: its dequantized copy was made in the forward and held until then
+    # (172 MB for a 4096 x 11008 fp32 weight, against 23 MB of parts; audit of 2026-11-28)
+    keep = (ctx.needs_input_grad[1], ctx.needs_input_grad[0])
+    ctx.mx = tuple((t.shape, t.dtype, js, len(parts)) if k and _is_placeholder(t, parts) else None
+                   for t, parts, js, k in ((a, a_parts, a_json, keep[0]), (b, b_parts, b_json, keep[1])))
+    ctx.save_for_backward(a if keep[0] and ctx.mx[0] is None else None, b if keep[1] and ctx.mx[1] is None else None,
+                          *(a_parts if ctx.mx[0] else ()), *(b_parts if ctx.mx[1] else ()))
     ctx.recipe = recipe
     ctx.num_parts = (len(a_parts), len(b_parts))
     # the dispatcher drops a bias of None from the arguments autograd sees (it is the
@@ -329,7 +343,13 @@ def _mm_setup_context(ctx, inputs, output) -> None:
 
 
 def _mm_backward(ctx, grad: Tensor):
-    a, b = ctx.saved_tensors
+    a, b, *parts = ctx.saved_tensors
+    if ctx.mx[0] is not None:  # a [M, K] along K: its rows
+        shape, dtype, js, n = ctx.mx[0]
+        a, parts = torch.ops.portable_mx.dequantize(parts[:n], js, shape[1], dtype), parts[n:]
+    if ctx.mx[1] is not None:  # b [K, N] along K: rows [N, K]
+        shape, dtype, js, n = ctx.mx[1]
+        b = torch.ops.portable_mx.dequantize(parts[:n], js, shape[0], dtype).T
     recipe = recipe_from_json(ctx.recipe)
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
@@ -395,16 +415,15 @@ def decompose(x: Tensor, recipe: QuantRecipe, axis: int, definition: str, full: 
     return _dispatch.decomposition_layout(dec, x.shape, axis)
 
 
-def _op_operand(t: Operand, values_needed: bool) -> tuple[Tensor, list[Tensor], str]:
-    """(values, parts, recipe JSON) of one ``mm`` operand. An MXTensor's values are its
-    dequantized ones when the backward will need them, else a placeholder of its shape
-    and dtype that nothing reads (no dequantize pass)."""
+def _op_operand(t: Operand) -> tuple[Tensor, list[Tensor], str]:
+    """(values, parts, recipe JSON) of one ``mm`` or ``grouped_mm`` operand. An MXTensor's
+    values are a placeholder of its shape and dtype that the forward never reads (its
+    parts hold them; the backward dequantizes them where it needs them)."""
     if isinstance(t, Tensor):
         return t, [], ""
     rows = t.rows()
     parts = [p.detach() if p.requires_grad else p for p in rows.parts()]
-    values = dequantize(t, t.dtype).detach() if values_needed else placeholder(t.shape, t.dtype, t.device)
-    return values, parts, recipe_json(t.recipe)
+    return placeholder(t.shape, t.dtype, t.device), parts, recipe_json(t.recipe)
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -419,15 +438,13 @@ def mx_matmul(a: Operand, b: Operand, recipe: QuantRecipe) -> Tensor:
     runs when a gradient is needed or when compiled. Inputs must be validated: a float
     ``[..., M, K]`` (leading dims flattened; the gradient comes back in a's shape and
     dtype) or an MXTensor along its last axis; b float ``[K, N]`` or an MXTensor along
-    axis 0. Returns ``[..., M, N]`` in a's dtype. An MXTensor operand is dequantized once
-    per call as the high-precision copy when the other operand needs a gradient."""
+    axis 0. Returns ``[..., M, N]`` in a's dtype. An MXTensor operand enters as its parts
+    (its values a placeholder); the backward dequantizes them as the high-precision copy
+    when the other operand needs a gradient."""
     if not torch.compiler.is_compiling():
         refuse_func_transforms("matmul")
-    grad = torch.is_grad_enabled()
     a2 = _dispatch.flatten_batch(a)
-    a_needs = grad and isinstance(a, Tensor) and a.requires_grad
-    b_needs = grad and isinstance(b, Tensor) and b.requires_grad
-    a_hp, a_parts, a_json = _op_operand(a2, b_needs)
-    b_hp, b_parts, b_json = _op_operand(b, a_needs)
+    a_hp, a_parts, a_json = _op_operand(a2)
+    b_hp, b_parts, b_json = _op_operand(b)
     out = torch.ops.portable_mx.mm(a_hp, b_hp, a_parts, b_parts, recipe_json(recipe), a_json, b_json)
     return out if a2 is a else out.reshape(*a.shape[:-1], b.shape[1])

@@ -99,3 +99,44 @@ def test_frozen_experts_keep_no_float_copy_of_their_weights_and_no_placeholder(d
     dense(x2, ids, w2).float().square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
     torch.testing.assert_close(weights.grad, w2.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", [pmx.QuantRecipe(), pmx.QuantRecipe(activations="bf16"),
+                                    pmx.QuantRecipe(macro_block=64, outliers_per_block=1, grad_input="high",
+                                                    grad_weight="high")],
+                         ids=lambda r: r.describe())
+@pytest.mark.parametrize("side", ["weight", "activations"])
+def test_an_mxtensor_operand_keeps_its_parts_not_a_dequantized_copy(recipe, side):
+    # pmx.matmul(x, w_mx) with x needing a gradient dequantized the MXTensor in the forward
+    # and saved the copy until the backward (172 MB for a 4096 x 11008 fp32 weight, against
+    # 23 MB of parts: audit of 2026-11-28); an MXTensor left operand with a float weight
+    # needing a gradient, likewise. Now only its parts are kept (no tensor of its full
+    # size, no placeholder), and the gradient is that of the dequantized float operand.
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(16, 96, generator=gen)
+    w = torch.randn(96, 48, generator=gen)
+    if side == "weight":
+        mx = pmx.quantize(w, recipe, axis=0)
+        other = x.clone().requires_grad_()
+        call, float_call = (lambda: pmx.matmul(other, mx, recipe)), (lambda o, d: pmx.matmul(o, d, recipe))
+    else:
+        mx = pmx.quantize(x, recipe)
+        other = w.clone().requires_grad_()
+        call, float_call = (lambda: pmx.matmul(mx, other, recipe)), (lambda o, d: pmx.matmul(d, o, recipe))
+    saved, y = saved_during(call)
+    size = (w if side == "weight" else x).numel()
+    full = [s for s in saved if s.numel() >= size and s.is_floating_point()]
+    assert full == [], [(tuple(s.shape), s.dtype, s.stride()) for s in full]
+    assert not any(0 in s.stride() and s.numel() > 1 for s in saved)
+    assert holds(saved, mx.qdata)
+    (grad,) = torch.autograd.grad(y.square().sum(), other)
+    if recipe.macro_block is not None:  # high-precision backward GEMMs: the float64 products
+        dy, q = 2 * y.detach().double(), pmx.dequantize(mx, dtype=torch.float64)
+        want = dy @ q.T if side == "weight" else q.T @ dy
+        torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-5)
+        return
+    # the same call with the dequantized values as a float operand that needs no gradient
+    # (quantizing those values again gives the same bytes: they are MXFP4 values already)
+    other2 = other.detach().clone().requires_grad_()
+    (want,) = torch.autograd.grad(float_call(other2, pmx.dequantize(mx)).square().sum(), other2)
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)

@@ -350,7 +350,7 @@ def mx_grouped_matmul(x, w, recipe: QuantRecipe, offsets: Tensor, routing, gathe
     if isinstance(x, Tensor):
         x_vals, x_parts, x_json = x, [], ""
     else:
-        x_vals, x_parts, x_json = _op_operand(x, False)
+        x_vals, x_parts, x_json = _op_operand(x)
     if isinstance(w, Tensor):
         w_vals, w_parts, w_json = w, [], ""
     else:

@@ -312,6 +312,12 @@ class MXWeight(Tensor):
             return None  # ``out`` views FSDP2's gather buffer, refilled already
         k_parts = list(outputs[: plan.num_k_parts])
         n_gathered = outputs[plan.num_k_parts:]
+        # FSDP2 writes every gather into the same buffers (freed and regrown in place) under
+        # torch.autograd._unsafe_preserve_version_counter: their versions never moved, and
+        # the GPU backends' prepared copies of the parts (swizzled values and scales, kept
+        # per storage and version: layouts._kept) served the first step's weight to every
+        # later forward (sm_90 / gfx942 / sm_100 / gfx950 routes; audit of 2026-11-28)
+        _written(k_parts)
         if out is None:
             n_parts = [t.movedim(0, 1).contiguous() for t in n_gathered]
             payload = _Payload(k_parts, n_parts, plan, self._state.name)
@@ -319,8 +325,18 @@ class MXWeight(Tensor):
         payload = out._payload
         for dst, src in zip(payload.n_parts, n_gathered):
             dst.copy_(src.movedim(0, 1))
+        _written(payload.n_parts)  # (copy_ counts, except where FSDP2 runs this under the same guard)
         payload.k_parts = k_parts
         return None
+
+
+def _written(parts: list[Tensor]) -> None:
+    """Count a write into each of ``parts`` (``torch.autograd.graph.increment_version``):
+    what reads their versions (the prepared copies of layouts._kept, weight caches) then
+    sees new bytes. An inference tensor has no version (nothing keeps a copy of one)."""
+    for t in parts:
+        if not t.is_inference():
+            torch.autograd.graph.increment_version(t)
 
 
 # ----------------------------------------------------------------------------- the unsharded side

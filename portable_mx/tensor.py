@@ -113,8 +113,9 @@ class MXTensor:
     themselves are not read (no device synchronisation), so bytes built by hand must hold
     what the quantizer writes: zeros past K in the last block (a ``replace`` to a smaller
     K keeps non-zero codes there, which the Triton GEMMs sum and the reference does not),
-    outlier positions within their block. :mod:`portable_mx.serialization` checks both
-    when it loads. The library's own constructor,
+    outlier positions within their block, and code 0 at each outlier's position (the
+    GEMMs and dequantize read a non-zero code there differently: audit of 2026-11-28).
+    :mod:`portable_mx.serialization` checks the first two when it loads. The library's own constructor,
     :meth:`_make`, builds from parts that agree by construction and checks nothing.
     """
 

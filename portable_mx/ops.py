@@ -136,7 +136,7 @@ def quantize(x: torch.Tensor, recipe: Optional[QuantRecipe] = None, *, axis: int
     return _dispatch.quantize(x, recipe, axis)
 
 
-def dequantize(mx: MXTensor, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def dequantize(mx: MXTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The values an MXTensor represents, shaped like the original tensor.
 
     Returned in ``dtype`` (default: the original dtype). Values are decoded in fp32,
@@ -213,6 +213,14 @@ def decompose(
     return _dispatch.decompose(x, recipe, axis, definition, full)
 
 
+def _linear_layout_hint(b: MXTensor) -> str:
+    """The hint for a 2-D MXTensor b along axis 1: nn.Linear's weight layout [N, K]
+    quantized along K holds the bytes of its transpose [K, N] along axis 0."""
+    n, k = b.shape
+    return (f". A weight in nn.Linear's layout [N, K] quantized along K holds the bytes of its transpose [K, N] "
+            f"quantized along axis 0: pass dataclasses.replace(b, shape=torch.Size(({k}, {n})), axis=0)")
+
+
 def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torch.Tensor:
     """``a @ b`` on MXFP4 operands with fp32 accumulation.
 
@@ -259,13 +267,15 @@ def matmul(a: Operand, b: Operand, recipe: Optional[QuantRecipe] = None) -> torc
     if a_shape[-1] != b_shape[0]:
         raise ValueError(
             f"inner dimensions differ: a is {tuple(a_shape)} (K={a_shape[-1]}), b is {tuple(b_shape)} (K={b_shape[0]})"
+            + (_linear_layout_hint(b) if b_mx and b.axis == 1 and b_shape[1] == a_shape[-1] else "")
         )
     if a_dev != b_dev:
         raise ValueError(f"a and b must be on the same device; got {a_dev} and {b_dev}")
     if a_mx and a.axis != len(a_shape) - 1:
         raise ValueError(f"an MXTensor a must be quantized along its last axis (K); it is along axis {a.axis}")
     if b_mx and b.axis != 0:
-        raise ValueError(f"an MXTensor b must be quantized along axis 0 (K); it is along axis {b.axis}")
+        raise ValueError(f"an MXTensor b must be quantized along axis 0 (K); it is along axis {b.axis}"
+                         + (_linear_layout_hint(b) if b.axis == 1 else ""))
 
     if a_mx and not compiling and a.recipe.rounding == "stochastic":
         _warn_one_stream(a.recipe, b.recipe if b_mx else recipe)

@@ -163,8 +163,14 @@ class MXTensor:
         """The same MXTensor with every tensor moved to ``device`` (a device only: its
         bytes are MXFP4; :meth:`dequantize` gives values in a float dtype)."""
         if isinstance(device, torch.dtype):
-            raise TypeError(f"MXTensor.to takes a device, not a dtype ({device}): the parts are MXFP4 bytes; "
-                            f"mx.dequantize({device}) gives the values in {device}")
+            values = (f"mx.dequantize({device}) gives the values in {device}" if device in FLOAT_DTYPES
+                      else "mx.dequantize(dtype) gives the values in a float dtype")
+            raise TypeError(f"MXTensor.to takes a device, not a dtype ({device}): the parts are MXFP4 bytes; {values}")
+        if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+            # (Tensor.to(other) would cast every part to other's dtype: the check then called the
+            # MXTensor corrupt, or a uint8 other went through)
+            raise TypeError(f"MXTensor.to takes a device (torch.device, str or int); got {type(device).__name__}. "
+                            "For another tensor's device pass other.device")
 
         def mv(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device)
@@ -349,6 +355,20 @@ class MXTensor:
         # otherwise fail later inside a kernel, or read past a part on a GPU
         self.__dict__.update(state)
         _check_consistent(self)
+
+    # Not a torch.Tensor: what would treat it as one refuses, saying what to call instead
+    # (Python's defaults: bool() was always True, np.asarray made a 0-d object array).
+    _NOT_A_TENSOR = ("an MXTensor is not a torch.Tensor (it holds MXFP4 bytes): pmx.dequantize(mx) gives its "
+                     "values as a tensor, pmx.matmul(a, mx) multiplies by it")
+
+    def __bool__(self) -> bool:
+        raise TypeError(f"bool() of an MXTensor: {self._NOT_A_TENSOR}; test `mx is None` for presence")
+
+    def __getitem__(self, index: Any):
+        raise TypeError(f"indexing an MXTensor: {self._NOT_A_TENSOR}")
+
+    def __array__(self, *args: Any, **kwargs: Any):
+        raise TypeError(f"numpy of an MXTensor: {self._NOT_A_TENSOR}")
 
     def __repr__(self) -> str:
         return (

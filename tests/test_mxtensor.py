@@ -192,3 +192,47 @@ def test_inference_mode_operands_with_strided_parts_on_every_backend(mx_backend)
         a, b = pmx.dequantize(pmx.quantize(x)).double(), pmx.dequantize(w).double()[:, ::2]
     bound = 64 * 2.0**-24 * (a.abs() @ b.abs())  # fp32 accumulation over K = 64
     assert ((out.double() - a @ b).abs() <= bound).all()
+
+
+def test_what_treats_an_mxtensor_as_a_tensor_is_refused_with_what_to_call():
+    """An MXTensor is no torch.Tensor: bool() was always True (``mx or default``, ``if mx:``
+    took the wrong branch), numpy made a 0-d object array, indexing and ``.to(other_tensor)``
+    failed with errors that named no way out (the latter called the MXTensor corrupt, or
+    went through for a uint8 tensor). Each now says what to call."""
+    import numpy as np
+
+    mx = pmx.quantize(torch.zeros(1, 32))
+    for call in (lambda: bool(mx), lambda: mx[0], lambda: np.asarray(mx), lambda: list(mx)):
+        with pytest.raises(TypeError, match=r"not a torch.Tensor.*pmx.dequantize\(mx\)"):
+            call()
+    for other in (torch.zeros(1), torch.zeros(1, dtype=torch.uint8)):
+        with pytest.raises(TypeError, match="takes a device.*other.device"):
+            mx.to(other)
+    with pytest.raises(TypeError, match="gives the values in a float dtype"):
+        mx.to(torch.uint8)
+    assert mx.to("cpu").qdata.device.type == "cpu"
+
+
+def test_dequantize_takes_its_dtype_by_position_as_the_method_does():
+    mx = pmx.quantize(torch.randn(4, 64, generator=torch.Generator().manual_seed(5)))
+    got = pmx.dequantize(mx, torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, pmx.dequantize(mx, dtype=torch.float16))
+    assert torch.equal(got, mx.dequantize(torch.float16))
+
+
+def test_a_linear_layout_weight_gets_the_relabel_that_works():
+    """pmx.matmul(x, quantize(W)) with W in nn.Linear's [N, K] layout: the error now names
+    the relabel (no copy) that makes it the [K, N] operand, and following it gives the
+    float64 product of the dequantized operands."""
+    gen = torch.Generator().manual_seed(6)
+    w, x = torch.randn(48, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    for weight in (pmx.quantize(w), pmx.quantize(torch.randn(96, 96, generator=gen))):
+        with pytest.raises(ValueError, match=r"dataclasses.replace\(b, shape=torch.Size") as err:
+            pmx.matmul(x, weight)
+        n, k = weight.shape
+        assert f"torch.Size(({k}, {n}))" in str(err.value)
+        b = dataclasses.replace(weight, shape=torch.Size((k, n)), axis=0)
+        recipe = pmx.QuantRecipe(activations="bf16")  # (the tokens as they are: one rounding to bf16)
+        exact = x.bfloat16().double() @ pmx.dequantize(weight, torch.float64).T
+        bound = x.bfloat16().double().abs() @ pmx.dequantize(weight, torch.float64).abs().T * 2.0**-20
+        assert ((pmx.matmul(x, b, recipe).double() - exact).abs() <= bound).all()

@@ -339,12 +339,15 @@ def uniform_u24(seed: int, index: torch.Tensor) -> torch.Tensor:
     return words.gather(-1, (index % PHILOX_WORDS).unsqueeze(-1)).squeeze(-1) >> 8
 
 
-def uniform_u24_range(seed: int, n: int, device=None) -> torch.Tensor:
-    """:func:`uniform_u24` of the indices 0 .. n-1 (n a multiple of 4), int64 [n]: one
-    Philox call per four elements, as the kernels draw them."""
-    if n % PHILOX_WORDS:
-        raise ValueError(f"uniform_u24_range needs a multiple of {PHILOX_WORDS} elements; got {n}")
-    counters = torch.arange(n // PHILOX_WORDS, dtype=torch.int64, device=device)
+def uniform_u24_range(seed: int, n: int, device=None, start: int = 0) -> torch.Tensor:
+    """:func:`uniform_u24` of the indices ``start`` .. ``start + n - 1`` (n and start
+    multiples of 4), int64 [n]: one Philox call per four elements, as the kernels draw
+    them."""
+    if n % PHILOX_WORDS or start % PHILOX_WORDS:
+        raise ValueError(f"uniform_u24_range needs a multiple of {PHILOX_WORDS} elements from a multiple of "
+                         f"{PHILOX_WORDS}; got {n} from {start}")
+    first = start // PHILOX_WORDS
+    counters = torch.arange(first, first + n // PHILOX_WORDS, dtype=torch.int64, device=device)
     return philox4x32(seed, counters).view(n) >> 8
 
 

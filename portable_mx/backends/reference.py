@@ -34,6 +34,10 @@ def padded_k(k: int) -> int:
     return -(-k // B) * B
 
 
+QUANTIZE_SLICE = 1 << 22
+"""Elements (of the padded rows) the reference quantizes at once: 16 MiB of fp32."""
+
+
 @dataclass(frozen=True)
 class Encoded:
     """Everything one quantize computes, blocked as [R, n_blocks, 32] where it says so."""
@@ -66,8 +70,9 @@ def _expand_macro(m: torch.Tensor, macro_block: int, nb: int) -> torch.Tensor:
     return m.repeat_interleave(macro_block // B, dim=-1)[..., :nb]
 
 
-def encode(x: torch.Tensor, recipe: QuantRecipe) -> Encoded:
-    """Quantize float x [R, K] with ``recipe`` (see the module doc for the steps)."""
+def encode(x: torch.Tensor, recipe: QuantRecipe, row0: int = 0) -> Encoded:
+    """Quantize float x [R, K] with ``recipe`` (see the module doc for the steps); x's
+    rows are rows ``row0`` .. of the tensor quantized (the stochastic stream's position)."""
     r, k = x.shape
     kp = padded_k(k)
     nb = kp // B
@@ -111,7 +116,7 @@ def encode(x: torch.Tensor, recipe: QuantRecipe) -> Encoded:
     y = scaled * fmt.exp2i((-exponent).clamp(max=fmt.E8M0_MAX_EXP)).unsqueeze(-1)
     a = y.abs()
     if recipe.rounding == "stochastic":
-        rand24 = fmt.uniform_u24_range(recipe.seed, r * kp, device=x.device).view(r, nb, B)
+        rand24 = fmt.uniform_u24_range(recipe.seed, r * kp, device=x.device, start=row0 * kp).view(r, nb, B)
         codes = fmt.e2m1_round_stochastic(a, rand24)
     else:
         codes = fmt.e2m1_round_nearest(a)
@@ -158,7 +163,23 @@ class ReferenceBackend(Backend):
     ops = frozenset({"quantize", "dequantize", "decompose", "matmul", "grouped_matmul"})
 
     def quantize(self, x: torch.Tensor, recipe: QuantRecipe) -> MXTensor:
-        return to_mxtensor(encode(x, recipe), x, recipe)
+        # in slices of rows (each row is quantized alone; the stochastic stream continues at
+        # the slice's first row): the steps' full-size temporaries took about 8x an fp32 x
+        # (18x a bf16 x, 14x with stochastic rounding) at once, 1.4 GB for a 4096 x 11008
+        # fp32 weight, which MXLinear quantizes on every forward (audit of 2026-11-28)
+        r, k = x.shape
+        rows = max(1, QUANTIZE_SLICE // padded_k(max(k, 1)))
+        if r <= rows:
+            return to_mxtensor(encode(x, recipe), x, recipe)
+        pieces = [to_mxtensor(encode(x[i:i + rows], recipe, i), x[i:i + rows], recipe) for i in range(0, r, rows)]
+
+        def cat(name: str) -> Optional[torch.Tensor]:
+            parts = [getattr(m, name) for m in pieces]
+            return None if parts[0] is None else torch.cat(parts)
+
+        return MXTensor(qdata=cat("qdata"), scales=cat("scales"), shape=torch.Size(x.shape), dtype=x.dtype, axis=1,
+                        recipe=recipe, macro_scales=cat("macro_scales"), outlier_values=cat("outlier_values"),
+                        outlier_indices=cat("outlier_indices"))
 
     def dequantize(self, mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return fmt.cast_canonical_nan(decode_rows(mx), dtype)

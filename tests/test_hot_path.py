@@ -927,27 +927,16 @@ def test_op_paths_read_no_values_in_the_forward():
     weight in the forward: not for a backward that will not run, nor for one that will
     (the backward dequantizes the parts itself; a copy made in the forward was held until
     then)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     x, w_mx = randn(4, 64, seed=23), pmx.quantize(randn(64, 8, seed=24), axis=0)
     for needs_grad in (False, True):
         xg = x.clone().requires_grad_(needs_grad)
-        with Ops() as ops:
+        with _OpRecorder() as rec:
             out = _custom_ops.mx_matmul(xg, w_mx, QR())
-        assert "portable_mx.mm.default" in ops.seen and "portable_mx.dequantize.default" not in ops.seen, ops.seen
+        assert "portable_mx.mm.default" in rec.ops and "portable_mx.dequantize.default" not in rec.ops, rec.ops
         assert torch.equal(out, pmx.matmul(x, w_mx))
-    with Ops() as ops:
+    with _OpRecorder() as rec:
         out.sum().backward()
-    assert "portable_mx.dequantize.default" in ops.seen and torch.isfinite(xg.grad).all()
+    assert "portable_mx.dequantize.default" in rec.ops and torch.isfinite(xg.grad).all()
 
 
 # ----------------------------------------------------------------------------- the benchmark

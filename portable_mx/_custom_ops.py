@@ -320,7 +320,7 @@ for _name, _impl, _fake in (("mm", _mm, _mm_fake), ("grad_mm", _grad_mm, _grad_m
 def _is_placeholder(t: Tensor, parts: list) -> bool:
     """Whether ``t`` is an MXTensor operand's :func:`placeholder` (its parts hold its
     values), not high-precision values given beside parts (MXLinear's cached weight)."""
-    return bool(parts) and t.numel() > 1 and all(stride == 0 for stride in t.stride())
+    return bool(parts) and all(stride == 0 for stride in t.stride())
 
 
 def _mm_setup_context(ctx, inputs, output) -> None:

@@ -140,3 +140,11 @@ def test_an_mxtensor_operand_keeps_its_parts_not_a_dequantized_copy(recipe, side
     other2 = other.detach().clone().requires_grad_()
     (want,) = torch.autograd.grad(float_call(other2, pmx.dequantize(mx)).square().sum(), other2)
     torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
+def test_a_one_element_mxtensor_operand_gives_its_gradient():
+    # K = N = 1: the placeholder of a one-element operand must still be told from values
+    x = torch.randn(5, 1, generator=torch.Generator().manual_seed(7)).requires_grad_()
+    mx = pmx.quantize(torch.tensor([[3.0]]), axis=0)  # 3 is an MXFP4 value: exact
+    (grad,) = torch.autograd.grad(pmx.matmul(x, mx, pmx.QuantRecipe(grad_input="high")).sum(), x)
+    assert torch.equal(grad, torch.full((5, 1), 3.0))

@@ -347,16 +347,8 @@ def mx_grouped_matmul(x, w, recipe: QuantRecipe, offsets: Tensor, routing, gathe
     # backward read the parts (dequantizing what a gradient needs there; a dequantized copy
     # made here was saved for the backward and never read: for frozen gpt-oss-20b experts
     # about 1.6 GB a layer held from forward to backward)
-    if isinstance(x, Tensor):
-        x_vals, x_parts, x_json = x, [], ""
-    else:
-        x_vals, x_parts, x_json = _op_operand(x)
-    if isinstance(w, Tensor):
-        w_vals, w_parts, w_json = w, [], ""
-    else:
-        w_vals = placeholder(w.shape, w.dtype, w.device)
-        w_parts = [p.detach() if p.requires_grad else p for p in w.rows().parts()]
-        w_json = recipe_json(w.recipe)
+    x_vals, x_parts, x_json = _op_operand(x)
+    w_vals, w_parts, w_json = _op_operand(w)
     k = routing.k if routing is not None else 0
     schedule = routing.tile_schedule if routing is not None else None
     return torch.ops.portable_mx.grouped_mm(

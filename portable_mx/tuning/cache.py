@@ -183,8 +183,11 @@ def shape_bucket(m: int, n: int, k: int) -> str:
 def operand_tag(fmt: str, macro_block: Optional[int] = None, outliers: int = 0, quant: bool = False) -> str:
     """``e2m1``, ``bf16``, ``e2m1/MBS-128/OF-1``: what the GEMM kernel sees of one operand;
     ``bf16/quant``: 16-bit tokens the kernel quantizes itself (the one-launch A4W4 at
-    decode, ``gemm.Operand.quant``: another kernel than the W4A16 one, tuned apart)."""
-    parts = [fmt]
+    decode, ``gemm.Operand.quant``: another kernel than the W4A16 one, tuned apart),
+    whatever their 16-bit format: the kernel quantizes them and multiplies bf16 values
+    either way, and the tuner times it with bf16 tokens (an fp16 call had a key of its own
+    that no tuning run wrote: it launched the default config)."""
+    parts = ["bf16" if quant else fmt]
     if quant:
         parts.append("quant")
     if macro_block:

@@ -967,12 +967,6 @@ class TritonBackend(Backend):
                      kp: int) -> GemmConfig:
         arch, name = self._identity(device, target)
         tuned = config_cache.lookup(arch, name, config_cache.entry_key("matmul", a.tag(), b.tag(), m, n, kp))
-        if tuned is None and a.quant is not None and a.format is torch.float16:
-            # the one-launch A4W4 of fp16 tokens: the tuner times that kernel with bf16
-            # tokens (Problem.launched); the two differ in the tokens' load only (both
-            # quantize them and multiply bf16 values), so the bf16 tokens' entry serves
-            bf16 = dataclasses.replace(a, format=torch.bfloat16)
-            tuned = config_cache.lookup(arch, name, config_cache.entry_key("matmul", bf16.tag(), b.tag(), m, n, kp))
         if tuned is not None:
             return GemmConfig(**{**tuned, "extra": tuple(tuple(kv) for kv in tuned.get("extra", ()))})
         return self.default_gemm_config(target, m, a.format, a.heavy or b.heavy, pair=a.pairs_with(b))
